@@ -1,0 +1,98 @@
+"""What one optimizer step contributes to the noise-scale estimate (torch, no Lightning).
+
+Over the micro-batches of one optimizer step (all ranks, all accumulation micro-batches) we collect
+*small-batch* squared gradient norms — one per micro-batch (``micro_batch`` method) or one per example
+(``per_example`` method) — and, at the step, the squared norm of the gradient the optimizer steps on
+(the *big batch*). :func:`step_estimates` turns them into that step's unbiased ``tr(Σ)`` and ``|G|²``.
+
+Small batches ("units") of sizes ``s_u`` with means ``ḡ_u`` are averaged weighted by size:
+``small_sq = Σ s_u|ḡ_u|²/Σ s_u``, whose expectation is ``|G|² + tr(Σ)·n_units/Σ s_u``, i.e. an effective
+small batch ``b = Σ s_u/n_units``. The big gradient is what Lightning steps on: for a mean-reduced loss
+the plain mean of the ``n`` micro-batch means (effective size ``n²/Σ_j 1/b_j``, see
+:func:`gns_callback.estimators.effective_batch_size`); for a sum-reduced loss the example-weighted mean
+(effective size ``Σ_j b_j``). All values stay on the device: no host synchronisation.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from gns_callback.estimators import grad_sq_norm_estimate, trace_sigma_estimate
+
+LossReduction = Literal["mean", "sum"]
+
+#: Order of the entries of :meth:`AccumulationWindow.packed` (summed across ranks by one all-reduce).
+PACKED_FIELDS = ("unit_sq_sum", "unit_size_sum", "unit_count", "micro_count", "micro_inv_size_sum")
+
+
+class AccumulationWindow:
+    """Sums over the micro-batches of one optimizer step, on one rank."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.unit_sq_sum: torch.Tensor | None = None
+        self.unit_size_sum = 0.0
+        self.unit_count = 0.0
+        self.micro_count = 0
+        self.micro_inv_size_sum = 0.0
+
+    def add_micro_batch(self, unit_sq_sum: torch.Tensor, unit_size_sum: float, unit_count: float, micro_size: int) -> None:
+        """Add one micro-batch: ``unit_sq_sum = Σ_u s_u·|ḡ_u|²`` over its units (still AMP-scaled is fine)."""
+        unit_sq_sum = unit_sq_sum.to(torch.float64)
+        self.unit_sq_sum = unit_sq_sum if self.unit_sq_sum is None else self.unit_sq_sum + unit_sq_sum
+        self.unit_size_sum += unit_size_sum
+        self.unit_count += unit_count
+        self.micro_count += 1
+        self.micro_inv_size_sum += 1.0 / micro_size
+
+    @property
+    def empty(self) -> bool:
+        return self.unit_sq_sum is None
+
+    def packed(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """The sums as one float64 tensor in ``PACKED_FIELDS`` order (zeros for an empty window, so that a
+        rank with nothing to report still joins the all-reduce)."""
+        host = torch.tensor(
+            [self.unit_size_sum, self.unit_count, float(self.micro_count), self.micro_inv_size_sum],
+            dtype=torch.float64,
+        )
+        if self.unit_sq_sum is None:
+            return torch.cat([torch.zeros(1, dtype=torch.float64), host]).to(device)
+        device = self.unit_sq_sum.device if device is None else device
+        return torch.cat([self.unit_sq_sum.reshape(1).to(device), host.to(device, non_blocking=True)])
+
+
+def step_estimates(
+    packed: torch.Tensor,
+    step_grad_sq: torch.Tensor,
+    grad_to_mean: torch.Tensor,
+    loss_reduction: LossReduction = "mean",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One step's unbiased ``(tr(Σ), |G|², valid)`` from globally summed window sums.
+
+    Args:
+        packed: window sums (``PACKED_FIELDS``), summed over ranks, small-batch norms already unscaled.
+        step_grad_sq: ``|g|²`` of the gradient the optimizer sees (``p.grad``, unscaled, all-reduced).
+        grad_to_mean: factor ``c`` with ``c·g`` = the big-batch mean gradient (undoes Lightning's
+            division by ``accumulate_grad_batches`` over a partial window and DDP's division by world size).
+        loss_reduction: ``"mean"`` (Lightning's convention) or ``"sum"``; sets the big batch's effective size.
+
+    ``valid`` is False when a value is not finite (e.g. a step the GradScaler skips) or the two batch sizes
+    coincide (one micro-batch on one device: nothing to compare).
+    """
+    unit_sq_sum, unit_size_sum, unit_count, micro_count, micro_inv_size_sum = packed.unbind()
+    small_sq = unit_sq_sum / unit_size_sum
+    b_small = unit_size_sum / unit_count
+    if loss_reduction == "mean":
+        b_big = micro_count * micro_count / micro_inv_size_sum
+    else:
+        b_big = unit_size_sum
+    big_sq = step_grad_sq.to(torch.float64) * grad_to_mean.to(torch.float64) ** 2
+    trace = trace_sigma_estimate(small_sq, big_sq, b_small, b_big)
+    grad_sq = grad_sq_norm_estimate(small_sq, big_sq, b_small, b_big)
+    valid = torch.isfinite(trace) & torch.isfinite(grad_sq) & (b_big > b_small * (1.0 + 1e-9))
+    return trace, grad_sq, valid

@@ -1,0 +1,399 @@
+"""``GradientNoiseScaleCallback``: measures ``B_simple`` while a Lightning ``Trainer`` fits.
+
+Framework glue only; the math lives in :mod:`gns_callback.estimators`, :mod:`gns_callback.accumulation`
+and :mod:`gns_callback.smoothing`. Where the gradients are read, and in what state (Lightning 2.x):
+
+* each micro-batch's local gradient: parameter hooks (``micro_batch``) or per-layer hooks
+  (``per_example``) during backward — AMP-scaled, divided by ``accumulate_grad_batches``, before DDP;
+* the gradient the optimizer steps on: ``.grad`` in ``on_before_optimizer_step`` — after the GradScaler's
+  ``unscale_``, before gradient clipping, DDP-averaged.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Optional
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.utilities.data import extract_batch_size
+from pytorch_lightning.utilities.exceptions import MisconfigurationException
+from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from gns_callback.accumulation import AccumulationWindow, step_estimates
+from gns_callback.collectors.micro_batch import MicroBatchGradNorms
+from gns_callback.estimate import GNSEstimate
+from gns_callback.report import DEFAULT_REPORT_NAME, write_report
+from gns_callback.smoothing import RatioAccumulator
+
+METHODS = ("auto", "micro_batch", "per_example")
+LOSS_REDUCTIONS = ("mean", "sum")
+#: Device-side counters, in this order.
+COUNT_FIELDS = ("measured", "non_finite", "unmeasurable")
+STATE_VERSION = 1
+
+
+class GradientNoiseScaleCallback(pl.Callback):
+    """Measures the simple gradient noise scale ``B_simple = tr(Σ)/|G|²`` (McCandlish et al. 2018) during fit.
+
+    Args:
+        method: where small-batch gradients come from. ``"micro_batch"``: each accumulation micro-batch
+            and/or each DDP rank's local gradient (needs ``accumulate_grad_batches × world_size ≥ 2``).
+            ``"per_example"``: per-example gradient norms inside each batch (any setup; not valid with
+            BatchNorm in training mode). ``"auto"``: ``per_example`` where valid, else ``micro_batch``.
+        ema_decay: in ``[0, 1)``; weight of the past in the exponential moving averages of ``tr(Σ)`` and
+            ``|G|²`` (smoothed separately, ratio formed when read). ``0.99`` ≈ the last 200 steps.
+            A run average (equal weights) is kept too: ``run_estimate``.
+        confidence: level of the reported interval, in ``(0, 1)``.
+        loss_reduction: ``"mean"`` (Lightning's convention: the loss is the mean over the batch) or
+            ``"sum"``. Wrong here means a wrong estimate, so say which your ``training_step`` returns.
+        log_every_n_steps: log ``gns/*`` every this many optimizer steps (``None``: the Trainer's setting).
+            Reading values costs one device sync, so it happens only then.
+        report_path: where rank zero writes the JSON report at fit end (``None``:
+            ``<trainer.log_dir>/gns_report.json``).
+        verbose: print a one-line summary on rank zero at fit end.
+
+    After fit: ``estimate`` (EMA) and ``run_estimate`` (run average) are :class:`GNSEstimate` objects;
+    with ``strategy="ddp_spawn"`` read the report (:func:`gns_callback.load_estimate`) instead.
+
+    Assumptions: batches are drawn i.i.d. (shuffling a large data set is close enough; the finite-population
+    correction is ``(N−B)/(N−1)``); the gradient is that of ``loss_reduction`` over the batch; steps are
+    roughly independent (for the interval).
+    """
+
+    def __init__(
+        self,
+        method: str = "auto",
+        ema_decay: float = 0.99,
+        confidence: float = 0.95,
+        loss_reduction: str = "mean",
+        log_every_n_steps: Optional[int] = None,
+        report_path: Optional[str] = None,
+        verbose: bool = True,
+    ) -> None:
+        if method not in METHODS:
+            raise ValueError(f"GradientNoiseScaleCallback(method={method!r}): use one of {', '.join(METHODS)}.")
+        if isinstance(ema_decay, bool) or not isinstance(ema_decay, (int, float)) or not 0.0 <= ema_decay < 1.0:
+            raise ValueError(
+                f"GradientNoiseScaleCallback(ema_decay={ema_decay!r}): must be a number in [0, 1), "
+                "e.g. 0.99 to average over roughly the last 200 steps."
+            )
+        if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0.0 < confidence < 1.0:
+            raise ValueError(f"GradientNoiseScaleCallback(confidence={confidence!r}): must be in (0, 1), e.g. 0.95.")
+        if loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(
+                f"GradientNoiseScaleCallback(loss_reduction={loss_reduction!r}): use 'mean' (the loss is "
+                "averaged over the batch, Lightning's convention) or 'sum'."
+            )
+        if log_every_n_steps is not None and (not isinstance(log_every_n_steps, int) or log_every_n_steps < 1):
+            raise ValueError(
+                f"GradientNoiseScaleCallback(log_every_n_steps={log_every_n_steps!r}): a positive int, or None "
+                "to follow the Trainer."
+            )
+        self.method = method
+        self.ema_decay = float(ema_decay)
+        self.confidence = float(confidence)
+        self.loss_reduction = loss_reduction
+        self.log_every_n_steps = log_every_n_steps
+        self.report_path = report_path
+        self.verbose = verbose
+
+        self.resolved_method: Optional[str] = None
+        self._micro_norms = MicroBatchGradNorms()
+        self._per_example = None  # a PerExampleNormTracker while fitting with method="per_example"
+        self._measured_params: list[torch.nn.Parameter] = []
+        self._window = AccumulationWindow()
+        self._micro_size: Optional[int] = None
+        self._coverage: dict[str, Any] = {}
+        self._restored_method: Optional[str] = None
+        self._reset_state()
+
+    # ------------------------------------------------------------------ state
+    def _reset_state(self) -> None:
+        self._ema = RatioAccumulator(self.ema_decay)
+        self._run = RatioAccumulator(1.0)
+        self._counts = torch.zeros(len(COUNT_FIELDS), dtype=torch.float64)
+        self._steps_seen = 0
+        self._window.reset()
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(method=self.method, ema_decay=self.ema_decay)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "method": self.resolved_method,
+            "ema": self._ema.state_dict(),
+            "run": self._run.state_dict(),
+            "counts": self._counts.tolist(),
+            "steps_seen": self._steps_seen,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._ema.load_state_dict(state_dict["ema"])
+        self._run.load_state_dict(state_dict["run"])
+        self._counts = torch.tensor(state_dict["counts"], dtype=torch.float64, device=self._counts.device)
+        self._steps_seen = int(state_dict["steps_seen"])
+        self._restored_method = state_dict.get("method")
+
+    # ------------------------------------------------------------------ results
+    def _estimate(self, accumulator: RatioAccumulator, averaging: str) -> GNSEstimate:
+        measured, non_finite, unmeasurable = (int(c) for c in self._counts.tolist())
+        return GNSEstimate.from_summary(
+            accumulator.summary(self.confidence),
+            confidence=self.confidence,
+            steps=measured,
+            skipped_steps=non_finite + unmeasurable,
+            method=self.resolved_method or self.method,
+            averaging=averaging,
+        )
+
+    @property
+    def estimate(self) -> GNSEstimate:
+        """The EMA estimate (recent window) with its interval. Reading it syncs the device once."""
+        return self._estimate(self._ema, "ema")
+
+    @property
+    def run_estimate(self) -> GNSEstimate:
+        """The run-average estimate (all measured steps weighted equally)."""
+        return self._estimate(self._run, "run")
+
+    # ------------------------------------------------------------------ lifecycle
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage == "fit":
+            # Before checkpoint restore (which calls load_state_dict): a fresh fit starts from zero.
+            self._reset_state()
+            self._restored_method = None
+
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if not pl_module.automatic_optimization:
+            raise MisconfigurationException(
+                "GradientNoiseScaleCallback needs automatic optimization (one optimizer stepped by Lightning); "
+                f"{type(pl_module).__name__} sets `automatic_optimization = False`. Remove the callback or use "
+                "automatic optimization."
+            )
+        self.resolved_method = self._resolve_method(trainer, pl_module)
+        if self._restored_method and self._restored_method != self.resolved_method:
+            rank_zero_warn(
+                f"GradientNoiseScaleCallback: the checkpoint's running sums were measured with "
+                f"method={self._restored_method!r}, this run uses {self.resolved_method!r}; they are combined."
+            )
+        if self.resolved_method == "per_example":
+            self._measured_params = list(self._per_example.covered_parameters())
+            self._per_example.enabled = True
+        else:
+            self._measured_params = [p for p in pl_module.parameters() if p.requires_grad]
+            self._micro_norms.attach(self._measured_params)
+            total = sum(p.numel() for p in self._measured_params)
+            self._coverage = {"measured_parameters": total, "trainable_parameters": total, "fraction": 1.0}
+        self._window.reset()
+
+    def _resolve_method(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> str:
+        can_micro = trainer.world_size * trainer.accumulate_grad_batches > 1 or _has_accumulation_schedule(trainer)
+        if self.method == "micro_batch":
+            if not can_micro:
+                raise MisconfigurationException(
+                    "GradientNoiseScaleCallback(method='micro_batch') compares each micro-batch's gradient with "
+                    "the step's gradient, so it needs several micro-batches per optimizer step: set "
+                    "Trainer(accumulate_grad_batches=2) or more, or train on 2+ devices, or use "
+                    "method='per_example'."
+                )
+            return "micro_batch"
+        per_example_reason = self._try_per_example(pl_module)
+        if self.method == "per_example":
+            if per_example_reason is not None and self._per_example is None:
+                raise MisconfigurationException(f"GradientNoiseScaleCallback(method='per_example'): {per_example_reason}")
+            if per_example_reason is not None:
+                rank_zero_warn(f"GradientNoiseScaleCallback(method='per_example'): {per_example_reason}")
+            return "per_example"
+        # auto
+        if per_example_reason is None:
+            return "per_example"
+        self._release_per_example()
+        if can_micro:
+            rank_zero_info(f"GradientNoiseScaleCallback: method='auto' uses 'micro_batch' ({per_example_reason}).")
+            return "micro_batch"
+        raise MisconfigurationException(
+            f"GradientNoiseScaleCallback(method='auto') found no valid estimator: per-example norms are not "
+            f"usable ({per_example_reason}) and there is one micro-batch per step on one device. Set "
+            "Trainer(accumulate_grad_batches=2) or more (or use 2+ devices) for method='micro_batch'."
+        )
+
+    def _try_per_example(self, pl_module: "pl.LightningModule") -> Optional[str]:
+        """Attach per-example hooks; return why per-example norms are not (fully) valid, or None."""
+        try:
+            from gns_callback.per_example import PerExampleNormTracker
+        except ImportError:  # pragma: no cover - the sub-package ships with the package
+            return "per-example norms are not available in this installation"
+        tracker = PerExampleNormTracker(pl_module)
+        tracker.attach()
+        self._per_example = tracker
+        measured = sum(p.numel() for p in tracker.covered_parameters())
+        total = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
+        self._coverage = {
+            "measured_parameters": measured,
+            "trainable_parameters": total,
+            "fraction": measured / total if total else 0.0,
+            "excluded": {name: reason for name, reason in getattr(tracker, "excluded_reasons", {}).items()},
+            "uncovered": [name for name, _ in tracker.uncovered_parameters()],
+        }
+        if measured == 0:
+            self._release_per_example()
+            return "no parameter is in a supported layer (Linear, Conv1d/2d, Embedding, LayerNorm, GroupNorm)"
+        if tracker.has_batchnorm_in_training():
+            return (
+                "the model has BatchNorm in training mode, which couples the examples of a batch, so "
+                "per-example gradients are not independent samples"
+            )
+        return None
+
+    def _release_per_example(self) -> None:
+        if self._per_example is not None:
+            self._per_example.detach()
+            self._per_example = None
+
+    def _detach_all(self) -> None:
+        self._micro_norms.detach()
+        self._release_per_example()
+
+    # ------------------------------------------------------------------ per micro-batch
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+        if self.resolved_method == "micro_batch":
+            self._micro_size = extract_batch_size(batch)
+
+    def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        accumulate = trainer.accumulate_grad_batches
+        if self.resolved_method == "per_example":
+            per_example = self._per_example.pop()
+            if per_example is None:
+                return
+            b = per_example.shape[0]
+            # Hook-level per-example gradients carry 1/(accumulate) and, for a mean loss, 1/b.
+            factor = float(accumulate * b if self.loss_reduction == "mean" else accumulate) ** 2
+            self._window.add_micro_batch(per_example.sum() * factor, float(b), float(b), b)
+            return
+        sq = self._micro_norms.pop()
+        if sq is None or not self._micro_size:
+            return
+        b = self._micro_size
+        factor = float(accumulate if self.loss_reduction == "mean" else accumulate / b) ** 2
+        self._window.add_micro_batch(sq * (b * factor), float(b), 1.0, b)
+
+    # ------------------------------------------------------------------ per optimizer step
+    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any) -> None:
+        if self.resolved_method is None:
+            return
+        world_size = trainer.world_size
+        if self._window.empty and world_size == 1:
+            return
+        device = pl_module.device
+        packed = self._window.packed(device)
+        self._window.reset()
+        scale = _loss_scale(trainer)
+        if scale is not None:  # small-batch norms were taken on scaled gradients; .grad is unscaled by now
+            packed[0] = packed[0] / scale.to(device=device, dtype=torch.float64) ** 2
+        if world_size > 1:
+            packed = trainer.strategy.reduce(packed, reduce_op="sum")  # the one collective per step
+        grads = [p.grad for p in self._measured_params if p.grad is not None]
+        if not grads:
+            return
+        step_grad_sq = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
+        # .grad = (1/(world·accumulate))·Σ micro-batch gradients: undo it over the micro-batches present.
+        divisor = packed[3] if self.loss_reduction == "mean" else packed[1]
+        grad_to_mean = float(world_size * trainer.accumulate_grad_batches) / divisor
+        trace, grad_sq, valid = step_estimates(packed, step_grad_sq, grad_to_mean, self.loss_reduction)
+        self._ema.update(trace, grad_sq, valid)
+        self._run.update(trace, grad_sq, valid)
+        finite = torch.isfinite(trace) & torch.isfinite(grad_sq)
+        self._counts = self._counts.to(device) + torch.stack([valid, ~finite, finite & ~valid]).to(torch.float64)
+        self._steps_seen += 1
+        every = self.log_every_n_steps or trainer.log_every_n_steps
+        if every and self._steps_seen % every == 0:
+            self._log(pl_module)
+
+    def _log(self, pl_module: "pl.LightningModule") -> None:
+        est, run = self.estimate, self.run_estimate
+        if est.steps == 0:
+            return
+        pl_module.log_dict(
+            {
+                "gns/b_simple": est.b_simple,
+                "gns/grad_sq_norm": est.grad_sq_norm,
+                "gns/trace_sigma": est.trace_sigma,
+                "gns/b_simple_ci_low": est.ci_low,
+                "gns/b_simple_ci_high": est.ci_high,
+                "gns/b_simple_run": run.b_simple,
+            },
+            on_step=True,
+            on_epoch=False,
+        )
+
+    # ------------------------------------------------------------------ end of fit
+    def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._detach_all()
+        est = self.estimate
+        if trainer.is_global_zero:
+            path = self.write_report(trainer)
+            if self.verbose:
+                rank_zero_info(f"GradientNoiseScaleCallback: {est}\n  report: {path}")
+                if est.steps and not math.isfinite(est.ci_high):
+                    rank_zero_info(
+                        "GradientNoiseScaleCallback: the interval is unbounded: |G|² is not resolved from the "
+                        "noise yet; train longer or measure over more steps before trusting B_simple."
+                    )
+
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        self._detach_all()
+
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self._detach_all()
+
+    def resolve_report_path(self, trainer: "pl.Trainer") -> str:
+        if self.report_path is None:
+            self.report_path = os.path.join(trainer.log_dir or trainer.default_root_dir, DEFAULT_REPORT_NAME)
+        return self.report_path
+
+    def report_sections(self, trainer: "pl.Trainer") -> dict[str, Any]:
+        """The report's content; later features add sections (recommendation, probe)."""
+        return {
+            "estimate": self.estimate.to_dict(),
+            "run_estimate": self.run_estimate.to_dict(),
+            "coverage": self._coverage,
+            "config": {
+                "method": self.method,
+                "ema_decay": self.ema_decay,
+                "confidence": self.confidence,
+                "loss_reduction": self.loss_reduction,
+            },
+            "run": {
+                "world_size": trainer.world_size,
+                "accumulate_grad_batches": trainer.accumulate_grad_batches,
+                "precision": str(trainer.precision),
+                "global_step": trainer.global_step,
+            },
+        }
+
+    def write_report(self, trainer: "pl.Trainer") -> str:
+        path = self.resolve_report_path(trainer)
+        write_report(path, self.report_sections(trainer))
+        return path
+
+
+def _loss_scale(trainer: "pl.Trainer") -> Optional[torch.Tensor]:
+    """The AMP GradScaler's current scale as a tensor (no host sync), or None without a scaler."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is None or not scaler.is_enabled():
+        return None
+    scale = getattr(scaler, "_scale", None)
+    return scale if isinstance(scale, torch.Tensor) else torch.tensor(scaler.get_scale())
+
+
+def _has_accumulation_schedule(trainer: "pl.Trainer") -> bool:
+    from pytorch_lightning.callbacks import GradientAccumulationScheduler
+
+    return any(
+        isinstance(cb, GradientAccumulationScheduler) and any(v > 1 for v in cb.scheduling.values())
+        for cb in trainer.callbacks
+    )

@@ -1,0 +1,1 @@
+"""Where small-batch gradient norms come from: one module per method."""

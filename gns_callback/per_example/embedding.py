@@ -1,0 +1,66 @@
+"""Per-example squared gradient norms for ``nn.Embedding``.
+
+The weight gradient of example ``i`` scatter-adds its output gradients ``δ_{i,t}`` into the rows
+indexed by its tokens, so ``|∇W_i|² = Σ_{t,t'} [x_t = x_t'] (δ_t·δ_t')`` (BackPACK ``batch_l2_grad``
+for embeddings). Computed without a (B, num_embeddings, D) tensor: sort each example's tokens,
+give every distinct token a slot, and sum the δ rows per slot into a (B, T, D) buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import torch
+from torch import Tensor, nn
+
+from .linear import includes_param, upcast
+
+__all__ = ["embedding_sq_norms", "embedding_unsupported_reason"]
+
+
+def embedding_unsupported_reason(module: nn.Embedding) -> str | None:
+    """Why this embedding's per-example norms can't be computed, or None if they can."""
+    if module.max_norm is not None:
+        return "nn.Embedding with max_norm renormalises weight rows in place during forward"
+    if module.sparse:
+        return "nn.Embedding with sparse=True produces sparse gradients"
+    if module.scale_grad_by_freq:
+        return "nn.Embedding with scale_grad_by_freq scales by batch-wide token counts, coupling examples"
+    return None
+
+
+def embedding_sq_norms(
+    module: nn.Embedding,
+    inp: Tensor,
+    grad_output: Tensor,
+    *,
+    param_names: Collection[str] | None = None,
+) -> Tensor:
+    """Per-example squared gradient norm of an ``nn.Embedding`` weight.
+
+    ``|∇W_i|² = Σ_rows |Σ_{t: x_{i,t}=row} δ_{i,t}|² = Σ_{t,t'} [x_t = x_t'] (δ_t·δ_t')``, with the
+    ``padding_idx`` row excluded (it receives no gradient). ``inp``: token ids (B, *); all dims after
+    the batch dim are positions. Cost O(B·T·(log T + D)), no device sync.
+    Shape (B,), float32 (float64 for float64 gradients), for exactly the loss that was backpropagated.
+    """
+    reason = embedding_unsupported_reason(module)
+    if reason is not None:
+        raise ValueError(reason)
+    if inp.dim() < 1:
+        raise ValueError("Embedding input needs a leading batch dimension")
+    (grads,) = upcast(grad_output)
+    batch_size = inp.shape[0]
+    if not includes_param(module, "weight", param_names):
+        return grads.new_zeros(batch_size)
+    tokens = inp.reshape(batch_size, -1)
+    grads = grads.reshape(batch_size, tokens.shape[1], module.embedding_dim)
+    if module.padding_idx is not None:
+        grads = grads.masked_fill((tokens == module.padding_idx).unsqueeze(-1), 0)
+
+    sorted_tokens, order = tokens.sort(dim=1)
+    starts_new_token = torch.ones_like(sorted_tokens, dtype=torch.bool)
+    starts_new_token[:, 1:] = sorted_tokens[:, 1:] != sorted_tokens[:, :-1]
+    slot_of_sorted = starts_new_token.cumsum(dim=1) - 1
+    slot = torch.empty_like(slot_of_sorted).scatter_(1, order, slot_of_sorted)
+    row_grads = torch.zeros_like(grads).scatter_add_(1, slot.unsqueeze(-1).expand_as(grads), grads)
+    return row_grads.square().sum(dim=(1, 2))

@@ -1,0 +1,102 @@
+"""Per-example squared gradient norms for ``nn.Linear``, plus the shared sequence kernel.
+
+The weight gradient of a linear map is ``Σ_i a_iᵀ δ_i`` (``a``: layer input, ``δ``: gradient of the
+backpropagated loss w.r.t. the layer output), so example ``i`` contributes ``G_i = a_iᵀ δ_i``.
+``sequence_sq_norms`` computes ``|G_i|²_F`` for inputs with a sequence axis and is reused by the
+convolution layers after im2col.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["linear_sq_norms", "prefers_gram", "sequence_sq_norms"]
+
+
+def upcast(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """Cast floating tensors to a common dtype of at least float32 (float64 is kept).
+
+    Squares of fp16/bf16 values overflow or lose precision, so every norm is computed in float32.
+    """
+    dtype = torch.float32
+    for tensor in tensors:
+        dtype = torch.promote_types(dtype, tensor.dtype)
+    return tuple(tensor.to(dtype) for tensor in tensors)
+
+
+def includes_param(module: nn.Module, name: str, param_names: Collection[str] | None) -> bool:
+    """Whether the module's own parameter ``name`` exists, is trainable and was asked for."""
+    param = getattr(module, name, None)
+    if not isinstance(param, Tensor) or not param.requires_grad:
+        return False
+    return param_names is None or name in param_names
+
+
+def prefers_gram(seq_len: int, in_features: int, out_features: int) -> bool:
+    """Whether the Gram form is cheaper than materialising ``G_i`` for one example.
+
+    Gram form costs ``T²·(K+L)``, materialising costs ``T·K·L`` (multiply-adds per example), so the
+    Gram form wins when ``T·(K+L) < K·L``.
+    """
+    return seq_len * (in_features + out_features) < in_features * out_features
+
+
+def sequence_sq_norms(activations: Tensor, grad_outputs: Tensor) -> Tensor:
+    """``|Σ_t a_{i,t}ᵀ δ_{i,t}|²_F`` for ``activations`` (N, T, K) and ``grad_outputs`` (N, T, L).
+
+    Either the Gram form ``Σ_{t,t'} (a_t·a_t')(δ_t·δ_t')`` (Goodfellow 2015, "Efficient per-example
+    gradient computations"; BackPACK ``batch_l2_grad``) or the materialised ``G_i = a_iᵀ δ_i``,
+    whichever :func:`prefers_gram` says is cheaper for these shapes. Returns shape (N,).
+    """
+    _, seq_len, in_features = activations.shape
+    out_features = grad_outputs.shape[-1]
+    if prefers_gram(seq_len, in_features, out_features):
+        activation_gram = torch.bmm(activations, activations.transpose(1, 2))
+        grad_gram = torch.bmm(grad_outputs, grad_outputs.transpose(1, 2))
+        # Mathematically >= 0; rounding can make a near-zero result slightly negative.
+        return torch.einsum("nts,nts->n", activation_gram, grad_gram).clamp_min(0)
+    per_example_grads = torch.bmm(activations.transpose(1, 2), grad_outputs)
+    return per_example_grads.square().sum(dim=(1, 2))
+
+
+def linear_sq_norms(
+    module: nn.Linear,
+    inp: Tensor,
+    grad_output: Tensor,
+    *,
+    param_names: Collection[str] | None = None,
+) -> Tensor:
+    """Per-example squared gradient norm of an ``nn.Linear``'s trainable weight and bias.
+
+    Input (B, K): ``|∇W_i|² = |a_i|²·|δ_i|²`` (Goodfellow 2015), bias ``|δ_i|²``.
+    Input (B, *, K): the middle dims form a sequence, see :func:`sequence_sq_norms`; bias
+    ``|Σ_t δ_{i,t}|²``.
+
+    ``param_names`` restricts the parameters measured (default: all trainable ones). The result has
+    shape (B,), dtype float32 (float64 for float64 inputs), and is for exactly the loss that was
+    backpropagated (no rescaling).
+    """
+    if inp.dim() < 2:
+        raise ValueError(f"Linear input needs a leading batch dimension, got shape {tuple(inp.shape)}")
+    activations, grads = upcast(inp, grad_output)
+    batch_size = activations.shape[0]
+    total = activations.new_zeros(batch_size)
+    use_weight = includes_param(module, "weight", param_names)
+    use_bias = includes_param(module, "bias", param_names)
+    if activations.dim() == 2:
+        grad_sq = grads.square().sum(dim=1)
+        if use_weight:
+            total = total + activations.square().sum(dim=1) * grad_sq
+        if use_bias:
+            total = total + grad_sq
+        return total
+    activations = activations.reshape(batch_size, -1, activations.shape[-1])
+    grads = grads.reshape(batch_size, -1, grads.shape[-1])
+    if use_weight:
+        total = total + sequence_sq_norms(activations, grads)
+    if use_bias:
+        total = total + grads.sum(dim=1).square().sum(dim=1)
+    return total

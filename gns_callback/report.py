@@ -1,0 +1,37 @@
+"""The JSON report: ``{"estimate": ..., "run_estimate": ..., "config": ..., "run": ...}``.
+
+It is how a user reads a result from ``strategy="ddp_spawn"`` (where the parent process's callback object is
+not updated) and what later tools (plots, recommendations) read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from gns_callback.estimate import GNSEstimate
+
+REPORT_VERSION = 1
+DEFAULT_REPORT_NAME = "gns_report.json"
+
+
+def write_report(path: str | os.PathLike, sections: dict[str, Any]) -> Path:
+    """Write ``sections`` atomically (temp file + rename) so a crash never leaves half a report."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"report_version": REPORT_VERSION, **sections}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, allow_nan=False) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def read_report(path: str | os.PathLike) -> dict[str, Any]:
+    return json.loads(Path(path).read_text())
+
+
+def load_estimate(path: str | os.PathLike, section: str = "estimate") -> GNSEstimate:
+    """The ``GNSEstimate`` stored in a report (``section="run_estimate"`` for the run average)."""
+    return GNSEstimate.from_dict(read_report(path)[section])

@@ -1,0 +1,101 @@
+"""Smoothing of per-step (numerator, denominator) estimates, and the ratio read off them.
+
+The noise scale is a ratio of means, ``B_simple = E[tr Σ̂]/E[|Ĝ|²]``, not a mean of ratios: single-step
+estimates are unbiased but noisy and often negative, and their ratio is neither. So we keep
+exponentially weighted sums of the numerator ``x``, the denominator ``y``, their squares and cross
+product, and only form the ratio (and its Fieller interval) when it is read.
+
+Weights are ``w_t = decay^(T−t)``. The weighted mean ``Σw·x/Σw`` is exactly the bias-corrected EMA
+``m_T/(1 − decay^T)`` of Adam-style smoothing; ``decay = 1`` gives the plain run average. The variance of
+a weighted mean of independent draws is ``σ²·Σw²/(Σw)² = σ²/n_eff`` with ``n_eff = (Σw)²/Σw²``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from gns_callback.confidence import fieller_interval, t_quantile
+
+#: Order of the entries of :attr:`RatioAccumulator.sums`.
+SUM_FIELDS = ("w", "w2", "x", "y", "xx", "yy", "xy")
+
+
+@dataclass(frozen=True)
+class RatioSummary:
+    """Weighted means of ``x`` and ``y``, their ratio, and its confidence interval."""
+
+    mean_x: float
+    mean_y: float
+    ratio: float
+    ci_low: float
+    ci_high: float
+    effective_steps: float
+
+
+def summarize_ratio(sums: Sequence[float], confidence: float = 0.95) -> RatioSummary:
+    """Ratio ``mean_x/mean_y`` of weighted means and its Fieller interval from the sums in ``SUM_FIELDS`` order.
+
+    The ratio is clamped to ``[0, ∞)`` only here, at read time; ``inf`` when ``mean_y <= 0``
+    (the true gradient is not resolved yet). The (co)variances use reliability-weight corrections and the
+    Student-t quantile with ``n_eff − 1`` degrees of freedom.
+    """
+    w, w2, sx, sy, sxx, syy, sxy = (float(v) for v in sums)
+    if w <= 0.0:
+        return RatioSummary(math.nan, math.nan, math.nan, 0.0, math.inf, 0.0)
+    mx, my = sx / w, sy / w
+    ratio = max(mx / my, 0.0) if my > 0.0 else math.inf
+    n_eff = w * w / w2
+    if n_eff <= 1.0 + 1e-9:
+        return RatioSummary(mx, my, ratio, 0.0, math.inf, n_eff)
+    # Unbiased weighted (co)variance of one draw, then divided by n_eff for the variance of the mean.
+    norm = w - w2 / w
+    var_x = max(sxx - w * mx * mx, 0.0) / norm
+    var_y = max(syy - w * my * my, 0.0) / norm
+    cov_xy = (sxy - w * mx * my) / norm
+    t = t_quantile(confidence, n_eff - 1.0)
+    low, high = fieller_interval(mx, my, var_x / n_eff, var_y / n_eff, cov_xy / n_eff, t)
+    return RatioSummary(mx, my, ratio, low, high, n_eff)
+
+
+class RatioAccumulator:
+    """Exponentially weighted sums of per-step ``(x, y)`` pairs, kept on the device (no host sync on update).
+
+    ``decay`` in ``[0, 1]``; ``1.0`` gives equal weights (the run average).
+    """
+
+    def __init__(self, decay: float) -> None:
+        if not 0.0 <= decay <= 1.0:
+            raise ValueError(f"decay must be in [0, 1], got {decay}")
+        self.decay = float(decay)
+        self.sums = torch.zeros(len(SUM_FIELDS), dtype=torch.float64)
+        d = self.decay
+        self._decays = torch.tensor([d, d * d, d, d, d, d, d], dtype=torch.float64)
+
+    def update(self, x: torch.Tensor, y: torch.Tensor, valid: torch.Tensor) -> None:
+        """Add one step's ``(x, y)``; a step with ``valid == False`` changes nothing (no decay either)."""
+        if self.sums.device != x.device:
+            self.sums = self.sums.to(x.device)
+            self._decays = self._decays.to(x.device)
+        x, y = x.to(torch.float64), y.to(torch.float64)
+        one = torch.ones_like(x)
+        step = torch.stack([one, one, x, y, x * x, y * y, x * y])
+        updated = self.sums * self._decays + torch.where(valid, step, torch.zeros_like(step))
+        self.sums = torch.where(valid, updated, self.sums)
+
+    def summary(self, confidence: float = 0.95) -> RatioSummary:
+        """Read the ratio and its interval (one device-to-host copy)."""
+        return summarize_ratio(self.sums.tolist(), confidence)
+
+    def state_dict(self) -> dict:
+        return {"decay": self.decay, "sums": self.sums.tolist()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.decay = float(state["decay"])
+        d = self.decay
+        device = self.sums.device
+        self.sums = torch.tensor(state["sums"], dtype=torch.float64, device=device)
+        self._decays = torch.tensor([d, d * d, d, d, d, d, d], dtype=torch.float64, device=device)

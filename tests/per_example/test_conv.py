@@ -1,0 +1,71 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from gns_callback.per_example import conv_sq_norms, prefers_gram
+
+CONV1D_CASES = [
+    dict(in_channels=4, out_channels=6, kernel_size=3, stride=2, padding=1),
+    dict(in_channels=4, out_channels=6, kernel_size=4, padding="same", dilation=2, groups=2),
+    dict(in_channels=4, out_channels=4, kernel_size=3, padding="valid", groups=4, bias=False),
+    dict(in_channels=4, out_channels=6, kernel_size=3, padding=2, padding_mode="circular"),
+    dict(in_channels=4, out_channels=6, kernel_size=3, stride=2, padding=1, padding_mode="reflect"),
+    dict(in_channels=2, out_channels=4, kernel_size=2, padding="same", padding_mode="replicate"),
+]
+
+CONV2D_CASES = [
+    dict(in_channels=3, out_channels=4, kernel_size=3, stride=2, padding=1),
+    dict(in_channels=4, out_channels=6, kernel_size=(2, 3), padding="same", dilation=(1, 2), groups=2),
+    dict(in_channels=4, out_channels=4, kernel_size=3, padding=1, groups=4, bias=False),
+    dict(in_channels=3, out_channels=4, kernel_size=3, padding="valid", dilation=2),
+    dict(in_channels=3, out_channels=4, kernel_size=3, padding=1, padding_mode="reflect"),
+    dict(in_channels=4, out_channels=6, kernel_size=3, stride=(2, 1), padding=(1, 2), padding_mode="circular", groups=2),
+    dict(in_channels=2, out_channels=4, kernel_size=(2, 2), padding="same", padding_mode="reflect", bias=False),
+]
+
+
+def _check(module: nn.Module, x: torch.Tensor, reference_sq_norms) -> None:
+    weights = torch.randn_like(module(x))
+    got = conv_sq_norms(module, x, weights)
+    assert got.shape == (x.shape[0],)
+    torch.testing.assert_close(got, reference_sq_norms(module, x, weights), rtol=1e-4, atol=1e-10)
+
+
+@pytest.mark.parametrize("config", CONV1D_CASES, ids=str)
+def test_conv1d(config: dict, reference_sq_norms) -> None:
+    module = nn.Conv1d(**config).double()
+    _check(module, torch.randn(3, module.in_channels, 9, dtype=torch.float64), reference_sq_norms)
+
+
+@pytest.mark.parametrize("config", CONV2D_CASES, ids=str)
+def test_conv2d(config: dict, reference_sq_norms) -> None:
+    module = nn.Conv2d(**config).double()
+    _check(module, torch.randn(3, module.in_channels, 7, 6, dtype=torch.float64), reference_sq_norms)
+
+
+@pytest.mark.parametrize(
+    ("in_channels", "out_channels", "kernel_size", "spatial", "gram"),
+    [(8, 16, 3, 4, True), (2, 2, 1, 6, False)],
+)
+def test_conv2d_gram_and_materialised_paths(
+    in_channels: int, out_channels: int, kernel_size: int, spatial: int, gram: bool, reference_sq_norms
+) -> None:
+    module = nn.Conv2d(in_channels, out_channels, kernel_size).double()
+    positions = (spatial - kernel_size + 1) ** 2
+    assert prefers_gram(positions, in_channels * kernel_size**2, out_channels) is gram
+    _check(module, torch.randn(2, in_channels, spatial, spatial, dtype=torch.float64), reference_sq_norms)
+
+
+@pytest.mark.parametrize("conv_cls", [nn.Conv1d, nn.Conv2d])
+def test_frozen_weight_trainable_bias(conv_cls: type[nn.Module], reference_sq_norms) -> None:
+    module = conv_cls(4, 6, 3, padding=1, groups=2).double()
+    module.weight.requires_grad_(False)
+    shape = (3, 4, 8) if conv_cls is nn.Conv1d else (3, 4, 5, 5)
+    _check(module, torch.randn(shape, dtype=torch.float64), reference_sq_norms)
+
+
+def test_unbatched_input_is_rejected() -> None:
+    with pytest.raises(ValueError, match="batch"):
+        conv_sq_norms(nn.Conv1d(2, 3, 3), torch.randn(2, 8), torch.randn(3, 6))

@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from gns_callback.per_example import group_norm_sq_norms, layer_norm_sq_norms, rms_norm_sq_norms
+
+
+def _check(fn, module: nn.Module, x: torch.Tensor, reference_sq_norms) -> None:
+    weights = torch.randn_like(module(x))
+    got = fn(module, x, weights)
+    assert got.shape == (x.shape[0],)
+    torch.testing.assert_close(got, reference_sq_norms(module, x, weights), rtol=1e-4, atol=1e-10)
+
+
+def _non_trivial_affine(module: nn.Module) -> nn.Module:
+    with torch.no_grad():
+        for param in module.parameters():
+            param.normal_()
+    return module
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize(
+    ("normalized_shape", "input_shape"),
+    [(6, (4, 6)), (6, (4, 3, 6)), ((3, 5), (4, 3, 5)), ((3, 5), (2, 4, 3, 5))],
+)
+def test_layer_norm(normalized_shape, input_shape: tuple[int, ...], bias: bool, reference_sq_norms) -> None:
+    module = _non_trivial_affine(nn.LayerNorm(normalized_shape, bias=bias, eps=1e-3).double())
+    _check(layer_norm_sq_norms, module, torch.randn(input_shape, dtype=torch.float64), reference_sq_norms)
+
+
+def test_layer_norm_frozen_weight_trainable_bias(reference_sq_norms) -> None:
+    module = _non_trivial_affine(nn.LayerNorm(5).double())
+    module.weight.requires_grad_(False)
+    _check(layer_norm_sq_norms, module, torch.randn(3, 4, 5, dtype=torch.float64), reference_sq_norms)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("num_groups", [1, 2, 4])
+@pytest.mark.parametrize("input_shape", [(3, 4), (3, 4, 5), (3, 4, 3, 2)])
+def test_group_norm(num_groups: int, input_shape: tuple[int, ...], bias: bool, reference_sq_norms) -> None:
+    module = _non_trivial_affine(nn.GroupNorm(num_groups, 4, eps=1e-3).double())
+    module.bias.requires_grad_(bias)
+    _check(group_norm_sq_norms, module, torch.randn(input_shape, dtype=torch.float64), reference_sq_norms)
+
+
+@pytest.mark.parametrize("eps", [None, 1e-2])
+@pytest.mark.parametrize(("normalized_shape", "input_shape"), [(6, (4, 3, 6)), ((2, 3), (4, 2, 3))])
+def test_rms_norm(normalized_shape, input_shape: tuple[int, ...], eps: float | None, reference_sq_norms) -> None:
+    module = _non_trivial_affine(nn.RMSNorm(normalized_shape, eps=eps).double())
+    _check(rms_norm_sq_norms, module, torch.randn(input_shape, dtype=torch.float64), reference_sq_norms)
+
+
+def test_unbatched_layer_norm_input_is_rejected() -> None:
+    with pytest.raises(ValueError, match="batch"):
+        layer_norm_sq_norms(nn.LayerNorm((3, 4)), torch.randn(3, 4), torch.randn(3, 4))
