@@ -22,7 +22,7 @@ __all__ = ["group_norm_sq_norms", "layer_norm_sq_norms", "rms_norm_sq_norms"]
 def _elementwise_affine_sq_norms(
     normalized: Tensor | None, grads: Tensor, num_features: int, use_bias: bool, channels_first: bool
 ) -> Tensor:
-    """``|Σ_pos x̂⊙δ|² + |Σ_pos δ|²`` per example (the weight term only when ``normalized`` is given)."""
+    """``|Σ_pos x̂⊙δ|² + |Σ_pos δ|²`` per example (weight term only if ``normalized`` is given)."""
     batch_size = grads.shape[0]
 
     def summed_over_positions(values: Tensor) -> Tensor:

@@ -5,7 +5,7 @@ No Lightning dependency: attach to any ``nn.Module``, run forward + backward, th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from types import TracebackType
@@ -35,6 +35,9 @@ SUPPORTED_MODULES: dict[type[nn.Module], SqNormFunction] = {
     nn.GroupNorm: group_norm_sq_norms,
     nn.RMSNorm: rms_norm_sq_norms,
 }
+
+#: The layer functions measure exactly these parameters of a supported module.
+_MEASURED_PARAM_NAMES = frozenset({"weight", "bias"})
 
 _MICRO_BATCH_HINT = 'use method="micro_batch" for this model'
 
@@ -121,6 +124,8 @@ class PerExampleNormTracker:
                 module_name, module, local_name = entries[0]
                 if type(module) not in SUPPORTED_MODULES:
                     reason = f"unsupported module type {type(module).__name__}"
+                elif local_name not in _MEASURED_PARAM_NAMES:
+                    reason = f"extra parameter '{local_name}' on {type(module).__name__} is not measured"
                 elif isinstance(module, nn.Embedding):
                     reason = embedding_unsupported_reason(module)
             if reason is not None:

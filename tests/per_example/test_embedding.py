@@ -44,7 +44,11 @@ def test_other_input_ranks(shape: tuple[int, ...], reference_sq_norms) -> None:
 
 @pytest.mark.parametrize(
     ("option", "match"),
-    [(dict(max_norm=1.0), "max_norm"), (dict(sparse=True), "sparse"), (dict(scale_grad_by_freq=True), "scale_grad_by_freq")],
+    [
+        (dict(max_norm=1.0), "max_norm"),
+        (dict(sparse=True), "sparse"),
+        (dict(scale_grad_by_freq=True), "scale_grad_by_freq"),
+    ],
 )
 def test_unsupported_options_raise(option: dict, match: str) -> None:
     module = nn.Embedding(5, 3, **option)

@@ -1,0 +1,27 @@
+import warnings
+
+import pytest
+import torch
+from sklearn.datasets import load_digits
+
+from tests.reference import exact_noise_scale, per_example_gradients
+
+warnings.filterwarnings("ignore", ".*does not have many workers.*")
+warnings.filterwarnings("ignore", ".*LeafSpec.*")
+
+
+@pytest.fixture(scope="session")
+def digits():
+    """scikit-learn's bundled 8×8 digits (1797 real images), pixels scaled to [0, 1]."""
+    data = load_digits()
+    return torch.tensor(data.data, dtype=torch.float32) / 16.0, torch.tensor(data.target)
+
+
+@pytest.fixture(scope="session")
+def exact_gns():
+    """``exact_gns(net, loss_fn, x, y) -> (B_simple, |G|², tr Σ)`` by brute force over the whole data set."""
+
+    def compute(net, loss_fn, x, y):
+        return exact_noise_scale(per_example_gradients(net, loss_fn, x, y))
+
+    return compute

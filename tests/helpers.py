@@ -1,0 +1,110 @@
+"""Small models, loaders and Trainer settings shared by the tests."""
+
+from __future__ import annotations
+
+import pytorch_lightning as pl
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+
+
+def quiet_trainer(**kwargs) -> pl.Trainer:
+    """A CPU Trainer with no logger, checkpointing, progress bar or model summary (unless overridden)."""
+    settings = dict(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    settings.update(kwargs)
+    return pl.Trainer(**settings)
+
+
+def with_replacement_loader(x, y, batch_size: int, num_samples: int, seed: int = 0) -> DataLoader:
+    """Batches drawn i.i.d. with replacement: the sampling the unbiased estimators assume."""
+    generator = torch.Generator().manual_seed(seed)
+    sampler = RandomSampler(range(len(x)), replacement=True, num_samples=num_samples, generator=generator)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size, sampler=sampler)
+
+
+def mlp(in_dim: int = 64, hidden: int = 32, classes: int = 10, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(in_dim, hidden), nn.Tanh(), nn.Linear(hidden, classes))
+
+
+def small_cnn(classes: int = 10, seed: int = 0) -> nn.Module:
+    """Conv + GroupNorm on 1×8×8 digit images."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Unflatten(1, (1, 8, 8)),
+        nn.Conv2d(1, 8, 3, padding=1),
+        nn.GroupNorm(2, 8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 4 * 4, classes),
+    )
+
+
+class Classifier(pl.LightningModule):
+    """Wraps a network with cross-entropy; ``lr=0`` keeps the parameters fixed (exact-value tests).
+
+    ``loader_args`` (if given) builds a with-replacement loader inside the process, seeded by rank, so the
+    same module works under ``ddp_spawn`` with ``use_distributed_sampler=False``.
+    """
+
+    def __init__(self, net: nn.Module, lr: float = 0.0, loss_reduction: str = "mean", loader_args: dict | None = None,
+                 optimizer: str = "sgd") -> None:
+        super().__init__()
+        self.net = net
+        self.lr = lr
+        self.loss_reduction = loss_reduction
+        self.loader_args = loader_args
+        self.optimizer = optimizer
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y, reduction=self.loss_reduction)
+
+    def configure_optimizers(self):
+        if self.optimizer == "adam":
+            return torch.optim.Adam(self.parameters(), lr=self.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    def train_dataloader(self):
+        args = dict(self.loader_args)
+        args["seed"] = args.get("seed", 0) + 1000 * self.global_rank
+        return with_replacement_loader(**args)
+
+
+def fit_with_gns(net, x, y, *, accumulate=4, batch_size=8, steps=300, seed=1, callback=None, module_kwargs=None, **trainer_kwargs):
+    """Fit ``Classifier(net)`` for ``steps`` optimizer steps of i.i.d. batches; return (callback, trainer, module)."""
+    from gns_callback import GradientNoiseScaleCallback
+
+    callback = callback or GradientNoiseScaleCallback(method="micro_batch", verbose=False)
+    loader = with_replacement_loader(x, y, batch_size, accumulate * batch_size * steps, seed=seed)
+    module = Classifier(net, **(module_kwargs or {}))
+    trainer_kwargs.setdefault("callbacks", [])
+    trainer_kwargs["callbacks"] = [callback, *trainer_kwargs["callbacks"]]
+    trainer = quiet_trainer(accumulate_grad_batches=accumulate, **trainer_kwargs)
+    trainer.fit(module, loader)
+    return callback, trainer, module
+
+
+def assert_matches_exact(estimate, exact: float, max_ci_ratio: float = 2.0) -> None:
+    """The exact value lies inside the reported interval, and that interval is informative.
+
+    The interval is the estimator's own standard error at work (calibrated in tests/test_confidence.py); the
+    width bound makes sure a test cannot pass by reporting a uselessly wide interval.
+    """
+    assert estimate.steps > 0
+    assert estimate.ci_low <= exact <= estimate.ci_high, (estimate, exact)
+    assert estimate.ci_high / estimate.ci_low < max_ci_ratio, estimate

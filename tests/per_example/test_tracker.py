@@ -1,0 +1,373 @@
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from gns_callback.per_example import PerExampleNormTracker
+
+from .conftest import per_example_sq_norms_reference
+
+BATCH = 4
+
+
+class Scale(nn.Module):
+    """Unsupported module holding a bare parameter."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+def make_mlp() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(5, 8),
+        nn.ReLU(inplace=True),
+        nn.Linear(8, 6, bias=False),
+        nn.PReLU(),
+        Scale(6),
+        nn.Linear(6, 3),
+    ).double()
+
+
+def make_cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.GroupNorm(2, 4),
+        nn.ReLU(),
+        nn.Conv2d(4, 6, 3, stride=2, groups=2, padding=1, padding_mode="reflect"),
+        nn.GroupNorm(3, 6),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(6, 2),
+    ).double()
+
+
+class TokenModel(nn.Module):
+    def __init__(self, vocab: int = 11, dim: int = 6, classes: int = 3) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, dim, padding_idx=0)
+        self.norm = nn.LayerNorm(dim)
+        self.mixer = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.mixer(self.norm(self.embedding(tokens))).relu()
+        return self.head(hidden.mean(dim=1))
+
+
+def make_token_model() -> nn.Module:
+    return TokenModel().double()
+
+
+def token_inputs() -> torch.Tensor:
+    return torch.randint(11, (BATCH, 7))
+
+
+MODELS = {
+    "mlp": (make_mlp, lambda: torch.randn(BATCH, 5, dtype=torch.float64)),
+    "cnn": (make_cnn, lambda: torch.randn(BATCH, 3, 6, 6, dtype=torch.float64)),
+    "tokens": (make_token_model, token_inputs),
+}
+
+
+def covered_names(model: nn.Module, tracker: PerExampleNormTracker) -> set[str]:
+    covered = {id(param) for param in tracker.covered_parameters()}
+    return {name for name, param in model.named_parameters() if id(param) in covered}
+
+
+def run_backward(model: nn.Module, inputs: torch.Tensor, weights: torch.Tensor, mean: bool = False) -> None:
+    loss = (model(inputs) * weights).sum()
+    (loss / inputs.shape[0] if mean else loss).backward()
+
+
+def expected_sq_norms(model: nn.Module, tracker: PerExampleNormTracker, inputs, weights) -> torch.Tensor:
+    return per_example_sq_norms_reference(model, inputs, weights, covered_names(model, tracker)).float()
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_totals_match_torch_func(name: str) -> None:
+    make_model, make_inputs = MODELS[name]
+    model, inputs = make_model(), make_inputs()
+    weights = torch.randn_like(model(inputs))
+    with PerExampleNormTracker(model) as tracker:
+        run_backward(model, inputs, weights)
+        got = tracker.pop()
+    assert got is not None and got.dtype == torch.float32 and got.shape == (BATCH,)
+    torch.testing.assert_close(got, expected_sq_norms(model, tracker, inputs, weights), rtol=1e-4, atol=0)
+
+
+def test_mean_loss_is_not_rescaled() -> None:
+    model, inputs = make_mlp(), torch.randn(BATCH, 5, dtype=torch.float64)
+    weights = torch.randn(BATCH, 3, dtype=torch.float64)
+    with PerExampleNormTracker(model) as tracker:
+        run_backward(model, inputs, weights, mean=True)
+        got = tracker.pop()
+    expected = expected_sq_norms(model, tracker, inputs, weights) / BATCH**2
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=0)
+
+
+def test_passes_accumulate_until_pop() -> None:
+    model, inputs = make_token_model(), token_inputs()
+    weights = torch.randn(BATCH, 3, dtype=torch.float64)
+    with PerExampleNormTracker(model) as tracker:
+        run_backward(model, inputs, weights)
+        run_backward(model, inputs, weights)
+        twice = tracker.pop()
+        assert tracker.pop() is None
+    expected = 2 * expected_sq_norms(model, tracker, inputs, weights)
+    torch.testing.assert_close(twice, expected, rtol=1e-4, atol=0)
+
+
+def test_coverage_of_mlp_with_unsupported_modules() -> None:
+    model = make_mlp()
+    tracker = PerExampleNormTracker(model)
+    uncovered = dict(tracker.uncovered_parameters())
+    assert set(uncovered) == {"3.weight", "4.scale"}
+    assert set(tracker.excluded_reasons) == set(uncovered)
+    assert "PReLU" in tracker.excluded_reasons["3.weight"]
+    assert covered_names(model, tracker) == {"0.weight", "0.bias", "2.weight", "5.weight", "5.bias"}
+    covered_numel = 5 * 8 + 8 + 8 * 6 + 6 * 3 + 3
+    assert tracker.coverage_fraction() == pytest.approx(covered_numel / (covered_numel + 1 + 6))
+
+
+def test_extra_parameter_on_supported_module_is_not_covered() -> None:
+    model = nn.Sequential(nn.Linear(3, 2))
+    model[0].adapter = nn.Parameter(torch.zeros(2, 3))
+    tracker = PerExampleNormTracker(model)
+    assert [name for name, _ in tracker.uncovered_parameters()] == ["0.adapter"]
+    assert "adapter" in tracker.excluded_reasons["0.adapter"]
+    assert tracker.coverage_fraction() == pytest.approx(8 / 14)
+
+
+def test_frozen_parameters_are_ignored() -> None:
+    model = make_token_model()
+    model.embedding.weight.requires_grad_(False)
+    model.head.bias.requires_grad_(False)
+    inputs, weights = token_inputs(), torch.randn(BATCH, 3, dtype=torch.float64)
+    with PerExampleNormTracker(model) as tracker:
+        assert covered_names(model, tracker) == {
+            "norm.weight", "norm.bias", "mixer.weight", "mixer.bias", "head.weight"
+        }
+        assert tracker.coverage_fraction() == 1.0
+        assert model.embedding._forward_hooks == {}
+        run_backward(model, inputs, weights)
+        got = tracker.pop()
+    torch.testing.assert_close(got, expected_sq_norms(model, tracker, inputs, weights), rtol=1e-4, atol=0)
+
+
+def test_detach_leaves_no_hooks() -> None:
+    model = make_cnn()
+    tracker = PerExampleNormTracker(model).attach()
+    assert any(module._forward_hooks for module in model.modules())
+    tracker.detach()
+    assert all(not module._forward_hooks for module in model.modules())
+    assert all(not param._backward_hooks for param in model.parameters())
+    inputs = torch.randn(BATCH, 3, 6, 6, dtype=torch.float64)
+    model(inputs).sum().backward()
+    assert tracker.pop() is None
+
+
+def test_hooks_on_live_outputs_go_inert_after_detach() -> None:
+    model, inputs = make_mlp(), torch.randn(BATCH, 5, dtype=torch.float64)
+    tracker = PerExampleNormTracker(model).attach()
+    out = model(inputs)
+    tracker.detach()
+    out.sum().backward()
+    assert tracker.pop() is None
+
+
+def test_disabled_tracker_does_no_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, inputs = make_mlp(), torch.randn(BATCH, 5, dtype=torch.float64)
+    with PerExampleNormTracker(model) as tracker:
+        calls = []
+        monkeypatch.setattr(tracker, "_on_output_grad", lambda *args: calls.append(args))
+        tracker.enabled = False
+        model(inputs).sum().backward()
+        assert tracker.pop() is None
+        assert calls == []
+
+        tracker.enabled = True
+        out = model(inputs)  # hooks placed while enabled ...
+        tracker.enabled = False
+        out.sum().backward()  # ... do nothing once disabled
+        assert tracker.pop() is None
+
+
+def test_no_grad_forward_is_ignored() -> None:
+    model, inputs = make_mlp(), torch.randn(BATCH, 5, dtype=torch.float64)
+    with PerExampleNormTracker(model) as tracker:
+        with torch.no_grad():
+            model(inputs)
+        assert tracker.pop() is None
+
+
+def test_tied_weights_are_excluded_with_reason() -> None:
+    class TiedModel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embedding = nn.Embedding(9, 4)
+            self.mixer = nn.Linear(4, 4)
+            self.decoder = nn.Linear(4, 9)
+            self.decoder.weight = self.embedding.weight
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.decoder(self.mixer(self.embedding(tokens)))
+
+    model = TiedModel().double()
+    tracker = PerExampleNormTracker(model)
+    assert set(tracker.excluded_reasons) == {"embedding.weight"}
+    reason = tracker.excluded_reasons["embedding.weight"]
+    assert "embedding.weight" in reason and "decoder.weight" in reason
+    assert covered_names(model, tracker) == {"mixer.weight", "mixer.bias", "decoder.bias"}
+    assert tracker.coverage_fraction() == pytest.approx((16 + 4 + 9) / (36 + 16 + 4 + 9))
+
+    tokens = torch.randint(9, (BATCH, 5))
+    weights = torch.randn(BATCH, 5, 9, dtype=torch.float64)
+    with tracker:
+        assert model.embedding._forward_hooks == {}
+        run_backward(model, tokens, weights)
+        got = tracker.pop()
+    torch.testing.assert_close(got, expected_sq_norms(model, tracker, tokens, weights), rtol=1e-4, atol=0)
+
+
+def test_module_registered_under_two_names_is_covered_once() -> None:
+    model = nn.Sequential()
+    shared = nn.Linear(3, 3)
+    model.add_module("first", shared)
+    model.add_module("alias", nn.Identity())
+    model.alias = shared
+    tracker = PerExampleNormTracker(model)
+    assert tracker.excluded_reasons == {}
+    assert len(tracker.covered_parameters()) == 2
+
+
+def test_double_invocation_raises() -> None:
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(self.inner(x))
+
+    model = nn.Sequential(nn.Linear(3, 3), Twice()).double()
+    with PerExampleNormTracker(model) as tracker:
+        out = model(torch.randn(BATCH, 3, dtype=torch.float64))
+        with pytest.raises(RuntimeError, match=r"'1\.inner'.*micro_batch"):
+            out.sum().backward()
+        tracker.pop()
+        # Calling a module once per backward pass (e.g. gradient accumulation) is fine.
+        model[0](torch.randn(BATCH, 3, dtype=torch.float64)).sum().backward()
+        model[0](torch.randn(BATCH, 3, dtype=torch.float64)).sum().backward()
+        assert tracker.pop() is not None
+
+
+def test_second_call_without_gradient_is_fine() -> None:
+    lin = nn.Linear(3, 3).double()
+    inputs = torch.randn(BATCH, 3, dtype=torch.float64)
+    weights = torch.randn(BATCH, 3, dtype=torch.float64)
+    with PerExampleNormTracker(lin) as tracker:
+        with torch.no_grad():
+            lin(inputs)
+        unused = lin(inputs * 2)  # never backpropagated through
+        (lin(inputs) * weights).sum().backward()
+        got = tracker.pop()
+    del unused
+    expected = per_example_sq_norms_reference(lin, inputs, weights).float()
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=0)
+
+
+def test_functional_use_of_covered_weight_raises() -> None:
+    class Functional(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Linear(3, 4)
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.linear(self.body(x), self.head.weight, self.head.bias)  # never calls self.head
+
+    model = nn.Sequential(nn.Linear(3, 3), Functional()).double()
+    with PerExampleNormTracker(model) as tracker:
+        out = model(torch.randn(BATCH, 3, dtype=torch.float64))
+        with pytest.raises(RuntimeError, match=r"'1\.head\.(weight|bias)'.*outside"):
+            out.sum().backward()
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+def test_multihead_attention_projection_is_not_covered() -> None:
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attention = nn.MultiheadAttention(4, 2, batch_first=True)
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.attention(x, x, x, need_weights=False)[0])
+
+    model = Attention().double()
+    inputs = torch.randn(BATCH, 5, 4, dtype=torch.float64)
+    weights = torch.randn(BATCH, 5, 2, dtype=torch.float64)
+    with PerExampleNormTracker(model) as tracker:
+        assert covered_names(model, tracker) == {"head.weight", "head.bias"}
+        assert "attention.out_proj.weight" in tracker.excluded_reasons
+        run_backward(model, inputs, weights)
+        got = tracker.pop()
+    torch.testing.assert_close(got, expected_sq_norms(model, tracker, inputs, weights), rtol=1e-4, atol=0)
+
+
+def test_non_reentrant_activation_checkpointing() -> None:
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Tanh(), nn.Linear(6, 4))
+            self.head = nn.Linear(4, 2)
+            self.use_checkpoint = True
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.use_checkpoint:
+                return self.head(checkpoint(self.block, x, use_reentrant=False))
+            return self.head(self.block(x))
+
+    model = Checkpointed().double()
+    inputs = torch.randn(BATCH, 3, 4, dtype=torch.float64)
+    weights = torch.randn(BATCH, 3, 2, dtype=torch.float64)
+    with PerExampleNormTracker(model) as tracker:
+        run_backward(model, inputs, weights)
+        got = tracker.pop()
+    model.use_checkpoint = False  # torch.func can't run through checkpointing
+    torch.testing.assert_close(got, expected_sq_norms(model, tracker, inputs, weights), rtol=1e-4, atol=0)
+
+
+def test_batch_size_mismatch_raises() -> None:
+    class Flattening(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = nn.Linear(3, 3)
+            self.second = nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.second(self.first(x).reshape(-1, 3))  # tokens become "examples"
+
+    model = Flattening().double()
+    with PerExampleNormTracker(model) as tracker:
+        out = model(torch.randn(BATCH, 5, 3, dtype=torch.float64))
+        with pytest.raises(RuntimeError, match="batch size"):
+            out.sum().backward()
+
+
+def test_has_batchnorm_in_training() -> None:
+    tracker = PerExampleNormTracker(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)))
+    assert tracker.has_batchnorm_in_training()
+    assert set(tracker.excluded_reasons) == {"1.weight", "1.bias"}
+    tracker.model.eval()
+    assert not tracker.has_batchnorm_in_training()
+    assert not PerExampleNormTracker(make_mlp()).has_batchnorm_in_training()
+    sync_bn = nn.Sequential(nn.Linear(2, 2), nn.SyncBatchNorm(2))
+    assert PerExampleNormTracker(sync_bn).has_batchnorm_in_training()

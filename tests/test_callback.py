@@ -1,0 +1,240 @@
+"""GradientNoiseScaleCallback end to end against the exact B_simple computed by brute force.
+
+Parameters are held fixed (SGD with lr=0) and batches drawn with replacement, so every step samples the same
+distribution whose exact noise scale the reference computes from all 1797 per-example gradients.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from pytorch_lightning.callbacks import GradientAccumulationScheduler
+from pytorch_lightning.loggers import Logger
+from pytorch_lightning.plugins.precision import MixedPrecision
+from pytorch_lightning.utilities.exceptions import MisconfigurationException
+
+from gns_callback import GradientNoiseScaleCallback, load_estimate
+from tests.helpers import Classifier, assert_matches_exact, fit_with_gns, mlp, quiet_trainer, small_cnn, with_replacement_loader
+
+
+@pytest.fixture(scope="module")
+def mlp_exact(digits, exact_gns):
+    return exact_gns(mlp(), F.cross_entropy, *digits)[0]
+
+
+def micro(**kwargs):
+    return GradientNoiseScaleCallback(method="micro_batch", verbose=False, **kwargs)
+
+
+def test_mlp_matches_exact_value(digits, mlp_exact, tmp_path):
+    cb, trainer, _ = fit_with_gns(mlp(), *digits, callback=micro(report_path=str(tmp_path / "r.json")))
+    assert_matches_exact(cb.estimate, mlp_exact)
+    assert_matches_exact(cb.run_estimate, mlp_exact)
+    assert cb.estimate.steps == 300 and cb.estimate.skipped_steps == 0 and cb.estimate.method == "micro_batch"
+    # The report carries the same numbers.
+    assert load_estimate(tmp_path / "r.json") == cb.estimate
+    assert json.loads((tmp_path / "r.json").read_text())["run"]["accumulate_grad_batches"] == 4
+
+
+def test_cnn_with_groupnorm_matches_exact_value(digits, exact_gns):
+    exact = exact_gns(small_cnn(), F.cross_entropy, *digits)[0]
+    cb, _, _ = fit_with_gns(small_cnn(), *digits, callback=micro(), steps=250)
+    assert_matches_exact(cb.run_estimate, exact)
+
+
+def test_sum_reduced_loss(digits, mlp_exact):
+    cb, _, _ = fit_with_gns(mlp(), *digits, callback=micro(loss_reduction="sum"), module_kwargs={"loss_reduction": "sum"})
+    assert_matches_exact(cb.run_estimate, mlp_exact)
+
+
+def test_partial_accumulation_windows_at_epoch_end(digits, mlp_exact):
+    """Epochs of 10 micro-batches with accumulate=4: windows of 4, 4, 2 (Lightning divides the last by 4 too)."""
+    x, y = digits
+    loader = with_replacement_loader(x, y, 8, num_samples=80, seed=3)
+    cb = micro()
+    quiet_trainer(max_epochs=100, accumulate_grad_batches=4, callbacks=[cb]).fit(Classifier(mlp()), loader)
+    assert cb.run_estimate.steps == 300
+    assert_matches_exact(cb.run_estimate, mlp_exact)
+
+
+def test_gradient_clipping_does_not_change_the_measurement(digits):
+    plain, _, _ = fit_with_gns(mlp(), *digits, steps=60)
+    clipped, _, _ = fit_with_gns(mlp(), *digits, steps=60, callback=micro(), gradient_clip_val=1e-3)
+    assert clipped.run_estimate.b_simple == pytest.approx(plain.run_estimate.b_simple, rel=1e-6)
+
+
+def test_fp16_with_a_real_grad_scaler_matches_fp32(digits):
+    """Small-batch norms are taken on scaled gradients (scale 2^16 here): they must be unscaled."""
+    fp32, _, _ = fit_with_gns(mlp(), *digits, steps=100)
+    scaler = torch.amp.GradScaler("cpu")
+    fp16, trainer, _ = fit_with_gns(
+        mlp(), *digits, steps=100, callback=micro(), plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)]
+    )
+    assert trainer.precision_plugin.scaler.get_scale() > 1.0  # the scaler really scaled
+    assert fp16.run_estimate.steps == 100
+    assert fp16.run_estimate.b_simple == pytest.approx(fp32.run_estimate.b_simple, rel=0.02)
+
+
+def test_bf16(digits):
+    fp32, _, _ = fit_with_gns(mlp(), *digits, steps=100)
+    bf16, _, _ = fit_with_gns(mlp(), *digits, steps=100, callback=micro(), precision="bf16-mixed")
+    assert bf16.run_estimate.b_simple == pytest.approx(fp32.run_estimate.b_simple, rel=0.05)
+
+
+class InfOnceClassifier(Classifier):
+    """Returns an infinite loss on one micro-batch: the GradScaler skips that optimizer step."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("inf") if batch_idx == 21 else loss
+
+
+def test_non_finite_step_is_skipped_and_counted(digits, mlp_exact):
+    x, y = digits
+    cb = micro()
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    loader = with_replacement_loader(x, y, 8, 4 * 8 * 300, seed=1)
+    quiet_trainer(accumulate_grad_batches=4, callbacks=[cb], plugins=[plugin]).fit(InfOnceClassifier(mlp()), loader)
+    assert cb.run_estimate.steps == 299 and cb.run_estimate.skipped_steps == 1
+    assert math.isfinite(cb.run_estimate.b_simple)
+    assert_matches_exact(cb.run_estimate, mlp_exact)
+
+
+class WithUnusedLayer(torch.nn.Module):
+    def __init__(self, net):
+        super().__init__()
+        self.net, self.unused = net, torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_frozen_and_unused_parameters(digits, exact_gns):
+    """A frozen layer and a parameter that never gets a gradient are left out of both norms consistently."""
+    x, y = digits
+    net = mlp()
+    net[0].bias.requires_grad_(False)
+    exact = exact_gns(net, F.cross_entropy, x, y)[0]
+    cb, _, _ = fit_with_gns(WithUnusedLayer(net), x, y, callback=micro())
+    assert_matches_exact(cb.run_estimate, exact)
+
+
+def test_accumulation_schedule_measures_only_steps_with_several_micro_batches(digits):
+    x, y = digits
+    loader = with_replacement_loader(x, y, 8, num_samples=8 * 40, seed=0)  # 40 micro-batches per epoch
+    cb = micro()
+    schedule = GradientAccumulationScheduler({0: 1, 1: 4})
+    quiet_trainer(max_epochs=2, callbacks=[cb, schedule]).fit(Classifier(mlp()), loader)
+    assert cb.run_estimate.steps == 10 and cb.run_estimate.skipped_steps == 40
+
+
+def test_training_is_unchanged_by_the_callback(digits):
+    """Real training (Adam, lr=1e-2): identical weights with and without the callback."""
+    x, y = digits
+    results = []
+    for callbacks in ([], [micro()]):
+        torch.manual_seed(0)
+        module = Classifier(mlp(), lr=1e-2, optimizer="adam")
+        loader = with_replacement_loader(x, y, 16, 16 * 2 * 30, seed=5)
+        quiet_trainer(accumulate_grad_batches=2, callbacks=callbacks).fit(module, loader)
+        results.append({k: v.clone() for k, v in module.state_dict().items()})
+    for key in results[0]:
+        assert torch.equal(results[0][key], results[1][key]), key
+
+
+def test_hooks_are_removed_after_fit(digits):
+    _, _, module = fit_with_gns(mlp(), *digits, steps=5)
+    assert all(not p._backward_hooks for p in module.parameters())
+
+
+class RecordingLogger(Logger):
+    def __init__(self):
+        super().__init__()
+        self.history = []
+
+    name, version = "recording", 0
+
+    def log_metrics(self, metrics, step=None):
+        self.history.append(dict(metrics))
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+
+def test_metrics_reach_loggers_and_callback_metrics(digits):
+    logger = RecordingLogger()
+    cb, trainer, _ = fit_with_gns(mlp(), *digits, steps=100, callback=micro(log_every_n_steps=10), logger=logger,
+                                  log_every_n_steps=10, default_root_dir=None)
+    names = ["gns/b_simple", "gns/grad_sq_norm", "gns/trace_sigma", "gns/b_simple_ci_low", "gns/b_simple_ci_high"]
+    for name in names:
+        assert name in trainer.callback_metrics
+        assert any(name in m for m in logger.history)
+    assert trainer.callback_metrics["gns/b_simple"].item() == pytest.approx(cb.estimate.b_simple, rel=1e-5)
+    assert trainer.callback_metrics["gns/b_simple_ci_high"].item() == pytest.approx(cb.estimate.ci_high, rel=1e-5)
+
+
+def test_default_report_path_is_under_the_log_dir(digits, tmp_path):
+    cb, trainer, _ = fit_with_gns(mlp(), *digits, steps=5, callback=micro(), default_root_dir=str(tmp_path))
+    assert cb.report_path == str(tmp_path / "gns_report.json")
+    assert load_estimate(cb.report_path).steps == 5
+
+
+def test_checkpoint_resume_restores_the_running_state_exactly(digits, tmp_path):
+    x, y = digits
+    loader = with_replacement_loader(x, y, 8, 8 * 2 * 200, seed=0)
+    first = micro()
+    trainer = quiet_trainer(max_steps=30, accumulate_grad_batches=2, callbacks=[first])
+    trainer.fit(Classifier(mlp()), loader)
+    path = tmp_path / "gns.ckpt"
+    trainer.save_checkpoint(path)
+    torch.load(path, weights_only=True)  # plain types only: loads under weights_only=True
+
+    resumed = micro()  # resume with no further steps: the state is exactly the saved one
+    quiet_trainer(max_steps=30, accumulate_grad_batches=2, callbacks=[resumed]).fit(Classifier(mlp()), loader, ckpt_path=path)
+    assert resumed.state_dict() == first.state_dict()
+
+    continued = micro()
+    quiet_trainer(max_steps=50, max_epochs=10, accumulate_grad_batches=2, callbacks=[continued]).fit(Classifier(mlp()), loader, ckpt_path=path)
+    assert continued.run_estimate.steps == 50
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"ema_decay": 1.5}, "ema_decay"),
+        ({"ema_decay": 1.0}, "ema_decay"),
+        ({"method": "magic"}, "method"),
+        ({"confidence": 95}, "confidence"),
+        ({"loss_reduction": "avg"}, "loss_reduction"),
+        ({"log_every_n_steps": 0}, "log_every_n_steps"),
+    ],
+)
+def test_bad_arguments_name_the_argument(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GradientNoiseScaleCallback(**kwargs)
+
+
+def test_micro_batch_without_accumulation_says_what_to_do(digits):
+    with pytest.raises(MisconfigurationException, match="accumulate_grad_batches"):
+        fit_with_gns(mlp(), *digits, accumulate=1, steps=3)
+
+
+class ManualClassifier(Classifier):
+    def __init__(self, net):
+        super().__init__(net)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+
+
+def test_manual_optimization_is_refused_clearly(digits):
+    x, y = digits
+    with pytest.raises(MisconfigurationException, match="automatic optimization"):
+        quiet_trainer(callbacks=[micro()], max_steps=2).fit(ManualClassifier(mlp()), with_replacement_loader(x, y, 8, 64))
