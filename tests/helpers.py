@@ -108,3 +108,28 @@ def assert_matches_exact(estimate, exact: float, max_ci_ratio: float = 2.0) -> N
     assert estimate.steps > 0
     assert estimate.ci_low <= exact <= estimate.ci_high, (estimate, exact)
     assert estimate.ci_high / estimate.ci_low < max_ci_ratio, estimate
+
+
+class TokenModel(nn.Module):
+    """Embedding → LayerNorm → Linear over the sequence → mean-pool → Linear (input: (B, T) token ids)."""
+
+    def __init__(self, vocab: int = 17, dim: int = 16, classes: int = 10) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.mix = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, tokens):
+        h = torch.tanh(self.mix(self.norm(self.embed(tokens))))
+        return self.head(h.mean(dim=1))
+
+
+def token_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return TokenModel()
+
+
+def bn_mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 10))
