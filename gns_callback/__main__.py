@@ -1,0 +1,19 @@
+"""Command line: ``python -m gns_callback demo [...]``."""
+
+import sys
+
+COMMANDS = {"demo": "gns_callback.demo"}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in COMMANDS:
+        print("usage: python -m gns_callback {" + ",".join(COMMANDS) + "} [options]   (demo --help for options)")
+        raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    import importlib
+
+    importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""DDP for real: 2 CPU processes (gloo, ddp_spawn). Ranks draw independent with-replacement streams."""
+
+import json
+
+import pytest
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+
+from gns_callback import GradientNoiseScaleCallback, load_estimate
+from tests.helpers import Classifier, mlp, quiet_trainer
+
+
+class RankRecorder(pl.Callback):
+    """Writes every rank's view of the estimate (the spawned workers' callbacks are not the parent's)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def on_fit_end(self, trainer, pl_module):
+        gns = next(cb for cb in trainer.callbacks if isinstance(cb, GradientNoiseScaleCallback))
+        with open(f"{self.directory}/rank{trainer.global_rank}.json", "w") as f:
+            json.dump({"estimate": gns.estimate.to_dict(), "state": gns.state_dict()}, f)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def file_system_sharing():
+    # Sending CPU tensors to spawned workers can fail with "unable to resize file" under the default strategy.
+    previous = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    yield
+    torch.multiprocessing.set_sharing_strategy(previous)
+
+
+@pytest.mark.parametrize("method, accumulate, batch_size", [("micro_batch", 2, 8), ("per_example", 1, 32)])
+def test_ddp_two_processes_agree_with_exact_and_each_other(digits, exact_gns, tmp_path, method, accumulate, batch_size):
+    x, y = digits
+    exact = exact_gns(mlp(), F.cross_entropy, x, y)[0]
+    steps = 150
+    loader_args = {"x": x, "y": y, "batch_size": batch_size, "num_samples": steps * accumulate * batch_size, "seed": 7}
+    report = tmp_path / "report.json"
+    gns = GradientNoiseScaleCallback(method=method, report_path=str(report), verbose=False)
+    trainer = quiet_trainer(
+        strategy="ddp_spawn",
+        devices=2,
+        accumulate_grad_batches=accumulate,
+        use_distributed_sampler=False,
+        callbacks=[gns, RankRecorder(str(tmp_path))],
+    )
+    trainer.fit(Classifier(mlp(), loader_args=loader_args))
+
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1]  # identical estimate and running sums on both ranks
+    estimate = load_estimate(report)
+    assert estimate.to_dict() == ranks[0]["estimate"]
+    assert estimate.steps == steps and estimate.method == method
+    run = load_estimate(report, "run_estimate")
+    assert run.ci_low <= exact <= run.ci_high, (run, exact)
+    assert run.ci_high / run.ci_low < 2.0
+    assert json.loads(report.read_text())["run"]["world_size"] == 2
