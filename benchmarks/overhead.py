@@ -41,11 +41,10 @@ import contextlib
 import copy
 import datetime
 import importlib
-import io
 import logging
-import math
 import os
 import platform
+import re
 import shlex
 import statistics
 import sys
@@ -129,7 +128,8 @@ class TinyTransformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         b, t = tokens.shape
-        positions = torch.arange(t, device=tokens.device).expand(b, t)  # batch dim 0 for per-example hooks
+        # (B, T), batch dim 0 for per-example hooks; contiguous because Opacus' embedding norm sampler .view()s it
+        positions = torch.arange(t, device=tokens.device).expand(b, t).contiguous()
         h = self.tok(tokens) + self.pos(positions)
         h = h + self.attn(self.ln1(h))
         h = h + self.fc2(F.gelu(self.fc1(self.ln2(h))))
@@ -152,6 +152,7 @@ class ModelSpec:
     build: Callable[[], nn.Module]
     make_batch: Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    step_factor: int = 1  # cheap models get more timed steps
 
 
 def model_specs(quick: bool) -> list[ModelSpec]:
@@ -184,6 +185,7 @@ def model_specs(quick: bool) -> list[ModelSpec]:
             lambda: make_mlp(mlp["in_dim"], mlp["hidden"], mlp["classes"]),
             mlp_batch,
             classification_loss,
+            step_factor=3,
         ),
         ModelSpec(
             "CNN",
@@ -448,13 +450,21 @@ PLAIN_CONFIGS = [
 ]
 
 
-def plain_run(step: PlainStep, pool: list, steps: int, warmup: int) -> list[float]:
+def plain_run(step: PlainStep, pool: list, steps: int, warmup: int, budget_s: float) -> list[float]:
+    """Step times (s) after warm-up. A configuration whose first step shows that ``warmup + steps`` would
+    take longer than ``budget_s`` runs 1 more warm-up step and as many timed steps as fit (at least 5)."""
     times = []
-    for i in range(warmup + steps):
+    total = warmup + steps
+    i = 0
+    while i < total:
         x, y = pool[i % len(pool)]
         start = time.perf_counter()
         step(x, y)
         times.append(time.perf_counter() - start)
+        i += 1
+        if i == 1 and times[0] * total > budget_s:
+            warmup = min(warmup, 2)
+            total = warmup + max(5, min(steps, int(budget_s / times[0]) - warmup))
     return times[warmup:]
 
 
@@ -521,6 +531,8 @@ def _quiet():
     warnings.filterwarnings("ignore", ".*You called `self.log`.*")
     warnings.filterwarnings("ignore", category=UserWarning, module=r"(pytorch_lightning|lightning_fabric|opacus|backpack).*")
     warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", ".*Full backward hook is firing.*")  # Opacus' hooks on the first layer
+    warnings.filterwarnings("ignore", ".*There is a performance drop.*")  # recorded by the probe instead
 
 
 def set_threads(threads: int) -> None:
@@ -530,7 +542,7 @@ def set_threads(threads: int) -> None:
 
 
 def run_benchmark(quick: bool = False, steps: int | None = None, warmup: int | None = None,
-                  rounds: int | None = None, threads: int = 1, peers: bool = True,
+                  rounds: int | None = None, threads: int = 1, peers: bool = True, budget_s: float | None = None,
                   models: list[str] | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run every configuration; returns ``{"results": [Result], "settings": {...}, "peers": {...}}``."""
     _quiet()
@@ -538,6 +550,7 @@ def run_benchmark(quick: bool = False, steps: int | None = None, warmup: int | N
     steps = steps if steps is not None else (6 if quick else 40)
     warmup = warmup if warmup is not None else (2 if quick else 5)
     rounds = rounds if rounds is not None else (1 if quick else 3)
+    budget_s = budget_s if budget_s is not None else (2.0 if quick else 6.0)
     specs = [s for s in model_specs(quick) if models is None or s.name.lower() in {m.lower() for m in models}]
 
     peer_versions: dict[str, str] = {}
@@ -554,7 +567,7 @@ def run_benchmark(quick: bool = False, steps: int | None = None, warmup: int | N
             dist = {"backpack": "backpack-for-pytorch"}.get(config.package, config.package)
             peer_versions[config.package] = _dist_version(dist) or getattr(module, "__version__", "?")
             plain_configs.append(config)
-        except ImportError as exc:
+        except Exception as exc:  # noqa: BLE001 - ImportError, or a peer broken by this torch version
             peer_versions[config.package] = f"not installed, skipped ({_first_line(exc)})"
             log(f"[overhead] {config.package} not installed: skipping {config.label}")
 
@@ -577,7 +590,13 @@ def run_benchmark(quick: bool = False, steps: int | None = None, warmup: int | N
                 if config.key == "plain":
                     continue
                 try:
-                    sq = probe_norms(config, spec, template, pool[0])
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always")
+                        sq = probe_norms(config, spec, template, pool[0])
+                    slow = sorted({op for w in caught if "batching rule" in str(w.message)
+                                   for op in re.findall(r"aten::\w+", str(w.message))})  # fmt: skip
+                    if slow:
+                        plain[config.key].info["warning"] = f"no vmap batching rule for {', '.join(slow)} (slow fallback)"
                 except Exception as exc:  # noqa: BLE001 - a peer's failure is a result, not a crash
                     plain[config.key].status = f"unsupported: {_first_line(exc)}"
                     log(f"[overhead] {spec.name}: {config.label} unsupported ({_first_line(exc)})")
@@ -592,9 +611,13 @@ def run_benchmark(quick: bool = False, steps: int | None = None, warmup: int | N
                     plain[config.key].info["max_rel_diff_vs_torch_func"] = rel
 
             jobs: list[tuple[str, Callable[[], None]]] = []
+            model_steps = steps * spec.step_factor
             for key, _, method, accumulate, _ in LIGHTNING_CONFIGS:
-                def job(key=key, method=method, accumulate=accumulate):
-                    times, info = lightning_run(spec, template, pool, method, accumulate, steps, warmup, workdir)
+                # accumulate=4 steps cost 4 micro-batches: half the optimizer steps, twice the micro-batches
+                run_steps = model_steps if accumulate == 1 else max(5, model_steps // 2)
+
+                def job(key=key, method=method, accumulate=accumulate, run_steps=run_steps):
+                    times, info = lightning_run(spec, template, pool, method, accumulate, run_steps, warmup, workdir)
                     light[key].times += times
                     light[key].round_medians.append(statistics.median(times))
                     light[key].info.update(info)
@@ -606,7 +629,7 @@ def run_benchmark(quick: bool = False, steps: int | None = None, warmup: int | N
                         return
                     step = config.step(spec, copy.deepcopy(template))
                     try:
-                        times = plain_run(step, pool, steps, warmup)
+                        times = plain_run(step, pool, model_steps, warmup, budget_s)
                     finally:
                         step.close()
                     result.times += times
@@ -620,7 +643,6 @@ def run_benchmark(quick: bool = False, steps: int | None = None, warmup: int | N
                     job()
                     log(f"[overhead] {spec.name} round {r + 1}/{rounds} {name}: {time.perf_counter() - t0:.1f}s")
 
-            group = {**light, **{f"plain:{k}": v for k, v in plain.items()}}
             for result in list(light.values()) + list(plain.values()):
                 if result.baseline_key is None or result.status != "ok" or not result.times:
                     continue
@@ -628,11 +650,10 @@ def run_benchmark(quick: bool = False, steps: int | None = None, warmup: int | N
                 result.ratio = statistics.median(result.times) / statistics.median(base.times)
                 result.ratio_of_means = statistics.fmean(result.times) / statistics.fmean(base.times)
                 result.round_ratios = [a / b for a, b in zip(result.round_medians, base.round_medians)]
-            del group
             results += list(light.values()) + list(plain.values())
 
     settings = {
-        "quick": quick, "steps": steps, "warmup": warmup, "rounds": rounds, "threads": threads,
+        "quick": quick, "steps": steps, "warmup": warmup, "rounds": rounds, "threads": threads, "budget_s": budget_s,
         "elapsed_s": time.perf_counter() - started, "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
         "models": {s.name: s.description for s in specs},
     }  # fmt: skip
@@ -673,9 +694,13 @@ def render(run: dict[str, Any], command: str) -> str:
         f"- Hardware: `nproc` = {os.cpu_count()}, CPU: {cpu_model()}; no GPU. torch {torch.__version__}, "
         f"pytorch-lightning {pl.__version__}, Python {platform.python_version()}.",
         f"- `torch.set_num_threads({s['threads']})` (inter-op threads 1) for every configuration.",
-        f"- Peers: " + ", ".join(f"{k} {v}" for k, v in run["peers"].items()) + (" " if run["peers"] else "none") ,
-        f"- Steps: {s['warmup']} warm-up + {s['steps']} timed optimizer steps per run, {s['rounds']} interleaved "
-        f"round(s) (order reversed on odd rounds); ms/step = median over all timed steps of all rounds; "
+        "- Peers (benchmark-only, not package dependencies): "
+        + (", ".join(f"{k} {v}" for k, v in run["peers"].items()) or "none")
+        + "; torch.func from torch.",
+        f"- Steps: {s['warmup']} warm-up + {s['steps']} timed optimizer steps per run (×3 for the cheap MLP; half "
+        f"as many, min 5, at accumulate=4; a plain-loop run whose first step shows it would exceed "
+        f"{s['budget_s']:.0f} s is cut to 2 warm-up + as many timed steps as fit, min 5), {s['rounds']} interleaved "
+        f"round(s) (order reversed on odd rounds); `timed steps` = pooled over rounds; ms/step = median over all timed steps of all rounds; "
         f"ratio = median / median of its baseline; per-round = the same ratio within each round. "
         f"Load average (1/5/15 min) at start {_fmt_load(s['loadavg_start'])}, at end {_fmt_load(s['loadavg_end'])}; "
         f"total {s['elapsed_s']:.0f} s.",
@@ -692,8 +717,8 @@ def render(run: dict[str, Any], command: str) -> str:
         "",
         "Models: " + "; ".join(f"**{k}**: {v}" for k, v in s["models"].items()) + ".",
         "",
-        "| model | batch | loop | config | ms/step | ratio | per-round ratios | ratio of means | target | notes |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| model | batch | loop | config | timed steps | ms/step | ratio | per-round ratios | ratio of means | target | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in run["results"]:
         target = TARGETS.get(r.key) if r.loop == "Lightning" else None
@@ -705,6 +730,8 @@ def render(run: dict[str, Any], command: str) -> str:
             notes.append(r.status.replace("|", "\\|"))
         if "max_rel_diff_vs_torch_func" in r.info and r.key != "torch_func":
             notes.append(f"max rel. diff {r.info['max_rel_diff_vs_torch_func']:.1e}")
+        if r.info.get("warning"):
+            notes.append(r.info["warning"].replace("|", "\\|"))
         if r.info.get("coverage") is not None:
             notes.append(f"coverage {r.info['coverage']:.0%}")
         if r.info.get("measured_steps") is not None:
@@ -715,7 +742,7 @@ def render(run: dict[str, Any], command: str) -> str:
             ratio = "unsupported" if r.status.startswith("unsupported") else r.status
         per_round = ", ".join(f"{x:.2f}" for x in r.round_ratios)
         lines.append(
-            f"| {r.model} | {r.batch} | {r.loop} | {r.label} | {ms} | {ratio} | {per_round} | "
+            f"| {r.model} | {r.batch} | {r.loop} | {r.label} | {len(r.times) or ''} | {ms} | {ratio} | {per_round} | "
             f"{_fmt_ratio(r.ratio_of_means) if r.ratio_of_means else ''} | {target_text} | {'; '.join(notes)} |"
         )
     return "\n".join(lines) + "\n"
@@ -748,12 +775,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, help="timed optimizer steps per run")
     parser.add_argument("--warmup", type=int, help="untimed optimizer steps per run")
     parser.add_argument("--rounds", type=int, help="interleaved rounds")
+    parser.add_argument("--budget", type=float, help="seconds one plain-loop run may take (slow peers are cut)")
     parser.add_argument("--models", nargs="+", help="subset of MLP CNN Transformer")
     parser.add_argument("--no-peers", action="store_true", help="skip torch-external peers (BackPACK, Opacus)")
     args = parser.parse_args(argv)
     command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__), *(sys.argv[1:] if argv is None else argv)])
     run = run_benchmark(quick=args.quick, steps=args.steps, warmup=args.warmup, rounds=args.rounds,
-                        threads=args.threads, peers=not args.no_peers, models=args.models)  # fmt: skip
+                        threads=args.threads, peers=not args.no_peers, models=args.models,
+                        budget_s=args.budget)  # fmt: skip
     section = render(run, command)
     print(section)
     if args.out:

@@ -4,7 +4,7 @@ import pytest
 import torch
 from sklearn.datasets import load_digits
 
-from tests.reference import exact_noise_scale, per_example_gradients
+from gns_callback.exact import exact_b_simple
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*LeafSpec.*")
@@ -21,7 +21,4 @@ def digits():
 def exact_gns():
     """``exact_gns(net, loss_fn, x, y) -> (B_simple, |G|², tr Σ)`` by brute force over the whole data set."""
 
-    def compute(net, loss_fn, x, y):
-        return exact_noise_scale(per_example_gradients(net, loss_fn, x, y))
-
-    return compute
+    return exact_b_simple

@@ -1,4 +1,8 @@
-"""Brute-force references the tests compare against (no gns_callback code inside)."""
+"""Exact ``B_simple`` by brute force: every per-example gradient over a whole data set, at fixed parameters.
+
+Independent of the estimators (it uses ``torch.func`` per-sample gradients); the tests and benchmarks compare
+against it, and a user can use it to check the callback on their own (small) model and data.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ from torch.func import functional_call, grad, vmap
 
 
 def per_example_gradients(model: torch.nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, chunk: int = 256) -> torch.Tensor:
-    """(N, P) matrix of per-example gradients of ``loss_fn(model(x_i), y_i)`` over trainable parameters."""
+    """(N, P) float64 matrix of per-example gradients of ``loss_fn(model(x_i), y_i)`` over trainable parameters."""
     params = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
 
     def loss_one(p, xi, yi):
@@ -22,8 +26,14 @@ def per_example_gradients(model: torch.nn.Module, loss_fn, x: torch.Tensor, y: t
 
 
 def exact_noise_scale(per_example: torch.Tensor) -> tuple[float, float, float]:
-    """``(B_simple, |G|², tr Σ)`` of the empirical distribution of the rows (sampling with replacement)."""
+    """``(B_simple, |G|², tr Σ)`` of the empirical distribution of the rows (sampling with replacement):
+    ``G = mean_i g_i``, ``tr Σ = mean_i |g_i − G|²``."""
     mean = per_example.mean(0)
     trace = (per_example - mean).pow(2).sum(1).mean().item()
     grad_sq = mean.pow(2).sum().item()
     return trace / grad_sq, grad_sq, trace
+
+
+def exact_b_simple(model: torch.nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float]:
+    """``(B_simple, |G|², tr Σ)`` of ``model`` on the data set ``(x, y)``, for a per-example ``loss_fn``."""
+    return exact_noise_scale(per_example_gradients(model, loss_fn, x, y))
