@@ -115,6 +115,7 @@ class GradientNoiseScaleCallback(pl.Callback):
         self._run = RatioAccumulator(1.0)
         self._counts = torch.zeros(len(COUNT_FIELDS), dtype=torch.float64)
         self._steps_seen = 0
+        self._history: list[dict[str, Any]] = []
         self._window.reset()
 
     @property
@@ -129,6 +130,7 @@ class GradientNoiseScaleCallback(pl.Callback):
             "run": self._run.state_dict(),
             "counts": self._counts.tolist(),
             "steps_seen": self._steps_seen,
+            "history": list(self._history),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -136,6 +138,7 @@ class GradientNoiseScaleCallback(pl.Callback):
         self._run.load_state_dict(state_dict["run"])
         self._counts = torch.tensor(state_dict["counts"], dtype=torch.float64, device=self._counts.device)
         self._steps_seen = int(state_dict["steps_seen"])
+        self._history = list(state_dict.get("history", []))
         self._restored_method = state_dict.get("method")
 
     # ------------------------------------------------------------------ results
@@ -154,6 +157,11 @@ class GradientNoiseScaleCallback(pl.Callback):
     def estimate(self) -> GNSEstimate:
         """The EMA estimate (recent window) with its interval. Reading it syncs the device once."""
         return self._estimate(self._ema, "ema")
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """The estimate at each logging point: step, b_simple, ci_low, ci_high, b_simple_run, run_ci_*."""
+        return list(self._history)
 
     @property
     def run_estimate(self) -> GNSEstimate:
@@ -311,12 +319,25 @@ class GradientNoiseScaleCallback(pl.Callback):
         self._steps_seen += 1
         every = self.log_every_n_steps or trainer.log_every_n_steps
         if every and self._steps_seen % every == 0:
-            self._log(pl_module)
+            self._log(trainer, pl_module)
 
-    def _log(self, pl_module: "pl.LightningModule") -> None:
+    def _log(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         est, run = self.estimate, self.run_estimate
         if est.steps == 0:
             return
+        self._history.append(
+            _json_safe(
+                {
+                    "step": trainer.global_step + 1,  # this optimizer step, counted from 1
+                    "b_simple": est.b_simple,
+                    "ci_low": est.ci_low,
+                    "ci_high": est.ci_high,
+                    "b_simple_run": run.b_simple,
+                    "run_ci_low": run.ci_low,
+                    "run_ci_high": run.ci_high,
+                }
+            )
+        )
         pl_module.log_dict(
             {
                 "gns/b_simple": est.b_simple,
@@ -360,6 +381,7 @@ class GradientNoiseScaleCallback(pl.Callback):
         return {
             "estimate": self.estimate.to_dict(),
             "run_estimate": self.run_estimate.to_dict(),
+            "history": self._history,
             "coverage": self._coverage,
             "config": {
                 "method": self.method,
@@ -379,6 +401,10 @@ class GradientNoiseScaleCallback(pl.Callback):
         path = self.resolve_report_path(trainer)
         write_report(path, self.report_sections(trainer))
         return path
+
+
+def _json_safe(values: dict[str, float]) -> dict[str, Optional[float]]:
+    return {k: (v if math.isfinite(v) else None) for k, v in values.items()}
 
 
 def _loss_scale(trainer: "pl.Trainer") -> Optional[torch.Tensor]:

@@ -65,15 +65,17 @@ def test_gradient_clipping_does_not_change_the_measurement(digits):
     assert clipped.run_estimate.b_simple == pytest.approx(plain.run_estimate.b_simple, rel=1e-6)
 
 
-def test_fp16_with_a_real_grad_scaler_matches_fp32(digits):
+@pytest.mark.parametrize("method", ["micro_batch", "per_example"])
+def test_fp16_with_a_real_grad_scaler_matches_fp32(digits, method):
     """Small-batch norms are taken on scaled gradients (scale 2^16 here): they must be unscaled."""
-    fp32, _, _ = fit_with_gns(mlp(), *digits, steps=100)
+    make = lambda: GradientNoiseScaleCallback(method=method, verbose=False)  # noqa: E731
+    fp32, _, _ = fit_with_gns(mlp(), *digits, steps=100, callback=make())
     scaler = torch.amp.GradScaler("cpu")
     fp16, trainer, _ = fit_with_gns(
-        mlp(), *digits, steps=100, callback=micro(), plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)]
+        mlp(), *digits, steps=100, callback=make(), plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)]
     )
     assert trainer.precision_plugin.scaler.get_scale() > 1.0  # the scaler really scaled
-    assert fp16.run_estimate.steps == 100
+    assert fp16.run_estimate.steps == 100 and fp16.run_estimate.method == method
     assert fp16.run_estimate.b_simple == pytest.approx(fp32.run_estimate.b_simple, rel=0.02)
 
 
@@ -173,6 +175,8 @@ def test_metrics_reach_loggers_and_callback_metrics(digits):
         assert any(name in m for m in logger.history)
     assert trainer.callback_metrics["gns/b_simple"].item() == pytest.approx(cb.estimate.b_simple, rel=1e-5)
     assert trainer.callback_metrics["gns/b_simple_ci_high"].item() == pytest.approx(cb.estimate.ci_high, rel=1e-5)
+    assert [h["step"] for h in cb.history] == list(range(10, 101, 10))
+    assert cb.history[-1]["b_simple"] == pytest.approx(cb.estimate.b_simple)
 
 
 def test_default_report_path_is_under_the_log_dir(digits, tmp_path):
