@@ -10,6 +10,12 @@ warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*LeafSpec.*")
 
 
+@pytest.fixture(autouse=True)
+def _run_in_tmp_path(tmp_path, monkeypatch):
+    """Each test runs in its own directory: nothing it writes (reports, lightning_logs) lands in the repository."""
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.fixture(scope="session")
 def digits():
     """scikit-learn's bundled 8×8 digits (1797 real images), pixels scaled to [0, 1]."""
