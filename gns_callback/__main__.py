@@ -1,8 +1,8 @@
-"""Command line: ``python -m gns_callback demo [...]``."""
+"""Command line: ``python -m gns_callback demo [...]`` and ``python -m gns_callback report <report.json or run dir>``."""
 
 import sys
 
-COMMANDS = {"demo": "gns_callback.demo"}
+COMMANDS = {"demo": "gns_callback.demo", "report": "gns_callback.report_cli"}
 
 
 def main(argv: list[str] | None = None) -> None:

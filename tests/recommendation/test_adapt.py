@@ -1,0 +1,83 @@
+import pytest
+
+from gns_callback.recommendation import AdaptPolicy, recommend
+from tests.recommendation.synthetic import synthetic_estimate
+
+
+def decide_all(policy, targets, accum=4, micro=16, devices=1):
+    """Feed recommended global batch sizes, applying changes; returns the accumulate after each check."""
+    out = []
+    for t in targets:
+        d = policy.decide(accum, t, micro_batch_size=micro, num_devices=devices)
+        if d.change:
+            accum = d.accumulate_grad_batches
+        out.append(accum)
+    return out
+
+
+def test_no_change_inside_the_band():
+    # current global = 4 × 16 = 64; 1.4× and 1/1.4× stay inside the 1.5× band.
+    assert decide_all(AdaptPolicy(patience=1), [89, 46, 64, 90, 50] * 4) == [4] * 20
+
+
+def test_change_after_persistence():
+    policy = AdaptPolicy(patience=3)
+    decisions = [policy.decide(4, 256, micro_batch_size=16) for _ in range(3)]
+    assert [d.change for d in decisions] == [False, False, True]
+    assert "pending (2/3)" in decisions[1].reason
+    last = decisions[-1]
+    assert last.accumulate_grad_batches == 16 and last.batch_size == 256 and last.batch_ratio == 4.0
+    assert last.new_lr(0.1, "linear") == pytest.approx(0.4)
+    assert last.new_lr(0.1, "sqrt") == pytest.approx(0.2)
+
+
+def test_median_of_the_streak_and_bounds():
+    policy = AdaptPolicy(patience=3, max_accumulate=12)
+    assert decide_all(policy, [256, 320, 192]) == [4, 4, 12]  # median 16 clipped to 12
+    assert decide_all(AdaptPolicy(patience=3), [256, 1024, 192]) == [4, 4, 16]  # median ignores the spike
+
+
+def test_no_oscillation_on_alternating_inputs():
+    policy = AdaptPolicy(patience=2)
+    assert decide_all(policy, [256, 16] * 20) == [4] * 40
+    # Even a patience of 2 with a spike in between restarts the streak.
+    assert decide_all(AdaptPolicy(patience=2), [256, 64, 256, 256]) == [4, 4, 4, 16]
+
+
+def test_untrusted_recommendation_resets_and_never_changes():
+    est = synthetic_estimate(b=1000.0, lo=200.0, hi=None)
+    untrusted = recommend(est, current_batch_size=64, current_lr=0.1)
+    assert not untrusted.trusted
+    trusted = recommend(synthetic_estimate(b=256.0, lo=220.0, hi=300.0), current_batch_size=64, current_lr=0.1)
+    assert trusted.trusted and trusted.batch_size == 256
+    policy = AdaptPolicy(patience=2)
+    seq = [trusted, untrusted, trusted, untrusted, trusted, trusted]
+    assert decide_all(policy, seq) == [4, 4, 4, 4, 4, 16]
+
+
+def test_cooldown_after_change_and_state_dict():
+    policy = AdaptPolicy(patience=1, cooldown=2)
+    assert decide_all(policy, [256, 16, 16, 16]) == [16, 16, 16, 1]
+    p = AdaptPolicy(patience=3)
+    p.decide(4, 256, micro_batch_size=16)
+    p.decide(4, 256, micro_batch_size=16)
+    q = AdaptPolicy(patience=3)
+    q.load_state_dict(p.state_dict())
+    assert q.decide(4, 256, micro_batch_size=16).change
+
+
+def test_lr_schedule_ramps_increases_and_drops_decreases():
+    policy = AdaptPolicy(patience=1)
+    up = policy.decide(4, 256, micro_batch_size=16)
+    lr = up.lr_schedule(0.1, "linear", warmup_steps=10)
+    assert [lr(0), lr(5), lr(10), lr(50)] == pytest.approx([0.1, 0.25, 0.4, 0.4])
+    down = policy.decide(16, 64, micro_batch_size=16)
+    lr = down.lr_schedule(0.4, "linear", warmup_steps=10)
+    assert lr(0) == pytest.approx(0.1)
+
+
+def test_invalid_policy():
+    with pytest.raises(ValueError):
+        AdaptPolicy(factor=1.0)
+    with pytest.raises(ValueError):
+        AdaptPolicy(patience=0)

@@ -1,0 +1,11 @@
+import doctest
+
+import pytest
+
+from gns_callback.recommendation import core, rules, sizing, tradeoff
+
+
+@pytest.mark.parametrize("module", [rules, sizing, tradeoff, core], ids=lambda m: m.__name__)
+def test_docstring_examples(module):
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0

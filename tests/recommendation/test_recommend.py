@@ -1,0 +1,283 @@
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from gns_callback.estimate import GNSEstimate
+from gns_callback.recommendation import Recommendation, recommend
+from tests.recommendation.synthetic import synthetic_estimate, synthetic_probe
+
+
+def est(b=200.0, lo=None, hi=None, steps=400):
+    lo = b / 1.3 if lo is None else lo
+    hi = b * 1.3 if hi is None else hi
+    return synthetic_estimate(b=b, lo=lo, hi=hi, steps=steps)
+
+
+def rec_for(b=200.0, **kw):
+    kw.setdefault("current_batch_size", 8)  # micro-batch cap 8 without a probe: any multiple of 8 splits
+    kw.setdefault("current_lr", 0.1)
+    kw.setdefault("optimizer", torch.optim.SGD)
+    return recommend(est(b, lo=kw.pop("lo", None), hi=kw.pop("hi", None), steps=kw.pop("steps", 400)), **kw)
+
+
+def assert_consistent(r: Recommendation):
+    assert r.micro_batch_size * r.accumulate_grad_batches * r.num_devices == r.batch_size
+    assert r.recommended.batch_size == r.batch_size
+
+
+# --- batch size ----------------------------------------------------------------------------------------------
+def test_recommends_b_simple_rounded_to_multiple_of_8():
+    r = rec_for(200.0)
+    assert r.status == "ok" and r.trusted and r.changed
+    assert r.batch_size == 200 and r.target_batch_size == 200.0
+    assert rec_for(203.0).batch_size == 200
+    assert rec_for(205.0).batch_size == 208
+    assert rec_for(3.0).batch_size == 8  # at least one grid step
+    assert_consistent(r)
+
+
+def test_power_of_two_option():
+    assert rec_for(203.0, power_of_two=True).batch_size == 256
+    assert rec_for(150.0, power_of_two=True).batch_size == 128
+    r = rec_for(203.0, power_of_two=True, num_devices=3)  # no power of two splits over 3 devices
+    assert r.batch_size % 24 == 0 and any("power of two" in n for n in r.notes)
+    assert_consistent(r)
+
+
+def test_user_bounds_and_dataset_clip():
+    r = rec_for(1000.0, max_batch_size=128)
+    assert r.batch_size == 128 and any("max_batch_size" in n for n in r.notes)
+    r = rec_for(100.0, min_batch_size=512, current_batch_size=1024)
+    assert r.batch_size == 512 and any("lower bound" in n for n in r.notes)
+    r = rec_for(1000.0, dataset_size=100)
+    assert r.batch_size == 96 and any("data-set size" in n for n in r.notes)
+    r = rec_for(1000.0, dataset_size=5, current_batch_size=4, max_micro_batch=64)  # below the grid step
+    assert r.batch_size == 5
+    assert_consistent(r)
+
+
+def test_divisibility_over_devices_and_minimal_adjustment():
+    r = rec_for(100.0, num_devices=3)
+    assert r.batch_size == 96 and (r.micro_batch_size, r.accumulate_grad_batches) == (32, 1)
+    # 256 with a 48-sample cap needs 6 micro-batches of 42.67: the nearest size that divides is 264 = 44 × 6.
+    r = rec_for(256.0, max_micro_batch=48)
+    assert (r.batch_size, r.micro_batch_size, r.accumulate_grad_batches) == (264, 44, 6)
+    assert any("adjusted from 256 to 264" in n for n in r.notes)
+    # Powers of two with a cap that is not one: more, smaller micro-batches rather than a tiny global batch.
+    r = rec_for(3000.0, power_of_two=True, num_devices=2, max_micro_batch=48)
+    assert (r.batch_size, r.micro_batch_size, r.accumulate_grad_batches) == (4096, 32, 64)
+    # A share with no divisor near the cap in 10%: the relaxed split, not a far-away size.
+    r = rec_for(1000.0, max_micro_batch=7, multiple_of=1)
+    assert r.micro_batch_size * r.accumulate_grad_batches == r.batch_size and abs(r.batch_size - 1000) <= 100
+    # An exact split needs no note.
+    r = rec_for(256.0, max_micro_batch=64, num_devices=2)
+    assert (r.batch_size, r.micro_batch_size, r.accumulate_grad_batches) == (256, 64, 2)
+    assert not any("adjusted" in n for n in r.notes)
+
+
+def test_split_invariant_over_random_inputs():
+    rng = np.random.default_rng(1)
+    for _ in range(500):
+        b = float(rng.uniform(1, 5000))
+        kw = dict(
+            num_devices=int(rng.integers(1, 9)),
+            max_micro_batch=int(rng.integers(1, 300)) if rng.random() < 0.7 else None,
+            multiple_of=int(rng.choice([1, 8, 16])),
+            power_of_two=bool(rng.random() < 0.3),
+            max_batch_size=int(rng.integers(64, 10000)) if rng.random() < 0.3 else None,
+        )
+        r = rec_for(b, current_batch_size=8 * kw["num_devices"], **kw)
+        assert_consistent(r)
+        if kw["max_micro_batch"]:
+            assert r.micro_batch_size <= kw["max_micro_batch"]
+            if r.accumulate_grad_batches > 1:  # never a needlessly small micro-batch
+                assert r.micro_batch_size > kw["max_micro_batch"] / 2
+        if kw["max_batch_size"] and kw["max_batch_size"] >= kw["num_devices"]:
+            assert r.batch_size <= kw["max_batch_size"]
+
+
+def test_micro_batch_from_probe_throughput():
+    table = {16: 1000.0, 32: 1800.0, 64: 2500.0, 128: 2400.0}
+    r = rec_for(256.0, throughput=table, max_micro_batch=200)
+    assert (r.micro_batch_size, r.accumulate_grad_batches) == (64, 4)
+    # The probe object/dict gives the same; explicit arguments override it.
+    r2 = rec_for(256.0, probe={"max_micro_batch": 200, "trials": [(s, True, None, v) for s, v in table.items()]})
+    assert (r2.micro_batch_size, r2.accumulate_grad_batches) == (64, 4)
+    r3 = rec_for(256.0, probe=synthetic_probe(), max_micro_batch=32, throughput={})
+    assert (r3.micro_batch_size, r3.accumulate_grad_batches) == (32, 8)
+    r4 = rec_for(256.0, probe=synthetic_probe())  # the probe's own format: 128 is fastest and fits
+    assert (r4.micro_batch_size, r4.accumulate_grad_batches) == (128, 2)
+    # A probe that found nothing that fits: its limit is ignored, with a note.
+    r5 = rec_for(256.0, probe={"max_micro_batch": 0, "trials": []}, current_batch_size=64)
+    assert r5.micro_batch_size == 64 and any("no micro-batch that fits" in n for n in r5.notes)
+
+
+def test_micro_batch_without_probe_keeps_current_micro():
+    r = rec_for(200.0, current_batch_size=64, current_micro_batch_size=16, current_accumulate=4)
+    assert r.micro_batch_size <= 16
+    assert r.current.micro_batch_size == 16 and r.current.accumulate_grad_batches == 4
+    assert_consistent(r)
+    # A smaller batch than the current micro-batch: one micro-batch.
+    r = rec_for(40.0, current_batch_size=256, current_accumulate=4)
+    assert (r.batch_size, r.micro_batch_size, r.accumulate_grad_batches) == (40, 40, 1)
+    # Current micro-batch derived from accumulate and devices.
+    r = rec_for(512.0, current_batch_size=128, current_accumulate=2, num_devices=2)
+    assert r.current.micro_batch_size == 32 and r.micro_batch_size == 32 and r.accumulate_grad_batches == 8
+
+
+# --- trust -----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kw, status, words",
+    [
+        (dict(hi=math.inf), "unbounded", "unbounded"),
+        (dict(lo=50.0, hi=800.0), "too_wide", "too wide"),
+        (dict(lo=0.0, hi=800.0), "too_wide", "too wide"),
+        (dict(steps=5), "too_few_steps", "5 measured steps"),
+    ],
+)
+def test_untrusted_interval_keeps_current_batch_and_says_why(kw, status, words):
+    r = rec_for(200.0, current_batch_size=48, current_lr=0.05, **kw)
+    assert r.status == status and not r.trusted and not r.changed
+    assert r.batch_size == 48 and r.learning_rate == 0.05 and r.warmup_steps == 0
+    assert words in r.reason and "keeping the current batch size" in r.reason
+    assert_consistent(r)
+
+
+def test_no_estimate_and_gnsestimate_inputs():
+    r = recommend(None, current_batch_size=64, current_lr=0.1, optimizer="SGD")
+    assert r.status == "no_estimate" and r.batch_size == 64 and math.isnan(r.current.steps_factor)
+    nothing = GNSEstimate.from_dict(synthetic_estimate(b=None, lo=None, hi=None, steps=0))
+    assert recommend(nothing, current_batch_size=64, current_lr=0.1).status == "no_estimate"
+    # A report section with a null (unbounded) ci_high, as a dict and as a GNSEstimate.
+    d = synthetic_estimate(b=300.0, lo=120.0, hi=None)
+    for e in (d, GNSEstimate.from_dict(d)):
+        r = recommend(e, current_batch_size=64, current_lr=0.1)
+        assert r.status == "unbounded" and "at least 120" in r.reason
+    ok = GNSEstimate.from_dict(est(200.0))
+    assert recommend(ok, current_batch_size=8, current_lr=0.1).batch_size == 200
+
+
+def test_current_batch_inside_interval_is_kept():
+    r = rec_for(70.0, lo=55.0, hi=90.0, current_batch_size=64)
+    assert r.status == "within_interval" and r.trusted and r.batch_size == 64 and r.learning_rate == 0.1
+    r = rec_for(70.0, lo=55.0, hi=90.0, current_batch_size=64, keep_within_interval=False)
+    assert r.status == "ok" and r.batch_size == 72
+
+
+def test_untrusted_but_probe_allows_fewer_accumulation_steps():
+    r = rec_for(200.0, hi=math.inf, current_batch_size=128, current_accumulate=8, max_micro_batch=64)
+    assert (r.batch_size, r.micro_batch_size, r.accumulate_grad_batches) == (128, 64, 2)
+    assert any("micro-batch 16 → 64" in n for n in r.notes)
+
+
+# --- learning rate and warmup ---------------------------------------------------------------------------------
+def test_lr_rules_by_optimizer_and_override():
+    r = rec_for(256.0, current_batch_size=64, current_lr=0.1, optimizer=torch.optim.SGD)
+    assert r.lr_rule == "linear" and r.learning_rate == pytest.approx(0.4) and "Goyal" in r.citation
+    r = rec_for(256.0, current_batch_size=64, current_lr=1e-3, optimizer=torch.optim.AdamW)
+    assert r.lr_rule == "sqrt" and r.learning_rate == pytest.approx(2e-3) and "Malladi" in r.citation
+    assert any("β" in n for n in r.notes)
+    r = rec_for(256.0, current_batch_size=64, current_lr=1e-3, optimizer="RMSprop")
+    assert r.lr_rule == "sqrt"
+    r = rec_for(256.0, current_batch_size=64, current_lr=1e-3, optimizer=torch.optim.AdamW, lr_rule="linear")
+    assert r.learning_rate == pytest.approx(4e-3) and r.lr_rule_source == "user override"
+    r = rec_for(256.0, current_batch_size=64, current_lr=1e-3, lr_rule="none")
+    assert r.learning_rate == 1e-3
+    r = rec_for(256.0, current_batch_size=64, current_lr=1e-3, optimizer="Lion")
+    assert r.lr_rule == "sqrt" and any("Lion" in n for n in r.notes)
+    assert rec_for(256.0, current_batch_size=64, current_lr=None).learning_rate is None
+    with pytest.raises(ValueError):
+        rec_for(256.0, lr_rule="cubic")
+
+
+def test_warmup_thresholds_in_steps():
+    # SGD 32 → 256: LR ×8 → 3 epochs of warmup at the new batch: ceil(3 · 10000/256) steps.
+    r = rec_for(256.0, current_batch_size=32, dataset_size=10_000)
+    assert r.warmup_epochs == pytest.approx(3.0) and r.warmup_steps == math.ceil(3 * 10_000 / 256)
+    assert r.warmup_start_factor == pytest.approx(1 / 8)
+    assert r.lr_at(0) == pytest.approx(0.1) and r.lr_at(r.warmup_steps) == pytest.approx(0.8)
+    assert 0.1 < r.lr_at(r.warmup_steps // 2) < 0.8
+    # steps_per_epoch (at the current batch) works as well as dataset_size.
+    assert rec_for(256.0, current_batch_size=32, steps_per_epoch=10_000 // 32).warmup_steps == math.ceil(
+        3 * (10_000 // 32) * 32 / 256
+    )
+    # Unknown epoch length: epochs only.
+    r = rec_for(256.0, current_batch_size=32)
+    assert r.warmup_steps is None and r.warmup_epochs == pytest.approx(3.0)
+    # ≤ 2× LR: none. Adam 64 → 256 is a 2× LR (sqrt rule): none.
+    assert rec_for(128.0, current_batch_size=64, dataset_size=10_000).warmup_steps == 0
+    assert rec_for(256.0, current_batch_size=64, optimizer="Adam", dataset_size=10_000).warmup_steps == 0
+    # A decrease: none.
+    assert rec_for(32.0, current_batch_size=1024, dataset_size=10_000).warmup_steps == 0
+
+
+# --- trade-off, time and cost ---------------------------------------------------------------------------------
+def test_tradeoff_factors_and_interval_effect():
+    r = rec_for(200.0, lo=160.0, hi=250.0, current_batch_size=50)
+    assert r.recommended.steps_factor == pytest.approx(2.0) and r.recommended.examples_factor == pytest.approx(2.0)
+    assert r.current.steps_factor == pytest.approx(5.0) and r.current.examples_factor == pytest.approx(1.25)
+    assert r.recommended.steps_factor_at_ci_low == pytest.approx(1 + 160 / 200)
+    assert r.recommended.steps_factor_at_ci_high == pytest.approx(1 + 250 / 200)
+    assert r.recommended.examples_factor_at_ci_low == pytest.approx(1 + 200 / 160)
+    assert r.recommended.examples_factor_at_ci_high == pytest.approx(1 + 200 / 250)
+
+
+def test_time_and_cost_from_throughput():
+    r = rec_for(
+        256.0, current_batch_size=64, num_devices=2, throughput={32: 500.0, 64: 1000.0}, max_micro_batch=64,
+        dataset_size=10_000, price_per_device_hour=3.0, target_epochs=10,
+    )
+    assert (r.micro_batch_size, r.accumulate_grad_batches) == (64, 2)
+    rec, cur = r.recommended, r.current
+    assert rec.samples_per_sec == pytest.approx(2000.0)  # 1000/s per device × 2
+    assert rec.epoch_seconds == pytest.approx(5.0)
+    assert rec.cost_per_epoch == pytest.approx(3.0 * 2 * 5.0 / 3600)
+    assert rec.steps_per_epoch == math.ceil(10_000 / 256)
+    assert cur.micro_batch_size == 32 and cur.samples_per_sec == pytest.approx(1000.0)
+    # The current configuration needs 10 epochs: the recommended one E(256)/E(64) times as many.
+    assert cur.epochs_to_target == 10
+    assert rec.epochs_to_target == pytest.approx(10 * rec.examples_factor / cur.examples_factor)
+    assert rec.time_to_target_s == pytest.approx(rec.epochs_to_target * 5.0)
+    assert rec.cost_to_target == pytest.approx(rec.epochs_to_target * rec.cost_per_epoch)
+    ratio = (rec.examples_factor / 2000.0) / (cur.examples_factor / 1000.0)
+    assert r.time_to_target_ratio == pytest.approx(ratio)
+    assert rec_for(256.0).time_to_target_ratio is None  # no throughput: no time
+
+
+# --- serialisation and text -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw", [dict(), dict(hi=math.inf), dict(lo=0.0)])
+def test_to_dict_is_json_safe_and_round_trips(kw):
+    r = rec_for(200.0, throughput={64: 1000.0}, dataset_size=5000, price_per_device_hour=1.0, **kw)
+    d = r.to_dict()
+    text = json.dumps(d, allow_nan=False)
+    assert Recommendation.from_dict(json.loads(text)) == r
+
+
+def test_round_trip_without_estimate():
+    r = recommend(None, current_batch_size=64, current_lr=0.1)
+    d = json.loads(json.dumps(r.to_dict(), allow_nan=False))
+    assert Recommendation.from_dict(d).to_dict() == r.to_dict()
+    assert math.isnan(Recommendation.from_dict(d).b_noise)
+
+
+def test_summary_table_has_settings_to_paste():
+    r = rec_for(256.0, current_batch_size=32, num_devices=2, max_micro_batch=32, dataset_size=10_000,
+                throughput={32: 900.0}, price_per_device_hour=2.0)
+    table = r.summary_table()
+    for s in ("current", "recommended", "95% CI", "S/S_min", "E/E_min", "linear", "Goyal",
+              "Trainer(devices=2, accumulate_grad_batches=4)", "DataLoader(dataset, batch_size=32)",
+              "SGD(params, lr=0.8)", "LinearLR(optimizer, start_factor=0.125", "time per epoch", "cost per epoch"):
+        assert s in table, s
+    assert str(r) == table
+    untrusted = rec_for(256.0, hi=math.inf).summary_table()
+    assert "unbounded" in untrusted and "∞" in untrusted
+
+
+def test_invalid_arguments():
+    with pytest.raises(ValueError):
+        rec_for(100.0, current_batch_size=0)
+    with pytest.raises(ValueError):
+        rec_for(100.0, num_devices=0)
