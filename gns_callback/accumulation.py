@@ -10,7 +10,8 @@ Small batches ("units") of sizes ``s_u`` with means ``ḡ_u`` are averaged weigh
 small batch ``b = Σ s_u/n_units``. The big gradient is what Lightning steps on: for a mean-reduced loss
 the plain mean of the ``n`` micro-batch means (effective size ``n²/Σ_j 1/b_j``, see
 :func:`gns_callback.estimators.effective_batch_size`); for a sum-reduced loss the example-weighted mean
-(effective size ``Σ_j b_j``). All values stay on the device: no host synchronisation.
+(effective size ``Σ_j b_j``). Units may cover only part of a micro-batch (a subset of its examples): the
+big batch always counts all ``b_j``. All values stay on the device: no host synchronisation.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from gns_callback.estimators import grad_sq_norm_estimate, trace_sigma_estimate
 LossReduction = Literal["mean", "sum"]
 
 #: Order of the entries of :meth:`AccumulationWindow.packed` (summed across ranks by one all-reduce).
-PACKED_FIELDS = ("unit_sq_sum", "unit_size_sum", "unit_count", "micro_count", "micro_inv_size_sum")
+PACKED_FIELDS = ("unit_sq_sum", "unit_size_sum", "unit_count", "micro_count", "micro_inv_size_sum", "micro_size_sum")
 
 
 class AccumulationWindow:
@@ -39,15 +40,18 @@ class AccumulationWindow:
         self.unit_count = 0.0
         self.micro_count = 0
         self.micro_inv_size_sum = 0.0
+        self.micro_size_sum = 0.0
 
     def add_micro_batch(self, unit_sq_sum: torch.Tensor, unit_size_sum: float, unit_count: float, micro_size: int) -> None:
-        """Add one micro-batch: ``unit_sq_sum = Σ_u s_u·|ḡ_u|²`` over its units (still AMP-scaled is fine)."""
+        """Add one micro-batch of ``micro_size`` examples: ``unit_sq_sum = Σ_u s_u·|ḡ_u|²`` over the units
+        measured in it (all of it, or a subset of its examples); still AMP-scaled is fine."""
         unit_sq_sum = unit_sq_sum.to(torch.float64)
         self.unit_sq_sum = unit_sq_sum if self.unit_sq_sum is None else self.unit_sq_sum + unit_sq_sum
         self.unit_size_sum += unit_size_sum
         self.unit_count += unit_count
         self.micro_count += 1
         self.micro_inv_size_sum += 1.0 / micro_size
+        self.micro_size_sum += micro_size
 
     @property
     def empty(self) -> bool:
@@ -57,7 +61,7 @@ class AccumulationWindow:
         """The sums as one float64 tensor in ``PACKED_FIELDS`` order (zeros for an empty window, so that a
         rank with nothing to report still joins the all-reduce)."""
         host = torch.tensor(
-            [self.unit_size_sum, self.unit_count, float(self.micro_count), self.micro_inv_size_sum],
+            [self.unit_size_sum, self.unit_count, float(self.micro_count), self.micro_inv_size_sum, self.micro_size_sum],
             dtype=torch.float64,
         )
         if self.unit_sq_sum is None:
@@ -84,13 +88,13 @@ def step_estimates(
     ``valid`` is False when a value is not finite (e.g. a step the GradScaler skips) or the two batch sizes
     coincide (one micro-batch on one device: nothing to compare).
     """
-    unit_sq_sum, unit_size_sum, unit_count, micro_count, micro_inv_size_sum = packed.unbind()
+    unit_sq_sum, unit_size_sum, unit_count, micro_count, micro_inv_size_sum, micro_size_sum = packed.unbind()
     small_sq = unit_sq_sum / unit_size_sum
     b_small = unit_size_sum / unit_count
     if loss_reduction == "mean":
         b_big = micro_count * micro_count / micro_inv_size_sum
     else:
-        b_big = unit_size_sum
+        b_big = micro_size_sum
     big_sq = step_grad_sq.to(torch.float64) * grad_to_mean.to(torch.float64) ** 2
     trace = trace_sigma_estimate(small_sq, big_sq, b_small, b_big)
     grad_sq = grad_sq_norm_estimate(small_sq, big_sq, b_small, b_big)

@@ -47,4 +47,4 @@ def test_one_micro_batch_is_not_measurable_and_non_finite_is_invalid():
 
 def test_empty_window_packs_zeros_for_the_all_reduce():
     window = AccumulationWindow()
-    assert window.empty and torch.equal(window.packed("cpu"), torch.zeros(5, dtype=torch.float64))
+    assert window.empty and torch.equal(window.packed("cpu"), torch.zeros(6, dtype=torch.float64))
