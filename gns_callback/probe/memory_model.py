@@ -1,0 +1,148 @@
+"""Pure math of the memory search (no torch): a linear memory model and the plan of trials.
+
+Memory of one training step at micro-batch size ``b`` is modelled as
+
+    bytes(b) = fixed + per_sample · b
+
+``fixed`` holds parameters, gradients and optimizer state (and any constant workspace), ``per_sample`` the
+activations saved for backward, which grow linearly with the batch. The model is fitted by least squares to a
+few small measured steps, the largest ``b`` with ``bytes(b) ≤ limit`` is predicted, verified with one real
+step, and on failure the search backs off once by 10% and then bisects between the largest size that worked
+and the smallest that failed. This is the approach of DeepSpeed autotuning (memory fitted from measured
+micro-batch sizes) and Ultralytics ``autobatch`` (a first-degree polynomial fitted to measured memory at a few
+batch sizes, solved for the target fraction of device memory).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+#: Phases of a memory trial, in the order the planner uses them.
+FIT, VERIFY, BACKOFF, BISECT = "fit", "verify", "backoff", "bisect"
+
+
+@dataclass(frozen=True)
+class LinearMemoryModel:
+    """``bytes(b) = fixed_bytes + bytes_per_sample · b``."""
+
+    fixed_bytes: float
+    bytes_per_sample: float
+
+    def predict(self, size: int) -> float:
+        return self.fixed_bytes + self.bytes_per_sample * size
+
+    def max_batch(self, limit_bytes: float, cap: int) -> int:
+        """Largest ``b`` in ``[0, cap]`` with ``fixed + per_sample·b ≤ limit``: ``⌊(limit − fixed)/per_sample⌋``."""
+        if self.fixed_bytes > limit_bytes:
+            return 0
+        if self.bytes_per_sample <= 0:
+            return cap
+        return int(max(0, min(cap, math.floor((limit_bytes - self.fixed_bytes) / self.bytes_per_sample))))
+
+
+def fit_linear(sizes: Sequence[int], measured_bytes: Sequence[float]) -> LinearMemoryModel:
+    """Least-squares fit of ``bytes = fixed + per_sample·b``.
+
+    With one point (or all points at one size) the model is ``fixed = 0, per_sample = bytes/b``: it charges the
+    fixed part to every sample, so it can only under-predict the largest batch (safe side). A negative slope
+    (noise) is clamped to 0 and a negative intercept to 0 with the slope refitted through the origin.
+    """
+    if len(sizes) != len(measured_bytes) or not sizes:
+        raise ValueError("fit_linear needs as many sizes as measurements, and at least one.")
+    n = len(sizes)
+    mean_b = sum(sizes) / n
+    mean_y = sum(measured_bytes) / n
+    sxx = sum((b - mean_b) ** 2 for b in sizes)
+    if sxx == 0:
+        return LinearMemoryModel(0.0, mean_y / mean_b if mean_b > 0 else 0.0)
+    slope = sum((b - mean_b) * (y - mean_y) for b, y in zip(sizes, measured_bytes)) / sxx
+    if slope < 0:
+        return LinearMemoryModel(max(mean_y, 0.0), 0.0)
+    intercept = mean_y - slope * mean_b
+    if intercept < 0:
+        slope = sum(b * y for b, y in zip(sizes, measured_bytes)) / sum(b * b for b in sizes)
+        intercept = 0.0
+    return LinearMemoryModel(intercept, slope)
+
+
+@dataclass(frozen=True)
+class PlannedTrial:
+    """What the planner knows about a finished trial: its size, phase, outcome and measured bytes."""
+
+    size: int
+    phase: str
+    ok: bool
+    measured_bytes: Optional[float] = None
+
+
+def bracket(trials: Sequence[PlannedTrial], cap: int) -> tuple[int, int]:
+    """``(lo, hi)``: the largest size that worked (0 if none) and the smallest that failed (``cap + 1`` if none).
+
+    Memory is assumed monotone in ``b``, so every size in ``(lo, hi)`` is still undecided.
+    """
+    lo = max((t.size for t in trials if t.ok), default=0)
+    hi = min((t.size for t in trials if not t.ok), default=cap + 1)
+    return lo, hi
+
+
+def converged(lo: int, hi: int, rel_tol: float) -> bool:
+    """Stop when the undecided gap is at most ``max(1, ⌊rel_tol·lo⌋)`` sizes."""
+    return hi - lo <= max(1, math.floor(rel_tol * lo))
+
+
+def next_trial(
+    trials: Sequence[PlannedTrial],
+    *,
+    fit_sizes: Sequence[int],
+    limit_bytes: float,
+    cap: int,
+    rel_tol: float = 0.05,
+    backoff: float = 0.1,
+) -> Optional[tuple[int, str]]:
+    """The next ``(size, phase)`` to try, or ``None`` when the search is done (answer: ``bracket(...)[0]``).
+
+    1. ``fit``: the small ``fit_sizes`` in increasing order, stopping at the first failure.
+    2. ``verify``: one real step at the size the linear fit predicts (clamped into the open bracket).
+    3. ``backoff``: after a failed verification, once, ``⌊(1 − backoff)·hi⌋``: predictions are usually close.
+    4. ``bisect``: midpoint of ``(lo, hi)`` until :func:`converged`.
+    """
+    lo, hi = bracket(trials, cap)
+    if hi <= 1:  # even a single sample failed
+        return None
+    tried = {t.size for t in trials}
+    phases = {t.phase for t in trials}
+    if not phases & {VERIFY, BACKOFF, BISECT}:
+        for size in sorted({min(int(s), cap) for s in fit_sizes if s >= 1}):
+            if size not in tried and size < hi:
+                return size, FIT
+        measured = [(t.size, t.measured_bytes) for t in trials if t.ok and t.measured_bytes is not None]
+        if measured:
+            prediction = fit_linear([s for s, _ in measured], [y for _, y in measured]).max_batch(limit_bytes, cap)
+        else:
+            prediction = (lo + hi) // 2
+        prediction = min(prediction, hi - 1)
+        if prediction > lo and prediction not in tried:
+            return prediction, VERIFY
+    # Refine only below a size that really failed: after a verified prediction with nothing failing above it
+    # (or a prediction at or below a size that worked) the search is done.
+    if hi > cap or converged(lo, hi, rel_tol):
+        return None
+    if BACKOFF not in phases and any(t.phase == VERIFY and not t.ok for t in trials):
+        candidate = math.floor((1.0 - backoff) * hi)
+        if lo < candidate < hi and candidate not in tried:
+            return candidate, BACKOFF
+    return (lo + hi) // 2, BISECT
+
+
+def throughput_ladder(max_size: int, count: int = 4) -> list[int]:
+    """``max_size`` and the powers of two below it, the ``count`` largest, increasing (e.g. 12 → [2, 4, 8, 12])."""
+    if max_size < 1 or count < 1:
+        return []
+    sizes = {max_size}
+    power = 1
+    while power < max_size:
+        sizes.add(power)
+        power *= 2
+    return sorted(sizes)[-count:]

@@ -1,0 +1,194 @@
+"""Snapshot and restore of everything a probe step touches, so that probing changes nothing about the run.
+
+Restored in place (the same tensor objects, so optimizers, DDP buckets and user references stay valid):
+parameters and buffers (BatchNorm running statistics and ``num_batches_tracked`` included), optimizer state
+(Adam's moments and step counters; state the probe created lazily is removed again) and ``param_groups``,
+``.grad`` (``None`` stays ``None``), ``requires_grad``, every submodule's ``training`` flag and the RNG states
+(torch CPU and CUDA, numpy, ``random``). Copies live in host memory, not on the accelerator being probed, and
+nothing goes to disk (an interrupted probe leaves no temporary checkpoint behind; Lightning's BatchSizeFinder
+did).
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+_MISSING = object()
+
+
+def _host_copy(tensor: Tensor) -> Tensor:
+    return tensor.detach().to("cpu", copy=True)
+
+
+class _Saved:
+    """A value to put back: tensors in place into the original object, anything else as a deep copy."""
+
+    __slots__ = ("original", "copy")
+
+    def __init__(self, value: Any) -> None:
+        self.original = value
+        self.copy = _host_copy(value) if isinstance(value, Tensor) else copy.deepcopy(value)
+
+    def restore(self) -> Any:
+        if isinstance(self.original, Tensor):
+            with torch.no_grad():
+                self.original.copy_(self.copy)
+            return self.original
+        return copy.deepcopy(self.copy)
+
+
+class RNGState:
+    """torch (CPU and every initialised CUDA device), numpy and Python ``random`` generator states."""
+
+    def __init__(self) -> None:
+        self.torch = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        self.numpy = np.random.get_state()
+        self.python = random.getstate()
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.torch)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+        np.random.set_state(self.numpy)
+        random.setstate(self.python)
+
+
+class OptimizerState:
+    """An optimizer's per-parameter state and ``param_groups`` hyper-parameters, restorable in place."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.state = {
+            param: (entry, {key: _Saved(value) for key, value in entry.items()})
+            for param, entry in optimizer.state.items()
+        }
+        self.groups = [
+            (group, {key: _Saved(value) for key, value in group.items() if key != "params"})
+            for group in optimizer.param_groups
+        ]
+        # Set by LR schedulers' step-tracking wrapper; a probe step must not silence their ordering warning.
+        self.opt_called = optimizer.__dict__.get("_opt_called", _MISSING)
+
+    def restore(self) -> None:
+        opt = self.optimizer
+        for param in [p for p in opt.state if p not in self.state]:
+            del opt.state[param]  # lazily created by a probe step (e.g. Adam's first step)
+        for param, (entry, saved) in self.state.items():
+            entry.clear()
+            entry.update({key: value.restore() for key, value in saved.items()})
+            opt.state[param] = entry
+        for group, saved in self.groups:
+            for key in [k for k in group if k != "params" and k not in saved]:
+                del group[key]
+            group.update({key: value.restore() for key, value in saved.items()})
+        if self.opt_called is _MISSING:
+            opt.__dict__.pop("_opt_called", None)
+        else:
+            opt.__dict__["_opt_called"] = self.opt_called
+
+
+class ModuleState:
+    """Parameters and buffers (values and identity), ``.grad``, ``requires_grad`` and training flags."""
+
+    def __init__(self, module: nn.Module) -> None:
+        copies: dict[int, Tensor] = {}  # tied weights are copied once
+
+        def saved(tensor: Optional[Tensor]) -> Optional[Tensor]:
+            if tensor is None:
+                return None
+            if id(tensor) not in copies:
+                copies[id(tensor)] = _host_copy(tensor)
+            return copies[id(tensor)]
+
+        self.tensors = [
+            (sub, registry, name, tensor, saved(tensor))
+            for sub in module.modules()
+            for registry in ("_parameters", "_buffers")
+            for name, tensor in getattr(sub, registry).items()
+        ]
+        params = {id(p): p for p in module.parameters()}.values()
+        self.params = [(p, p.requires_grad, p.grad) for p in params]
+        self.modes = [(sub, sub.training) for sub in module.modules()]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for sub, registry, name, tensor, saved in self.tensors:
+                getattr(sub, registry)[name] = tensor
+                if tensor is not None:
+                    tensor.copy_(saved)
+        for param, requires_grad, grad in self.params:
+            param.requires_grad_(requires_grad)
+            param.grad = grad
+        for sub, training in self.modes:
+            sub.training = training
+
+
+class ProbeState:
+    """Everything above, captured at construction; :meth:`restore` may be called any number of times."""
+
+    def __init__(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        self.rng = RNGState()
+        self.module = ModuleState(module)
+        self.optimizers = [OptimizerState(opt) for opt in optimizers]
+
+    def restore(self) -> None:
+        self.module.restore()
+        for opt in self.optimizers:
+            opt.restore()
+        self.rng.restore()
+
+
+@contextmanager
+def preserved_state(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> Iterator[ProbeState]:
+    """``with preserved_state(model, [opt]) as state: ...``: restored on exit, also on errors and Ctrl-C."""
+    state = ProbeState(module, optimizers)
+    try:
+        yield state
+    finally:
+        state.restore()
+
+
+def _no_log(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+@contextmanager
+def silenced_logging(pl_module: Any) -> Iterator[None]:
+    """``pl_module.log``/``log_dict`` become no-ops, so no value from a probe step reaches a logger or
+    ``trainer.callback_metrics`` (and ``self.log`` cannot fail outside the training loop)."""
+    names = ("log", "log_dict")
+    previous = {name: pl_module.__dict__.get(name, _MISSING) for name in names}
+    try:
+        for name in names:
+            setattr(pl_module, name, _no_log)
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is _MISSING:
+                pl_module.__dict__.pop(name, None)
+            else:
+                setattr(pl_module, name, value)
+
+
+@contextmanager
+def local_batch_norm(module: nn.Module) -> Iterator[None]:
+    """SyncBatchNorm runs as a local BatchNorm: its forward all-gathers statistics, a collective inside a trial
+    that would deadlock when another rank has hit an OOM. Memory is that of the local op (the same tensors)."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    patched = [m for m in module.modules() if isinstance(m, nn.SyncBatchNorm) and "forward" not in m.__dict__]
+    try:
+        for m in patched:
+            m.forward = _BatchNorm.forward.__get__(m)  # type: ignore[method-assign]
+        yield
+    finally:
+        for m in patched:
+            m.__dict__.pop("forward", None)

@@ -1,0 +1,117 @@
+"""The pure search: linear fit, prediction, verification and bisection plan (no torch)."""
+
+import math
+import random
+
+import pytest
+
+from gns_callback.probe.memory_model import (
+    BACKOFF,
+    BISECT,
+    FIT,
+    VERIFY,
+    LinearMemoryModel,
+    PlannedTrial,
+    bracket,
+    fit_linear,
+    next_trial,
+    throughput_ladder,
+)
+
+MEMORY_PHASES = {FIT, VERIFY, BACKOFF, BISECT}
+
+
+def run_search(measure, *, limit, cap=65536, fit_sizes=(2, 8, 32), rel_tol=0.05):
+    """Drive the planner with ``measure(size) -> bytes | None`` (None: OOM); return (answer, trials)."""
+    trials = []
+    while (proposal := next_trial(trials, fit_sizes=fit_sizes, limit_bytes=limit, cap=cap, rel_tol=rel_tol)):
+        size, phase = proposal
+        assert 1 <= size <= cap and size not in {t.size for t in trials}, (size, trials)
+        measured = measure(size)
+        ok = measured is not None and measured <= limit
+        trials.append(PlannedTrial(size, phase, ok, measured if ok else None))
+        assert len(trials) < 60
+    return bracket(trials, cap)[0], trials
+
+
+def true_max(measure, limit, cap):
+    return max((b for b in range(1, cap + 1) if (m := measure(b)) is not None and m <= limit), default=0)
+
+
+def test_fit_linear_recovers_an_exact_line_and_least_squares():
+    model = fit_linear([2, 8, 32], [1000 + 50 * b for b in (2, 8, 32)])
+    assert model.fixed_bytes == pytest.approx(1000) and model.bytes_per_sample == pytest.approx(50)
+    # least squares: symmetric noise around the line leaves the slope
+    noisy = fit_linear([1, 2, 3, 4], [10 + 1, 20 - 1, 30 - 1, 40 + 1])
+    assert noisy.bytes_per_sample == pytest.approx(10.0) and noisy.fixed_bytes == pytest.approx(0.0, abs=1e-9)
+
+
+def test_fit_linear_degenerate_cases_stay_on_the_safe_side():
+    one = fit_linear([8], [800])  # fixed part charged per sample: can only under-predict
+    assert (one.fixed_bytes, one.bytes_per_sample) == (0.0, 100.0)
+    flat = fit_linear([2, 8], [500, 400])  # negative slope from noise
+    assert flat.bytes_per_sample == 0.0 and flat.fixed_bytes == pytest.approx(450)
+    through_origin = fit_linear([2, 4], [10, 30])  # intercept would be −10
+    assert through_origin.fixed_bytes == 0.0 and through_origin.bytes_per_sample > 0
+    with pytest.raises(ValueError):
+        fit_linear([], [])
+
+
+def test_max_batch_formula_cap_and_no_room():
+    model = LinearMemoryModel(fixed_bytes=1000, bytes_per_sample=30)
+    assert model.max_batch(4000, cap=1000) == 100  # ⌊(4000 − 1000)/30⌋
+    assert model.max_batch(4000, cap=64) == 64
+    assert model.max_batch(999, cap=64) == 0
+    assert LinearMemoryModel(10, 0).max_batch(100, cap=77) == 77
+
+
+@pytest.mark.parametrize("fixed, per_sample, limit", [(40_000, 432, 170_000), (31_000, 4_900, 800_000), (10, 1, 300)])
+def test_linear_memory_is_found_exactly_in_four_trials(fixed, per_sample, limit):
+    measure = lambda b: fixed + per_sample * b
+    answer, trials = run_search(measure, limit=limit)
+    assert answer == true_max(measure, limit, 65536)
+    assert len(trials) <= 4 and [t.phase for t in trials][-1] == VERIFY
+
+
+def test_cap_limits_the_answer():
+    answer, trials = run_search(lambda b: 100 + b, limit=1e12, cap=500)
+    assert answer == 500 and len(trials) == 4
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_oom_threshold_and_nonlinear_memory_bisect_to_a_tried_size_within_tolerance(seed):
+    rng = random.Random(seed)
+    threshold = rng.randint(1, 3000)
+    quad = rng.choice([0.0, 0.05, 2.0])
+    cap = rng.choice([4096, 65536])
+    limit = rng.choice([1e12, 2e6])
+
+    def measure(b):  # superlinear memory the linear fit under-estimates, and a hard OOM above the threshold
+        return None if b > threshold else 1000 + 300 * b + quad * b * b
+
+    answer, trials = run_search(measure, limit=limit, cap=cap)
+    best = true_max(measure, limit, cap)
+    assert answer <= best
+    assert answer >= math.floor(best / 1.05) - 1  # rel_tol=0.05
+    assert answer == 0 or any(t.size == answer and t.ok for t in trials)  # always a size that really ran
+    assert {t.phase for t in trials} <= MEMORY_PHASES
+    assert len(trials) <= 25
+
+
+def test_nothing_fits_tries_one_then_gives_up():
+    answer, trials = run_search(lambda b: None, limit=1e9)
+    assert answer == 0 and [t.size for t in trials] == [2, 1]
+
+
+def test_a_failed_verification_backs_off_ten_percent_first():
+    answer, trials = run_search(lambda b: None if b > 950 else 10 * b, limit=1e12, cap=1000)
+    phases = [(t.phase, t.size, t.ok) for t in trials]
+    assert phases[3] == (VERIFY, 1000, False) and phases[4] == (BACKOFF, 900, True)
+    assert 905 <= answer <= 950
+
+
+def test_throughput_ladder():
+    assert throughput_ladder(12) == [2, 4, 8, 12]
+    assert throughput_ladder(16) == [2, 4, 8, 16]
+    assert throughput_ladder(3, count=4) == [1, 2, 3]
+    assert throughput_ladder(1) == [1] and throughput_ladder(0) == []
