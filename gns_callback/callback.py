@@ -24,6 +24,9 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from gns_callback.accumulation import AccumulationWindow, step_estimates
 from gns_callback.collectors.micro_batch import MicroBatchGradNorms
 from gns_callback.estimate import GNSEstimate
+from gns_callback.lr_multiplier import rescale_learning_rates
+from gns_callback.probe import ProbeResult
+from gns_callback.recommendation import AdaptPolicy, Recommendation, recommend, warmup_epochs_for, warmup_lr
 from gns_callback.report import DEFAULT_REPORT_NAME, write_report
 from gns_callback.smoothing import RatioAccumulator
 
@@ -58,9 +61,23 @@ class GradientNoiseScaleCallback(pl.Callback):
             batches, and the small-batch term weighs only ``1/(B−1)`` in ``|G|²``, so the estimate loses little
             precision while the cost (about one extra weight-gradient computation for the measured examples)
             drops by ``B/max``. The big-batch gradient always covers the whole batch.
+        probe: at the first training batch, measure the largest micro-batch that fits in memory and the
+            throughput per micro-batch size (:mod:`gns_callback.probe`; the run is left exactly as it was).
+        memory_budget_bytes, headroom: the probe's budget (``None``: the device's memory) and the fraction of
+            it a micro-batch may use.
+        recommend: compute a batch size / learning rate :class:`~gns_callback.recommendation.Recommendation`
+            from the run-average estimate (logged at each logging point, printed and reported at fit end).
+        min_batch_size, max_batch_size, batch_multiple_of, power_of_two, lr_rule, price_per_device_hour:
+            passed to :func:`~gns_callback.recommendation.recommend` (bounds, rounding, ``"linear"``/``"sqrt"``
+            override, cost per device-hour).
+        summary_every_n_epochs: also print the recommendation table every this many epochs.
+        adapt: apply the recommendation while training (opt-in): at epoch starts, change
+            ``accumulate_grad_batches`` (hysteresis: a change must persist ``adapt_patience`` checks beyond a
+            factor ``adapt_factor``) and scale the learning rate by the rule with a linear warmup ramp.
 
-    After fit: ``estimate`` (EMA) and ``run_estimate`` (run average) are :class:`GNSEstimate` objects;
-    with ``strategy="ddp_spawn"`` read the report (:func:`gns_callback.load_estimate`) instead.
+    After fit: ``estimate`` (EMA) and ``run_estimate`` (run average) are :class:`GNSEstimate` objects,
+    ``probe`` the probe result (or None) and ``recommendation`` the recommendation (or None); with
+    ``strategy="ddp_spawn"`` read the report (:func:`gns_callback.read_report`) instead.
 
     Assumptions: batches are drawn i.i.d. (shuffling a large data set is close enough; the finite-population
     correction is ``(N−B)/(N−1)``); the gradient is that of ``loss_reduction`` over the batch; steps are
@@ -77,6 +94,20 @@ class GradientNoiseScaleCallback(pl.Callback):
         report_path: Optional[str] = None,
         verbose: bool = True,
         per_example_max_examples: Optional[int] = 16,
+        probe: bool = False,
+        memory_budget_bytes: Optional[int] = None,
+        headroom: float = 0.85,
+        recommend: bool = True,
+        min_batch_size: Optional[int] = None,
+        max_batch_size: Optional[int] = None,
+        batch_multiple_of: int = 8,
+        power_of_two: bool = False,
+        lr_rule: Optional[str] = None,
+        price_per_device_hour: Optional[float] = None,
+        summary_every_n_epochs: Optional[int] = None,
+        adapt: bool = False,
+        adapt_factor: float = 1.5,
+        adapt_patience: int = 2,
     ) -> None:
         if method not in METHODS:
             raise ValueError(f"GradientNoiseScaleCallback(method={method!r}): use one of {', '.join(METHODS)}.")
@@ -112,6 +143,38 @@ class GradientNoiseScaleCallback(pl.Callback):
         self.report_path = report_path
         self.verbose = verbose
         self.per_example_max_examples = per_example_max_examples
+        if not 0.0 < headroom <= 1.0:
+            raise ValueError(f"GradientNoiseScaleCallback(headroom={headroom!r}): a fraction in (0, 1], e.g. 0.85.")
+        if memory_budget_bytes is not None and memory_budget_bytes <= 0:
+            raise ValueError(
+                f"GradientNoiseScaleCallback(memory_budget_bytes={memory_budget_bytes!r}): a positive number of "
+                "bytes, or None for the device's memory."
+            )
+        if lr_rule not in (None, "linear", "sqrt", "none"):
+            raise ValueError(
+                f"GradientNoiseScaleCallback(lr_rule={lr_rule!r}): 'linear' (SGD), 'sqrt' (Adam), 'none', or None "
+                "to choose by optimizer."
+            )
+        if adapt and not recommend:
+            raise ValueError("GradientNoiseScaleCallback(adapt=True) needs recommend=True: it applies the recommendation.")
+        self.probe_enabled = probe
+        self.memory_budget_bytes = memory_budget_bytes
+        self.headroom = headroom
+        self.recommend_enabled = recommend
+        self.recommend_options = {
+            "min_batch_size": min_batch_size,
+            "max_batch_size": max_batch_size,
+            "multiple_of": batch_multiple_of,
+            "power_of_two": power_of_two,
+            "lr_rule": lr_rule,
+            "price_per_device_hour": price_per_device_hour,
+        }
+        self.summary_every_n_epochs = summary_every_n_epochs
+        self.adapt = adapt
+        self._adapt_policy = AdaptPolicy(factor=adapt_factor, patience=adapt_patience) if adapt else None
+        self.probe_result: Optional[ProbeResult] = None
+        self.recommendation: Optional[Recommendation] = None
+        self.adaptations: list[dict[str, Any]] = []
 
         self.resolved_method: Optional[str] = None
         self._micro_norms = MicroBatchGradNorms()
@@ -131,6 +194,13 @@ class GradientNoiseScaleCallback(pl.Callback):
         self._steps_seen = 0
         self._history: list[dict[str, Any]] = []
         self._window.reset()
+        self._micro_batch_size: Optional[int] = None  # the first training batch's size (per device)
+        self._base_lr: Optional[float] = None
+        self._lr_multiplier = 1.0  # what adapt=True has applied on top of the user's LR
+        self._lr_ramp: Optional[dict[str, float]] = None
+        self.probe_result = None
+        self.recommendation = None
+        self.adaptations = []
 
     @property
     def state_key(self) -> str:
@@ -145,6 +215,13 @@ class GradientNoiseScaleCallback(pl.Callback):
             "counts": self._counts.tolist(),
             "steps_seen": self._steps_seen,
             "history": list(self._history),
+            "micro_batch_size": self._micro_batch_size,
+            "base_lr": self._base_lr,
+            "lr_multiplier": self._lr_multiplier,
+            "lr_ramp": dict(self._lr_ramp) if self._lr_ramp else None,
+            "adaptations": list(self.adaptations),
+            "adapt_policy": self._adapt_policy.state_dict() if self._adapt_policy else None,
+            "probe": self.probe_result.to_dict() if self.probe_result is not None else None,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -153,6 +230,15 @@ class GradientNoiseScaleCallback(pl.Callback):
         self._counts = torch.tensor(state_dict["counts"], dtype=torch.float64, device=self._counts.device)
         self._steps_seen = int(state_dict["steps_seen"])
         self._history = list(state_dict.get("history", []))
+        self._micro_batch_size = state_dict.get("micro_batch_size")
+        self._base_lr = state_dict.get("base_lr")
+        self._lr_multiplier = float(state_dict.get("lr_multiplier", 1.0))
+        self._lr_ramp = state_dict.get("lr_ramp")
+        self.adaptations = list(state_dict.get("adaptations", []))
+        if self._adapt_policy is not None and state_dict.get("adapt_policy"):
+            self._adapt_policy.load_state_dict(state_dict["adapt_policy"])
+        if state_dict.get("probe"):
+            self.probe_result = ProbeResult.from_dict(state_dict["probe"])
         self._restored_method = state_dict.get("method")
 
     # ------------------------------------------------------------------ results
@@ -171,6 +257,11 @@ class GradientNoiseScaleCallback(pl.Callback):
     def estimate(self) -> GNSEstimate:
         """The EMA estimate (recent window) with its interval. Reading it syncs the device once."""
         return self._estimate(self._ema, "ema")
+
+    @property
+    def probe(self) -> Optional[ProbeResult]:
+        """The hardware probe's result after the first training batch (``probe=True``), else None."""
+        return self.probe_result
 
     @property
     def history(self) -> list[dict[str, Any]]:
@@ -196,6 +287,15 @@ class GradientNoiseScaleCallback(pl.Callback):
                 f"{type(pl_module).__name__} sets `automatic_optimization = False`. Remove the callback or use "
                 "automatic optimization."
             )
+        if self.adapt and _has_accumulation_schedule(trainer):
+            raise MisconfigurationException(
+                "GradientNoiseScaleCallback(adapt=True) changes accumulate_grad_batches itself; remove the "
+                "GradientAccumulationScheduler callback or set adapt=False."
+            )
+        if self.adapt and self.adaptations:
+            # Resumed after an adaptation: the Trainer starts from its constructor's value again. (The LR lives
+            # in the restored optimizer and scheduler state.)
+            trainer.accumulate_grad_batches = int(self.adaptations[-1]["accumulate_grad_batches"][1])
         self.resolved_method = self._resolve_method(trainer, pl_module)
         if self._restored_method and self._restored_method != self.resolved_method:
             rank_zero_warn(
@@ -282,8 +382,38 @@ class GradientNoiseScaleCallback(pl.Callback):
 
     # ------------------------------------------------------------------ per micro-batch
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
-        if self.resolved_method == "micro_batch":
-            self._micro_size = extract_batch_size(batch)
+        size = extract_batch_size(batch)
+        self._micro_size = size
+        if self._micro_batch_size is None:
+            self._micro_batch_size = size
+        if self._base_lr is None and trainer.optimizers:
+            group = trainer.optimizers[0].param_groups[0]
+            self._base_lr = float(group.get("initial_lr", group["lr"]))
+        if self.probe_enabled and self.probe_result is None:
+            self._run_probe(trainer, pl_module, batch)
+
+    def _run_probe(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any) -> None:
+        """Probe on every rank (they agree through one min all-reduce); our own hooks must not see it."""
+        from gns_callback.probe import probe_trainer
+
+        if self._per_example is not None:
+            self._per_example.enabled = False
+        try:
+            self.probe_result = probe_trainer(
+                trainer,
+                pl_module,
+                batch,
+                memory_budget_bytes=self.memory_budget_bytes,
+                headroom=self.headroom,
+                progress_bar=self.verbose,
+            )
+        finally:
+            if self._per_example is not None:
+                self._per_example.enabled = True
+                self._per_example.pop()
+            self._micro_norms.pop()
+        if self.verbose:
+            rank_zero_info(f"GradientNoiseScaleCallback: {self.probe_result.summary()}")
 
     def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         accumulate = trainer.accumulate_grad_batches
@@ -307,6 +437,8 @@ class GradientNoiseScaleCallback(pl.Callback):
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any) -> None:
         if self.resolved_method is None:
             return
+        if self._lr_ramp is not None:
+            self._advance_lr_ramp(trainer)
         world_size = trainer.world_size
         if self._window.empty and world_size == 1:
             return
@@ -352,8 +484,18 @@ class GradientNoiseScaleCallback(pl.Callback):
                 }
             )
         )
+        metrics = {}
+        if self.recommend_enabled:
+            rec = self._recommend(trainer, run)
+            if rec is not None:
+                metrics["gns/recommended_batch_size"] = float(rec.batch_size)
+                metrics["gns/recommended_micro_batch_size"] = float(rec.micro_batch_size)
+                metrics["gns/recommended_accumulate_grad_batches"] = float(rec.accumulate_grad_batches)
+                if rec.learning_rate is not None:
+                    metrics["gns/recommended_lr"] = float(rec.learning_rate)
         pl_module.log_dict(
             {
+                **metrics,
                 "gns/b_simple": est.b_simple,
                 "gns/grad_sq_norm": est.grad_sq_norm,
                 "gns/trace_sigma": est.trace_sigma,
@@ -365,14 +507,103 @@ class GradientNoiseScaleCallback(pl.Callback):
             on_epoch=False,
         )
 
+    # ------------------------------------------------------------------ recommendation
+    def _recommend(self, trainer: "pl.Trainer", estimate: GNSEstimate) -> Optional[Recommendation]:
+        """The recommendation for this run from ``estimate`` (pure; the same on every rank)."""
+        if self._micro_batch_size is None or not trainer.optimizers:
+            return None
+        accumulate = trainer.accumulate_grad_batches
+        world = trainer.world_size
+        base_lr = None if self._base_lr is None else self._base_lr * self._lr_multiplier
+        return recommend(
+            estimate,
+            current_batch_size=self._micro_batch_size * accumulate * world,
+            current_lr=base_lr,
+            optimizer=trainer.optimizers[0],
+            num_devices=world,
+            current_micro_batch_size=self._micro_batch_size,
+            current_accumulate=accumulate,
+            probe=self.probe_result,
+            dataset_size=_dataset_size(trainer),
+            steps_per_epoch=_steps_per_epoch(trainer),
+            **self.recommend_options,
+        )
+
+    def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if not self.adapt or trainer.current_epoch == 0 or self._micro_batch_size is None:
+            return
+        # Adaptation follows the recent (EMA) estimate: the noise scale grows as training progresses.
+        rec = self._recommend(trainer, self.estimate)
+        if rec is None:
+            return
+        current = trainer.accumulate_grad_batches
+        decision = self._adapt_policy.decide(current, rec, micro_batch_size=self._micro_batch_size,
+                                             num_devices=trainer.world_size)
+        if not decision.change:
+            return
+        rule = rec.lr_rule or "none"
+        target = decision.new_lr(1.0, rule)  # LR ratio new/old for this batch change
+        trainer.accumulate_grad_batches = decision.accumulate_grad_batches
+        # Warmup by the recommendation's rule for this LR factor, in optimizer steps at the new batch size.
+        warmup = math.ceil(warmup_epochs_for(target) * (_steps_per_epoch(trainer) or 0))
+        self._lr_ramp = {"start": self._lr_multiplier, "target": self._lr_multiplier * target, "step": 0,
+                         "warmup_steps": warmup}
+        event = {
+            "epoch": trainer.current_epoch,
+            "global_step": trainer.global_step,
+            "accumulate_grad_batches": [current, decision.accumulate_grad_batches],
+            "batch_size": decision.batch_size,
+            "lr_factor": target,
+            "lr_rule": rule,
+            "warmup_steps": warmup,
+            "b_simple": _finite_or_none(rec.b_noise),
+            "reason": decision.reason,
+        }
+        self.adaptations.append(event)
+        pl_module.log_dict(
+            {"gns/adapt_accumulate_grad_batches": float(decision.accumulate_grad_batches),
+             "gns/adapt_lr_factor": float(self._lr_ramp["target"])},
+            on_step=False, on_epoch=True,
+        )
+        rank_zero_info(
+            f"GradientNoiseScaleCallback(adapt=True): epoch {trainer.current_epoch}: accumulate_grad_batches "
+            f"{current} → {decision.accumulate_grad_batches} (global batch {decision.batch_size}); LR ×{target:.3g} "
+            f"({rule} rule) over {warmup} warmup steps. {decision.reason}"
+        )
+
+    def _advance_lr_ramp(self, trainer: "pl.Trainer") -> None:
+        ramp = self._lr_ramp
+        # Step k after the change (k = 1, 2, ...) runs at start + (target − start)·k/warmup, then flat.
+        wanted = warmup_lr(int(ramp["step"]) + 1, start_lr=ramp["start"], target_lr=ramp["target"],
+                           warmup_steps=int(ramp["warmup_steps"]))
+        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+        for optimizer in trainer.optimizers:
+            rescale_learning_rates(optimizer, schedulers, wanted / self._lr_multiplier)
+        self._lr_multiplier = wanted
+        ramp["step"] += 1
+        if wanted == ramp["target"]:
+            self._lr_ramp = None
+
+    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        every = self.summary_every_n_epochs
+        if self.recommend_enabled and every and (trainer.current_epoch + 1) % every == 0:
+            rec = self._recommend(trainer, self.run_estimate)
+            if rec is not None:
+                rank_zero_info(f"GradientNoiseScaleCallback, epoch {trainer.current_epoch}:\n{rec.summary_table()}")
+
     # ------------------------------------------------------------------ end of fit
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._detach_all()
         est = self.estimate
+        if self.recommend_enabled:
+            # From the run average: the critical batch of a run is the noise scale averaged along it.
+            self.recommendation = self._recommend(trainer, self.run_estimate)
         if trainer.is_global_zero:
             path = self.write_report(trainer)
             if self.verbose:
                 rank_zero_info(f"GradientNoiseScaleCallback: {est}\n  report: {path}")
+                if self.recommendation is not None:
+                    rank_zero_info(self.recommendation.summary_table())
                 if est.steps and not math.isfinite(est.ci_high):
                     rank_zero_info(
                         "GradientNoiseScaleCallback: the interval is unbounded: |G|² is not resolved from the "
@@ -396,6 +627,9 @@ class GradientNoiseScaleCallback(pl.Callback):
             "estimate": self.estimate.to_dict(),
             "run_estimate": self.run_estimate.to_dict(),
             "history": self._history,
+            "recommendation": self.recommendation.to_dict() if self.recommendation is not None else None,
+            "probe": self.probe_result.to_dict() if self.probe_result is not None else None,
+            "adaptations": self.adaptations,
             "coverage": self._coverage,
             "config": {
                 "method": self.method,
@@ -416,6 +650,24 @@ class GradientNoiseScaleCallback(pl.Callback):
         path = self.resolve_report_path(trainer)
         write_report(path, self.report_sections(trainer))
         return path
+
+
+def _finite_or_none(value: Optional[float]) -> Optional[float]:
+    return value if value is not None and math.isfinite(value) else None
+
+
+def _dataset_size(trainer: "pl.Trainer") -> Optional[int]:
+    try:
+        return len(trainer.train_dataloader.dataset)
+    except (AttributeError, TypeError):
+        return None
+
+
+def _steps_per_epoch(trainer: "pl.Trainer") -> Optional[int]:
+    batches = trainer.num_training_batches
+    if not isinstance(batches, int) or batches <= 0:
+        return None
+    return math.ceil(batches / trainer.accumulate_grad_batches)
 
 
 def _json_safe(values: dict[str, float]) -> dict[str, Optional[float]]:
