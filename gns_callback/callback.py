@@ -405,6 +405,9 @@ class GradientNoiseScaleCallback(pl.Callback):
                 batch,
                 memory_budget_bytes=self.memory_budget_bytes,
                 headroom=self.headroom,
+                # Throughput where the decision is made: the current micro-batch and its doublings (the probe
+                # adds the largest size that fits).
+                throughput_sizes=[self._micro_batch_size * 2**k for k in range(6)],
                 progress_bar=self.verbose,
             )
         finally:

@@ -68,13 +68,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--method", default="auto", choices=["auto", "micro_batch", "per_example"])
     parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-probe", action="store_true", help="skip the memory/throughput probe")
     parser.add_argument("--out", default=None, help="log dir (default: a temporary directory)")
     args = parser.parse_args(argv)
 
     pl.seed_everything(args.seed, verbose=False)
     train, val = _digits_loaders(args.batch_size, args.seed)
     out = args.out or tempfile.mkdtemp(prefix="gns_demo_")
-    gns = GradientNoiseScaleCallback(method=args.method, ema_decay=0.95, log_every_n_steps=10, verbose=False)
+    gns = GradientNoiseScaleCallback(
+        method=args.method, ema_decay=0.95, log_every_n_steps=10, verbose=False, probe=not args.no_probe
+    )
     trainer = pl.Trainer(
         accelerator="cpu",
         max_epochs=args.epochs,
@@ -99,7 +102,10 @@ def main(argv: list[str] | None = None) -> None:
             f"of a noise-free step (S/S_min = 1 + B_noise/B, McCandlish et al. 2018); batches up to ~B_simple "
             f"cut the number of steps almost proportionally, larger ones mostly add compute."
         )
-    print(f"  report: {gns.report_path}")
+    if gns.recommendation is not None:
+        print()
+        print(gns.recommendation.summary_table())
+    print(f"  report: {gns.report_path}  (pictures: python -m gns_callback report {gns.report_path})")
 
 
 if __name__ == "__main__":

@@ -63,6 +63,9 @@ DEFAULT_MAX_BATCH_SIZE = 65536
 MEASURES = ("auto", "cuda", "accounting")
 
 
+MAX_TIMED_STEPS = 50
+
+
 @dataclass(frozen=True)
 class ProbeConfig:
     """Settings shared by both entry points (see :func:`probe_micro_batch` for their meaning)."""
@@ -77,6 +80,9 @@ class ProbeConfig:
     throughput_sizes: Optional[tuple[int, ...]] = None
     warmup_steps: int = 1
     timed_steps: int = 3
+    #: Keep timing (up to MAX_TIMED_STEPS) until this much time is measured: a few 1 ms steps on a busy machine
+    #: say nothing about throughput.
+    min_timed_seconds: float = 0.25
     max_trials: int = 40
     progress_bar: bool = True
     verbose: bool = False
@@ -225,18 +231,24 @@ class TrialRunner:
         self._zero_grad()
         self._sync()
         seconds, stepped = [], True
-        for _ in range(self.config.timed_steps):
+        while self._keep_timing(seconds):
             start = time.perf_counter()
             stepped = self._forward_backward(batch)
             self._sync()
             seconds.append(time.perf_counter() - start)
-        optimizer_seconds = []
-        for _ in range(self.config.timed_steps if stepped else 0):  # repeated steps on the same gradients
+        optimizer_seconds: list[float] = []
+        while stepped and self._keep_timing(optimizer_seconds):  # repeated steps on the same gradients
             start = time.perf_counter()
             self._optimizer_step()
             self._sync()
             optimizer_seconds.append(time.perf_counter() - start)
         return statistics.median(seconds), statistics.median(optimizer_seconds) if optimizer_seconds else 0.0
+
+    def _keep_timing(self, seconds: list[float]) -> bool:
+        """At least ``timed_steps`` steps, and more until ``min_timed_seconds`` are measured (capped)."""
+        if len(seconds) < self.config.timed_steps:
+            return True
+        return len(seconds) < MAX_TIMED_STEPS and sum(seconds) < self.config.min_timed_seconds
 
     # one trial --------------------------------------------------------------------------------
     def run(self, size: int, phase: str, *, timed: bool = False, split: Optional[int] = None) -> Trial:
