@@ -23,7 +23,9 @@ def rescale_learning_rates(optimizer: torch.optim.Optimizer, schedulers: Iterabl
         if "initial_lr" in group:
             group["initial_lr"] = group["initial_lr"] * ratio
     for scheduler in schedulers:
-        if getattr(scheduler, "optimizer", None) is optimizer and hasattr(scheduler, "base_lrs"):
+        if getattr(scheduler, "optimizer", None) is not optimizer:
+            continue
+        if hasattr(scheduler, "base_lrs"):
             scheduler.base_lrs = [lr * ratio for lr in scheduler.base_lrs]
-        if hasattr(scheduler, "_last_lr"):
+        if hasattr(scheduler, "_last_lr"):  # what get_last_lr() reports (and LearningRateMonitor logs)
             scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
