@@ -16,6 +16,16 @@ def _run_in_tmp_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
 
+@pytest.fixture(scope="module")
+def file_system_sharing():
+    """For ddp_spawn tests: sending CPU tensors to spawned workers can fail with "unable to resize file" under
+    the default sharing strategy (seen on these machines)."""
+    previous = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    yield
+    torch.multiprocessing.set_sharing_strategy(previous)
+
+
 @pytest.fixture(scope="session")
 def digits():
     """scikit-learn's bundled 8×8 digits (1797 real images), pixels scaled to [0, 1]."""

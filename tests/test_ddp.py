@@ -4,7 +4,6 @@ import json
 
 import pytest
 import pytorch_lightning as pl
-import torch
 import torch.nn.functional as F
 
 from gns_callback import GradientNoiseScaleCallback, load_estimate
@@ -23,13 +22,7 @@ class RankRecorder(pl.Callback):
             json.dump({"estimate": gns.estimate.to_dict(), "state": gns.state_dict()}, f)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def file_system_sharing():
-    # Sending CPU tensors to spawned workers can fail with "unable to resize file" under the default strategy.
-    previous = torch.multiprocessing.get_sharing_strategy()
-    torch.multiprocessing.set_sharing_strategy("file_system")
-    yield
-    torch.multiprocessing.set_sharing_strategy(previous)
+pytestmark = pytest.mark.usefixtures("file_system_sharing")
 
 
 @pytest.mark.parametrize("method, accumulate, batch_size", [("micro_batch", 2, 8), ("per_example", 1, 32)])

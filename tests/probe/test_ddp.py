@@ -3,19 +3,12 @@
 import json
 
 import pytest
-import torch
 
 from tests.helpers import mlp, quiet_trainer
 from tests.probe.models import ProbeAtBatch, ThresholdClassifier, digits_loader
 
 
-@pytest.fixture(scope="module", autouse=True)
-def file_system_sharing():
-    # Sending CPU tensors to spawned workers can fail with "unable to resize file" under the default strategy.
-    previous = torch.multiprocessing.get_sharing_strategy()
-    torch.multiprocessing.set_sharing_strategy("file_system")
-    yield
-    torch.multiprocessing.set_sharing_strategy(previous)
+pytestmark = pytest.mark.usefixtures("file_system_sharing")
 
 
 # batch 0: both ranks OOM above 20; batch 1: rank 0 above 24, rank 1 above 12 (a lower threshold).
