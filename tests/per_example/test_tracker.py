@@ -294,7 +294,7 @@ def test_functional_use_of_covered_weight_raises() -> None:
             return F.linear(self.body(x), self.head.weight, self.head.bias)  # never calls self.head
 
     model = nn.Sequential(nn.Linear(3, 3), Functional()).double()
-    with PerExampleNormTracker(model) as tracker:
+    with PerExampleNormTracker(model):
         out = model(torch.randn(BATCH, 3, dtype=torch.float64))
         with pytest.raises(RuntimeError, match=r"'1\.head\.(weight|bias)'.*outside"):
             out.sum().backward()
@@ -356,7 +356,7 @@ def test_batch_size_mismatch_raises() -> None:
             return self.second(self.first(x).reshape(-1, 3))  # tokens become "examples"
 
     model = Flattening().double()
-    with PerExampleNormTracker(model) as tracker:
+    with PerExampleNormTracker(model):
         out = model(torch.randn(BATCH, 5, 3, dtype=torch.float64))
         with pytest.raises(RuntimeError, match="batch size"):
             out.sum().backward()
