@@ -2,22 +2,24 @@
 """Step-time overhead of ``GradientNoiseScaleCallback``, and of public per-example-norm peers.
 
     python benchmarks/overhead.py [--quick] [--out benchmarks/RESULTS.md] [--threads 1]
+    python benchmarks/overhead.py --profile [--models CNN]    # where the per-example time goes
 
 What is measured (one process, same models, same synthetic data, CPU):
 
 * Lightning ``Trainer.fit`` (logger, checkpointing, progress bar and model summary off), a fixed number
-  of optimizer steps. A timing callback stamps ``time.perf_counter()`` each time ``trainer.global_step``
-  advances (in ``on_train_batch_end``); the first ``--warmup`` steps are dropped and the median step
-  time is kept.
+  of optimizer steps. A timing callback stamps ``time.perf_counter()`` (wall) and the thread's CPU time
+  each time ``trainer.global_step`` advances (in ``on_train_batch_end``); the first ``--warmup`` steps are
+  dropped and the median step time is kept.
 
   - ``baseline`` (no callback) at ``accumulate_grad_batches=1`` and ``=4``;
   - ``micro_batch`` (callback, ``accumulate_grad_batches=4``) / baseline at 4 — target <= 1.05x;
-  - ``per_example`` (callback, ``accumulate_grad_batches=1``) / baseline at 1 — target <= 1.25x.
+  - ``per_example`` (callback defaults, ``accumulate_grad_batches=1``) / baseline at 1 — target <= 1.25x;
+    where the callback subsamples examples by default (``per_example_max_examples``), also all examples.
 
 * Plain-PyTorch loop (``zero_grad``, forward, backward, per-example norms, ``SGD.step``) for the peers,
-  each compared with the same plain loop without per-example norms:
+  each run step-by-step alternating with the same plain loop without per-example norms (paired baseline):
 
-  - ``gns_callback`` ``PerExampleNormTracker`` (the hooks the callback uses, without Lightning);
+  - ``gns_callback`` ``PerExampleNormTracker`` (the hooks the callback uses, without Lightning; all examples);
   - ``torch.func``: ``vmap(grad(functional_call))`` per-example gradients, their norms, and their mean
     as the step's gradient (one vectorised backward replaces the ordinary one);
   - BackPACK ``BatchL2Grad`` (``extend`` + ``with backpack(...)``);
@@ -29,9 +31,10 @@ What is measured (one process, same models, same synthetic data, CPU):
   model is recorded as unsupported with the reason.
 
 Rounds are interleaved (every configuration once per round, the order reversed on odd rounds) to spread
-drift on a shared machine over all configurations. Ratios are ratios of the medians pooled over rounds;
-the per-round ratios show the noise. Per-example norms of one probe batch are cross-checked against
-``torch.func`` (max relative difference) so that every peer is known to compute the same quantity.
+drift on a shared machine over all configurations. Ratios are ratios of the medians pooled over rounds,
+for wall time and for CPU time (robust to other processes on the cores); the per-round ratios show the
+noise. Per-example norms of one probe batch are cross-checked against ``torch.func`` (max relative
+difference) so that every peer is known to compute the same quantity.
 """
 
 from __future__ import annotations
@@ -39,8 +42,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import datetime
 import importlib
+import inspect
 import logging
 import os
 import platform
@@ -51,6 +56,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +74,8 @@ import pytorch_lightning as pl  # noqa: E402
 
 from gns_callback import GradientNoiseScaleCallback  # noqa: E402
 from gns_callback.per_example import PerExampleNormTracker  # noqa: E402
+
+from benchmarks.results import replace_section  # noqa: E402  (shared by the benchmarks writing RESULTS.md)
 
 SECTION_HEADING = "## Overhead (issue: step-time ratio with callback / without)"
 TARGETS = {"micro_batch": 1.05, "per_example": 1.25}
@@ -152,7 +160,8 @@ class ModelSpec:
     build: Callable[[], nn.Module]
     make_batch: Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    step_factor: int = 1  # cheap models get more timed steps
+    step_factor: int = 1  # cheap models get more timed plain-loop steps ...
+    lightning_repeats: int = 1  # ... and their Lightning runs repeated within each round (finer interleaving)
 
 
 def model_specs(quick: bool) -> list[ModelSpec]:
@@ -185,7 +194,8 @@ def model_specs(quick: bool) -> list[ModelSpec]:
             lambda: make_mlp(mlp["in_dim"], mlp["hidden"], mlp["classes"]),
             mlp_batch,
             classification_loss,
-            step_factor=3,
+            step_factor=1 if quick else 3,
+            lightning_repeats=1 if quick else 3,
         ),
         ModelSpec(
             "CNN",
@@ -249,28 +259,32 @@ class BenchModule(pl.LightningModule):
 
 
 class StepTimer(pl.Callback):
-    """Stamps ``perf_counter`` at fit start and each time an optimizer step has completed."""
+    """Stamps ``perf_counter`` and :data:`cpu_clock` at fit start and each time an optimizer step has completed."""
 
     def __init__(self) -> None:
-        self.stamps: list[float] = []
+        self.stamps: list[tuple[float, float]] = []  # (wall, CPU)
         self._last_step = -1
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self.stamps = [time.perf_counter()]
+        self.stamps = [(time.perf_counter(), cpu_clock())]
         self._last_step = trainer.global_step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step != self._last_step:
             self._last_step = trainer.global_step
-            self.stamps.append(time.perf_counter())
+            self.stamps.append((time.perf_counter(), cpu_clock()))
 
-    def step_times(self) -> list[float]:
-        return [b - a for a, b in zip(self.stamps, self.stamps[1:])]
+    def step_times(self) -> tuple[list[float], list[float]]:
+        """(wall, CPU) seconds of each optimizer step."""
+        pairs = list(zip(self.stamps, self.stamps[1:]))
+        return [b[0] - a[0] for a, b in pairs], [b[1] - a[1] for a, b in pairs]
 
 
 def lightning_run(spec: ModelSpec, template: nn.Module, pool: list, method: str | None, accumulate: int,
-                  steps: int, warmup: int, workdir: str) -> tuple[list[float], dict[str, Any]]:
-    """Step times (s) after warm-up of one ``Trainer.fit``; ``method=None`` is the no-callback baseline."""
+                  steps: int, warmup: int, workdir: str,
+                  callback_kwargs: dict[str, Any] | None = None) -> tuple[list[float], list[float], dict[str, Any]]:
+    """Wall and CPU step times (s) after warm-up of one ``Trainer.fit``, and info; ``method=None`` is the
+    no-callback baseline."""
     total_steps = warmup + steps
     module = BenchModule(copy.deepcopy(template), spec.loss, pool, total_steps * accumulate)
     timer = StepTimer()
@@ -278,7 +292,8 @@ def lightning_run(spec: ModelSpec, template: nn.Module, pool: list, method: str 
     gns = None
     if method is not None:
         gns = GradientNoiseScaleCallback(
-            method=method, verbose=False, report_path=os.path.join(workdir, f"gns_{spec.name}_{method}.json")
+            method=method, verbose=False, report_path=os.path.join(workdir, f"gns_{spec.name}_{method}.json"),
+            **(callback_kwargs or {}),
         )
         callbacks.append(gns)
     trainer = pl.Trainer(
@@ -287,13 +302,13 @@ def lightning_run(spec: ModelSpec, template: nn.Module, pool: list, method: str 
         callbacks=callbacks, default_root_dir=workdir,
     )  # fmt: skip
     trainer.fit(module)
-    times = timer.step_times()
+    times, cpu_times = timer.step_times()
     if len(times) != total_steps:
         raise RuntimeError(f"expected {total_steps} optimizer steps, timed {len(times)}")
     info: dict[str, Any] = {}
     if gns is not None:
         info = {"measured_steps": gns.estimate.steps, "coverage": gns._coverage.get("fraction")}
-    return times[warmup:], info
+    return times[warmup:], cpu_times[warmup:], info
 
 
 # ---------------------------------------------------------------------------------------------- plain loop
@@ -450,22 +465,29 @@ PLAIN_CONFIGS = [
 ]
 
 
-def plain_run(step: PlainStep, pool: list, steps: int, warmup: int, budget_s: float) -> list[float]:
-    """Step times (s) after warm-up. A configuration whose first step shows that ``warmup + steps`` would
-    take longer than ``budget_s`` runs 1 more warm-up step and as many timed steps as fit (at least 5)."""
-    times = []
-    total = warmup + steps
-    i = 0
+def paired_plain_run(base: PlainStep, step: PlainStep, pool: list, steps: int, warmup: int,
+                     budget_s: float) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Step times (s) after warm-up of the baseline loop and of a peer's loop, alternating step by step (which
+    one goes first alternates too), so that both see the same load on a shared machine. A pair whose first
+    iteration shows that ``warmup + steps`` would take longer than ``budget_s`` is cut to 2 warm-up + as many
+    timed steps as fit (at least 5). Returns wall times (baseline, peer) and CPU times (baseline, peer)."""
+    base_times: list[float] = []
+    times: list[float] = []
+    base_cpu: list[float] = []
+    cpu: list[float] = []
+    total, i = warmup + steps, 0
     while i < total:
         x, y = pool[i % len(pool)]
-        start = time.perf_counter()
-        step(x, y)
-        times.append(time.perf_counter() - start)
+        for which in ((base, step) if i % 2 == 0 else (step, base)):
+            start, start_cpu = time.perf_counter(), cpu_clock()
+            which(x, y)
+            (base_times if which is base else times).append(time.perf_counter() - start)
+            (base_cpu if which is base else cpu).append(cpu_clock() - start_cpu)
         i += 1
-        if i == 1 and times[0] * total > budget_s:
+        if i == 1 and (base_times[0] + times[0]) * total > budget_s:
             warmup = min(warmup, 2)
-            total = warmup + max(5, min(steps, int(budget_s / times[0]) - warmup))
-    return times[warmup:]
+            total = warmup + max(5, min(steps, int(budget_s / (base_times[0] + times[0])) - warmup))
+    return base_times[warmup:], times[warmup:], base_cpu[warmup:], cpu[warmup:]
 
 
 def probe_norms(config: PlainConfig, spec: ModelSpec, template: nn.Module, batch) -> torch.Tensor:
@@ -497,6 +519,11 @@ class Result:
     baseline_key: str | None
     times: list[float] = field(default_factory=list)  # pooled over rounds, seconds
     round_medians: list[float] = field(default_factory=list)
+    base_times: list[float] = field(default_factory=list)  # plain loop: the baseline steps paired with these
+    base_round_medians: list[float] = field(default_factory=list)
+    cpu_times: list[float] = field(default_factory=list)
+    base_cpu_times: list[float] = field(default_factory=list)
+    cpu_ratio: float | None = None
     status: str = "ok"  # "ok", "unsupported: ...", "not installed"
     info: dict[str, Any] = field(default_factory=dict)
     ratio: float | None = None
@@ -507,14 +534,35 @@ class Result:
     def median_ms(self) -> float | None:
         return 1000 * statistics.median(self.times) if self.times else None
 
+    @property
+    def cpu_median_ms(self) -> float | None:
+        return 1000 * statistics.median(self.cpu_times) if self.cpu_times else None
 
-LIGHTNING_CONFIGS = [
-    # key, label, method, accumulate, baseline key
-    ("base_acc1", "baseline, accumulate=1", None, 1, None),
-    ("per_example", "per_example, accumulate=1", "per_example", 1, "base_acc1"),
-    ("base_acc4", "baseline, accumulate=4", None, 4, None),
-    ("micro_batch", "micro_batch, accumulate=4", "micro_batch", 4, "base_acc4"),
-]
+
+#: Subsampling option of ``per_example`` (if this version of the callback has it).
+MAX_EXAMPLES_ARG = "per_example_max_examples"
+
+
+def lightning_configs() -> list[tuple[str, str, str | None, int, str | None, dict[str, Any]]]:
+    """(key, label, method, accumulate, baseline key, callback kwargs). ``per_example`` runs with the
+    callback's defaults; where it subsamples examples by default, an all-examples row is added."""
+    parameter = inspect.signature(GradientNoiseScaleCallback).parameters.get(MAX_EXAMPLES_ARG)
+    default = parameter.default if parameter is not None else None
+    per_example_label = "per_example, accumulate=1"
+    if default is not None:
+        per_example_label = f"per_example (default {MAX_EXAMPLES_ARG}={default}), accumulate=1"
+    configs = [
+        ("base_acc1", "baseline, accumulate=1", None, 1, None, {}),
+        ("per_example", per_example_label, "per_example", 1, "base_acc1", {}),
+    ]
+    if default is not None:
+        configs.append(("per_example_all", f"per_example ({MAX_EXAMPLES_ARG}=None: all examples), accumulate=1",
+                        "per_example", 1, "base_acc1", {MAX_EXAMPLES_ARG: None}))  # fmt: skip
+    configs += [
+        ("base_acc4", "baseline, accumulate=4", None, 4, None, {}),
+        ("micro_batch", "micro_batch, accumulate=4", "micro_batch", 4, "base_acc4", {}),
+    ]
+    return configs
 
 
 def _first_line(exc: BaseException, limit: int = 160) -> str:
@@ -535,7 +583,15 @@ def _quiet():
     warnings.filterwarnings("ignore", ".*There is a performance drop.*")  # recorded by the probe instead
 
 
+#: CPU-time clock of the timed work: the calling thread's CPU time with one torch thread (forward, backward
+#: and the hooks all run on it on CPU), the process's with more. Unlike wall time, it barely moves when other
+#: processes compete for the cores, so its ratios are the robust ones on a shared machine.
+cpu_clock: Callable[[], float] = time.thread_time
+
+
 def set_threads(threads: int) -> None:
+    global cpu_clock
+    cpu_clock = time.thread_time if threads == 1 else time.process_time
     torch.set_num_threads(threads)
     with contextlib.suppress(RuntimeError):  # only settable before inter-op parallel work started
         torch.set_num_interop_threads(1)
@@ -547,10 +603,10 @@ def run_benchmark(quick: bool = False, steps: int | None = None, warmup: int | N
     """Run every configuration; returns ``{"results": [Result], "settings": {...}, "peers": {...}}``."""
     _quiet()
     set_threads(threads)
-    steps = steps if steps is not None else (6 if quick else 40)
-    warmup = warmup if warmup is not None else (2 if quick else 5)
-    rounds = rounds if rounds is not None else (1 if quick else 3)
-    budget_s = budget_s if budget_s is not None else (2.0 if quick else 6.0)
+    steps = steps if steps is not None else (6 if quick else 20)
+    warmup = warmup if warmup is not None else (2 if quick else 4)
+    rounds = rounds if rounds is not None else (1 if quick else 4)
+    budget_s = budget_s if budget_s is not None else (2.0 if quick else 12.0)
     specs = [s for s in model_specs(quick) if models is None or s.name.lower() in {m.lower() for m in models}]
 
     peer_versions: dict[str, str] = {}
@@ -572,6 +628,8 @@ def run_benchmark(quick: bool = False, steps: int | None = None, warmup: int | N
             log(f"[overhead] {config.package} not installed: skipping {config.label}")
 
     results: list[Result] = []
+    configs = lightning_configs()
+    revision = package_revision()  # now: the code imported is the code at start
     load_start = os.getloadavg()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="gns_overhead_") as workdir:
@@ -580,7 +638,7 @@ def run_benchmark(quick: bool = False, steps: int | None = None, warmup: int | N
             template = spec.build()
             pool = batch_pool(spec)
             light = {key: Result(spec.name, spec.batch, "Lightning", key, label, base)
-                     for key, label, _, _, base in LIGHTNING_CONFIGS}  # fmt: skip
+                     for key, label, _, _, base, _ in configs}  # fmt: skip
             plain = {c.key: Result(spec.name, spec.batch, "plain", c.key, c.label, None if c.key == "plain" else "plain")
                      for c in plain_configs}  # fmt: skip
 
@@ -612,29 +670,45 @@ def run_benchmark(quick: bool = False, steps: int | None = None, warmup: int | N
 
             jobs: list[tuple[str, Callable[[], None]]] = []
             model_steps = steps * spec.step_factor
-            for key, _, method, accumulate, _ in LIGHTNING_CONFIGS:
+            lightning_jobs: list[tuple[str, Callable[[], None]]] = []
+            for key, _, method, accumulate, _, kwargs in configs:
                 # accumulate=4 steps cost 4 micro-batches: half the optimizer steps, twice the micro-batches
-                run_steps = model_steps if accumulate == 1 else max(5, model_steps // 2)
+                run_steps = steps if accumulate == 1 else max(5, steps // 2)
 
-                def job(key=key, method=method, accumulate=accumulate, run_steps=run_steps):
-                    times, info = lightning_run(spec, template, pool, method, accumulate, run_steps, warmup, workdir)
+                def job(key=key, method=method, accumulate=accumulate, run_steps=run_steps, kwargs=kwargs):
+                    times, cpu_times, info = lightning_run(spec, template, pool, method, accumulate, run_steps,
+                                                           warmup, workdir, kwargs)  # fmt: skip
                     light[key].times += times
+                    light[key].cpu_times += cpu_times
                     light[key].round_medians.append(statistics.median(times))
                     light[key].info.update(info)
-                jobs.append((f"Lightning {key}", job))
+                lightning_jobs.append((f"Lightning {key}", job))
+            for repeat in range(spec.lightning_repeats):
+                jobs += lightning_jobs if repeat % 2 == 0 else list(reversed(lightning_jobs))
+            plain_steps = max(5, model_steps // 2)  # paired with baseline steps: twice the work per step
             for config in plain_configs:
+                if config.key == "plain":
+                    continue
+
                 def job(config=config):
                     result = plain[config.key]
                     if result.status != "ok":
                         return
-                    step = config.step(spec, copy.deepcopy(template))
+                    base, step = PlainStep(spec, copy.deepcopy(template)), config.step(spec, copy.deepcopy(template))
                     try:
-                        times = plain_run(step, pool, model_steps, warmup, budget_s)
+                        base_times, times, base_cpu, cpu = paired_plain_run(base, step, pool, plain_steps, warmup,
+                                                                             budget_s)  # fmt: skip
                     finally:
                         step.close()
                     result.times += times
                     result.round_medians.append(statistics.median(times))
-                jobs.append((f"plain {config.key}", job))
+                    result.base_times += base_times
+                    result.base_round_medians.append(statistics.median(base_times))
+                    plain["plain"].times += base_times
+                    result.cpu_times += cpu
+                    result.base_cpu_times += base_cpu
+                    plain["plain"].cpu_times += base_cpu
+                jobs.append((f"plain {config.key} (paired with baseline)", job))
 
             for r in range(rounds):
                 order = jobs if r % 2 == 0 else list(reversed(jobs))
@@ -646,16 +720,25 @@ def run_benchmark(quick: bool = False, steps: int | None = None, warmup: int | N
             for result in list(light.values()) + list(plain.values()):
                 if result.baseline_key is None or result.status != "ok" or not result.times:
                     continue
-                base = light[result.baseline_key] if result.loop == "Lightning" else plain[result.baseline_key]
-                result.ratio = statistics.median(result.times) / statistics.median(base.times)
-                result.ratio_of_means = statistics.fmean(result.times) / statistics.fmean(base.times)
-                result.round_ratios = [a / b for a, b in zip(result.round_medians, base.round_medians)]
+                if result.loop == "Lightning":
+                    base_result = light[result.baseline_key]
+                    base_times, base_round_medians = base_result.times, base_result.round_medians
+                    base_cpu = base_result.cpu_times
+                else:
+                    base_times, base_round_medians = result.base_times, result.base_round_medians
+                    base_cpu = result.base_cpu_times
+                result.cpu_ratio = statistics.median(result.cpu_times) / statistics.median(base_cpu)
+                result.ratio = statistics.median(result.times) / statistics.median(base_times)
+                result.ratio_of_means = statistics.fmean(result.times) / statistics.fmean(base_times)
+                result.round_ratios = [a / b for a, b in zip(result.round_medians, base_round_medians)]
+                if result.loop == "plain":
+                    result.info["paired_baseline_ms"] = 1000 * statistics.median(base_times)
             results += list(light.values()) + list(plain.values())
 
     settings = {
         "quick": quick, "steps": steps, "warmup": warmup, "rounds": rounds, "threads": threads, "budget_s": budget_s,
-        "elapsed_s": time.perf_counter() - started, "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
-        "models": {s.name: s.description for s in specs},
+        "cpu_clock": cpu_clock.__name__, "elapsed_s": time.perf_counter() - started, "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
+        "models": {s.name: s.description for s in specs}, "revision": revision,
     }  # fmt: skip
     return {"results": results, "settings": settings, "peers": peer_versions}
 
@@ -680,6 +763,23 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def package_revision() -> str:
+    """``gns_callback`` at commit X (read-only git calls; '+ uncommitted changes' if the package is dirty)."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", "gns_callback")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown revision"
+    if not commit:
+        return "unknown revision"
+    return f"commit {commit}" + (" + uncommitted changes to gns_callback/" if dirty else "")
+
+
 def _fmt_ratio(value: float | None) -> str:
     return "—" if value is None else f"{value:.2f}×"
 
@@ -692,58 +792,81 @@ def render(run: dict[str, Any], command: str) -> str:
         f"- Command: `{command}`",
         f"- Date: {datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}",
         f"- Hardware: `nproc` = {os.cpu_count()}, CPU: {cpu_model()}; no GPU. torch {torch.__version__}, "
-        f"pytorch-lightning {pl.__version__}, Python {platform.python_version()}.",
+        f"pytorch-lightning {pl.__version__}, Python {platform.python_version()}. "
+        f"gns_callback: {run['settings'].get('revision', 'unknown revision')}.",
         f"- `torch.set_num_threads({s['threads']})` (inter-op threads 1) for every configuration.",
+        f"- Two clocks: wall (`time.perf_counter`) and CPU time (`time.{s['cpu_clock']}`: "
+        + ("with one torch thread, forward, backward and the hooks all run on the calling thread" if s["threads"] == 1
+           else "all threads of the process") + "). "
+        "On this shared machine other processes take turns on the cores, which inflates wall times by different "
+        "amounts in different runs; CPU time does not count those turns, so the CPU-time ratio is the more "
+        "reliable one here, while wall time is what a user sees on an idle machine.",
         "- Peers (benchmark-only, not package dependencies): "
         + (", ".join(f"{k} {v}" for k, v in run["peers"].items()) or "none")
         + "; torch.func from torch.",
-        f"- Steps: {s['warmup']} warm-up + {s['steps']} timed optimizer steps per run (×3 for the cheap MLP; half "
-        f"as many, min 5, at accumulate=4; a plain-loop run whose first step shows it would exceed "
-        f"{s['budget_s']:.0f} s is cut to 2 warm-up + as many timed steps as fit, min 5), {s['rounds']} interleaved "
-        f"round(s) (order reversed on odd rounds); `timed steps` = pooled over rounds; ms/step = median over all timed steps of all rounds; "
-        f"ratio = median / median of its baseline; per-round = the same ratio within each round. "
-        f"Load average (1/5/15 min) at start {_fmt_load(s['loadavg_start'])}, at end {_fmt_load(s['loadavg_end'])}; "
-        f"total {s['elapsed_s']:.0f} s.",
+        f"- Steps: {s['warmup']} warm-up + {s['steps']} timed optimizer steps per Lightning run (half as many, min "
+        f"5, at accumulate=4, i.e. twice the micro-batches), {s['rounds']} interleaved round(s) (every "
+        f"configuration once per round — the cheap MLP's Lightning runs 3 times — order reversed on odd rounds "
+        f"and repeats). `timed steps` = pooled "
+        f"over rounds; ms/step = median over all timed steps; ratio = that median / its baseline's; per-round = "
+        f"the same ratio within each round; ratio of means includes the periodic work (e.g. logging every 50 "
+        f"steps) that medians hide. Load average (1/5/15 min) at start {_fmt_load(s['loadavg_start'])}, at end "
+        f"{_fmt_load(s['loadavg_end'])} (other work shares the 2 cores); total {s['elapsed_s']:.0f} s.",
         "- Lightning rows: `Trainer.fit` on CPU (logger/checkpointing/progress bar/model summary off), SGD, "
         "synthetic data from ready-made batches (`DataLoader(batch_size=None)`), step time between consecutive "
         "optimizer steps (includes Lightning's own per-step work). The callback runs with its defaults "
         "(`log_every_n_steps` = the Trainer's 50). Baseline for `per_example` is accumulate=1, for "
         "`micro_batch` accumulate=4 (ms/step there covers 4 micro-batches).",
         "- Plain rows: a plain-PyTorch loop (`zero_grad`, forward, backward, per-example squared norms summed "
-        "into a running total, `SGD.step`); every peer is compared with the same loop without per-example "
-        "norms (`baseline (plain loop)`). `torch.func` replaces the ordinary backward by `vmap(grad)` and uses "
-        "the mean per-example gradient as `.grad`. `max rel. diff` = largest relative difference of the "
-        "per-example squared norms of one probe batch from `torch.func`'s.",
+        "into a running total, `SGD.step`). Each peer runs *paired* with the same loop without per-example "
+        "norms on its own copy of the model: steps alternate baseline/peer (which goes first alternates too), so "
+        "both see the same load; ratio = peer median / paired-baseline median (`baseline (plain loop)` pools "
+        f"all paired baseline steps). Half as many timed steps per round as Lightning runs (×3 for the MLP); a pair whose first "
+        f"step shows it would exceed {s['budget_s']:.0f} s is cut to 2 warm-up + as many timed steps as fit "
+        "(min 5). `torch.func` replaces the ordinary backward by `vmap(grad)` and uses the mean per-example "
+        "gradient as `.grad`. `max rel. diff` = largest relative difference of the per-example squared norms of "
+        "one probe batch from `torch.func`'s.",
         "",
         "Models: " + "; ".join(f"**{k}**: {v}" for k, v in s["models"].items()) + ".",
         "",
-        "| model | batch | loop | config | timed steps | ms/step | ratio | per-round ratios | ratio of means | target | notes |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | batch | loop | config | timed steps | ms/step | ratio | per-round ratios | ratio of means "
+        "| CPU ms/step | CPU-time ratio | target | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in run["results"]:
         target = TARGETS.get(r.key) if r.loop == "Lightning" else None
         target_text = ""
         if target is not None and r.ratio is not None:
-            target_text = f"≤ {target:.2f}× " + ("met" if r.ratio <= target else "**missed**")
+            verdict = [("met" if value <= target else "**missed**") + f" ({clock})"
+                       for value, clock in ((r.ratio, "wall"), (r.cpu_ratio, "CPU")) if value is not None]  # fmt: skip
+            target_text = f"≤ {target:.2f}×: " + ", ".join(verdict)
         notes = []
         if r.status != "ok":
             notes.append(r.status.replace("|", "\\|"))
         if "max_rel_diff_vs_torch_func" in r.info and r.key != "torch_func":
             notes.append(f"max rel. diff {r.info['max_rel_diff_vs_torch_func']:.1e}")
+        if r.info.get("paired_baseline_ms") is not None:
+            notes.append(f"paired baseline {r.info['paired_baseline_ms']:.2f} ms")
         if r.info.get("warning"):
             notes.append(r.info["warning"].replace("|", "\\|"))
         if r.info.get("coverage") is not None:
             notes.append(f"coverage {r.info['coverage']:.0%}")
         if r.info.get("measured_steps") is not None:
-            notes.append(f"{r.info['measured_steps']} steps measured")
+            notes.append(f"callback measured {r.info['measured_steps']} steps per run")
         ms = "—" if r.median_ms is None else f"{r.median_ms:.2f}"
         ratio = _fmt_ratio(r.ratio) if r.baseline_key else "1.00× (baseline)"
         if r.status != "ok":
             ratio = "unsupported" if r.status.startswith("unsupported") else r.status
         per_round = ", ".join(f"{x:.2f}" for x in r.round_ratios)
+        if len(r.round_ratios) > 6:
+            per_round = (f"median {statistics.median(r.round_ratios):.2f}, range {min(r.round_ratios):.2f}–"
+                         f"{max(r.round_ratios):.2f} ({len(r.round_ratios)} runs)")  # fmt: skip
+        cpu_ms = "—" if r.cpu_median_ms is None else f"{r.cpu_median_ms:.2f}"
+        cpu_ratio = _fmt_ratio(r.cpu_ratio) if r.cpu_ratio is not None else ("" if r.status == "ok" else "—")
         lines.append(
             f"| {r.model} | {r.batch} | {r.loop} | {r.label} | {len(r.times) or ''} | {ms} | {ratio} | {per_round} | "
-            f"{_fmt_ratio(r.ratio_of_means) if r.ratio_of_means else ''} | {target_text} | {'; '.join(notes)} |"
+            f"{_fmt_ratio(r.ratio_of_means) if r.ratio_of_means else ''} | {cpu_ms} | {cpu_ratio} | {target_text} | "
+            f"{'; '.join(notes)} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -754,17 +877,145 @@ def _fmt_load(load) -> str:
 
 def write_section(path: Path, section: str) -> None:
     """Replace (or append) the overhead section of ``path``, keeping every other section."""
-    text = path.read_text() if path.exists() else "# Benchmark results\n"
-    lines = text.splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.rstrip() == SECTION_HEADING), None)
-    if start is None:
-        new = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-        tail = "".join(lines[end:])
-        new = "".join(lines[:start]) + section + ("\n" + tail if tail else "")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(new)
+    heading, _, body = section.partition("\n")
+    assert heading == SECTION_HEADING
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    replace_section(str(path), heading, body.strip("\n"))
+
+
+# ---------------------------------------------------------------------------------------------- profile
+
+
+class _TimedCallback(GradientNoiseScaleCallback):
+    """The callback with wall time spent in its per-step methods accumulated (for ``--profile``)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.spent: dict[str, float] = defaultdict(float)
+        on_grad = self._micro_norms._on_grad  # registered on each parameter at attach: time it there
+
+        def timed_on_grad(grad):
+            start = cpu_clock()
+            try:
+                return on_grad(grad)
+            finally:
+                self.spent["parameter hooks (micro_batch)"] += cpu_clock() - start
+
+        self._micro_norms._on_grad = timed_on_grad
+
+    def _timed(self, name: str, *args):
+        start = cpu_clock()
+        try:
+            return getattr(super(), name)(*args)
+        finally:
+            self.spent[name] += cpu_clock() - start
+
+    def on_train_batch_start(self, *args):
+        return self._timed("on_train_batch_start", *args)
+
+    def on_after_backward(self, *args):
+        return self._timed("on_after_backward", *args)
+
+    def on_before_optimizer_step(self, *args):
+        return self._timed("on_before_optimizer_step", *args)
+
+
+def _phase_times(step: PlainStep, pool: list, steps: int, warmup: int, pop: Callable | None) -> dict[str, float]:
+    """Median ms of zero_grad+forward / backward (incl. hooks) / pop / optimizer step in the plain loop."""
+    record: dict[str, list[float]] = defaultdict(list)
+    for i in range(warmup + steps):
+        x, y = pool[i % len(pool)]
+        t0 = cpu_clock()
+        step.optimizer.zero_grad(set_to_none=True)
+        loss = step.spec.loss(step.net(x), y)
+        t1 = cpu_clock()
+        loss.backward()
+        t2 = cpu_clock()
+        if pop is not None:
+            step.total += pop().sum()
+        t3 = cpu_clock()
+        step.optimizer.step()
+        t4 = cpu_clock()
+        if i >= warmup:
+            for key, value in zip(("zero_grad + forward", "backward", "pop + sum", "optimizer step"),
+                                  (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):  # fmt: skip
+                record[key].append(value)
+    return {key: 1000 * statistics.median(values) for key, values in record.items()}
+
+
+def profile_per_example(quick: bool = False, threads: int = 1, models: list[str] | None = None,
+                        steps: int = 15, warmup: int = 4) -> str:
+    """Where the callback's time goes: per-layer hook functions, hook glue, callback methods, top ops.
+    Times are CPU times (:data:`cpu_clock`), medians over steps."""
+    _quiet()
+    set_threads(threads)
+    out = [f"### Profile of the per-example hooks and the callback (`torch.set_num_threads({threads})`, CPU time "
+           f"`time.{cpu_clock.__name__}`)", ""]
+    specs = [s for s in model_specs(quick) if models is None or s.name.lower() in {m.lower() for m in models}]
+    with tempfile.TemporaryDirectory(prefix="gns_profile_") as workdir:
+        for spec in specs:
+            torch.manual_seed(0)
+            template = spec.build()
+            pool = batch_pool(spec)
+            base = PlainStep(spec, copy.deepcopy(template))
+            tracked = GnsTrackerStep(spec, copy.deepcopy(template))
+            tracker = tracked.tracker
+            layer_times: dict[str, list[float]] = defaultdict(list)
+            shapes: dict[str, str] = {}
+            for module, covered in list(tracker._covered_modules.items()):
+                def timed(mod, inp, grad, *, param_names=None, fn=covered.sq_norms, name=covered.name):
+                    start = cpu_clock()
+                    with torch.profiler.record_function(f"gns::{type(mod).__name__}"):
+                        result = fn(mod, inp, grad, param_names=param_names)
+                    layer_times[name].append(cpu_clock() - start)
+                    shapes[name] = f"{type(mod).__name__} in {tuple(inp.shape)} out {tuple(grad.shape)}"
+                    return result
+
+                tracker._covered_modules[module] = dataclasses.replace(covered, sq_norms=timed)
+            for _ in range(2):  # keep the second, warmer pair
+                layer_times.clear()
+                base_phases = _phase_times(base, pool, steps, warmup, None)
+                layer_times.clear()
+                tracked_phases = _phase_times(tracked, pool, steps, warmup, tracker.pop)
+            base_total, tracked_total = sum(base_phases.values()), sum(tracked_phases.values())
+            out += [f"#### {spec.name} (batch {spec.batch}), plain loop: baseline {base_total:.2f} ms/step, with "
+                    f"`PerExampleNormTracker` {tracked_total:.2f} ms/step ({tracked_total / base_total:.2f}×)", "",
+                    "| phase | baseline ms | tracker ms |", "|---|---|---|"]  # fmt: skip
+            out += [f"| {k} | {base_phases[k]:.2f} | {tracked_phases[k]:.2f} |" for k in base_phases]
+            layer_ms = {name: 1000 * statistics.median(ts) for name, ts in layer_times.items()}
+            backward_delta = tracked_phases["backward"] - base_phases["backward"]
+            out += ["", "| covered module | shapes | ms/step in its norm function | % of baseline step |", "|---|---|---|---|"]
+            out += [f"| {name} | {shapes[name]} | {ms:.2f} | {100 * ms / base_total:.1f}% |" for name, ms in layer_ms.items()]
+            out += [f"| **sum** | | {sum(layer_ms.values()):.2f} | {100 * sum(layer_ms.values()) / base_total:.1f}% |",
+                    f"| backward slow-down not in the norm functions (hook glue, autograd) | | "
+                    f"{backward_delta - sum(layer_ms.values()):.2f} | |", ""]  # fmt: skip
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                for i in range(5):
+                    x, y = pool[i % len(pool)]
+                    tracked(x, y)
+            events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
+            out += ["Top ops of 5 tracker steps by `torch.profiler` self time (wall clock, so inflated when the machine "
+                    "is shared; the whole step, hooks and model):", "",
+                    "| op | self ms/step | calls/step |", "|---|---|---|"]  # fmt: skip
+            out += [f"| `{e.key}` | {e.self_cpu_time_total / 1000 / 5:.2f} | {e.count / 5:g} |" for e in events]
+            tracked.close()
+            out.append("")
+            for method, accumulate in (("per_example", 1), ("micro_batch", 4)):
+                callback = _TimedCallback(method=method, verbose=False, report_path=os.path.join(workdir, "r.json"))
+                run_steps = warmup + steps
+                module = BenchModule(copy.deepcopy(template), spec.loss, pool, run_steps * accumulate)
+                trainer = pl.Trainer(
+                    accelerator="cpu", devices=1, max_epochs=1, max_steps=run_steps, accumulate_grad_batches=accumulate,
+                    logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                    callbacks=[callback], default_root_dir=workdir,
+                )  # fmt: skip
+                trainer.fit(module)
+                spent = ", ".join(f"`{k}` {1000 * v / run_steps:.3f}" for k, v in callback.spent.items())
+                out.append(f"- Lightning `{method}` (accumulate={accumulate}, callback defaults), CPU ms per "
+                           f"optimizer step inside the callback's methods (per-example layer hooks not included; "
+                           f"see the plain-loop table): {spent}")  # fmt: skip
+            out.append("")
+    return "\n".join(out) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -778,7 +1029,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, help="seconds one plain-loop run may take (slow peers are cut)")
     parser.add_argument("--models", nargs="+", help="subset of MLP CNN Transformer")
     parser.add_argument("--no-peers", action="store_true", help="skip torch-external peers (BackPACK, Opacus)")
+    parser.add_argument("--profile", action="store_true",
+                        help="instead of the benchmark, print where the per-example time goes (per layer, per op)")
     args = parser.parse_args(argv)
+    if args.profile:
+        print(profile_per_example(quick=args.quick, threads=args.threads, models=args.models))
+        return 0
     command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__), *(sys.argv[1:] if argv is None else argv)])
     run = run_benchmark(quick=args.quick, steps=args.steps, warmup=args.warmup, rounds=args.rounds,
                         threads=args.threads, peers=not args.no_peers, models=args.models,

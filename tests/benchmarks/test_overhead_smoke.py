@@ -33,12 +33,15 @@ def quick_run(overhead):
 def test_quick_run_gives_finite_positive_ratios(quick_run):
     results = quick_run["results"]
     assert {r.model for r in results} == {"MLP", "CNN", "Transformer"}
-    for key in ("per_example", "micro_batch"):
+    keys = {r.key for r in results if r.loop == "Lightning" and r.baseline_key}
+    assert {"per_example", "micro_batch"} <= keys  # (+ "per_example_all" where the callback subsamples)
+    for key in keys:
         rows = [r for r in results if r.loop == "Lightning" and r.key == key]
         assert len(rows) == 3
         for row in rows:
             assert row.status == "ok"
             assert row.ratio is not None and math.isfinite(row.ratio) and row.ratio > 0, (row.model, key, row.ratio)
+            assert row.cpu_ratio is not None and math.isfinite(row.cpu_ratio) and row.cpu_ratio > 0
             assert row.info["measured_steps"] > 0  # the callback really measured during the timed fit
             assert all(t > 0 for t in row.times)
     tracker_rows = [r for r in results if r.key == "gns_tracker"]
@@ -57,7 +60,7 @@ def test_peers_agree_or_are_reported(quick_run):
 def test_section_replaced_and_other_sections_kept(overhead, quick_run, tmp_path):
     section = overhead.render(quick_run, "python benchmarks/overhead.py --quick")
     assert section.startswith(overhead.SECTION_HEADING)
-    assert "| MLP |" in section and "per_example, accumulate=1" in section
+    assert "| MLP |" in section and "| per_example" in section and "| micro_batch, accumulate=4 |" in section
     path = tmp_path / "RESULTS.md"
     path.write_text("# Results\n\n## Other\n\nkeep me\n")
     overhead.write_section(path, section)
