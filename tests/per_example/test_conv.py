@@ -77,3 +77,17 @@ def test_frozen_weight_trainable_bias(conv_cls: type[nn.Module], reference_sq_no
 def test_unbatched_input_is_rejected() -> None:
     with pytest.raises(ValueError, match="batch"):
         conv_sq_norms(nn.Conv1d(2, 3, 3), torch.randn(2, 8), torch.randn(3, 6))
+
+
+@pytest.mark.parametrize(
+    "shape, kernel, dilation, stride",
+    [((2, 3, 9, 11), (3, 3), (1, 1), (1, 1)), ((2, 4, 10, 7), (2, 3), (2, 1), (2, 3)), ((1, 2, 1, 13), (1, 4), (1, 2), (1, 2))],
+)
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_strided_im2col_equals_unfold(shape, kernel, dilation, stride, channels_last):
+    from gns_callback.per_example.conv import _im2col
+
+    x = torch.randn(shape)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    assert torch.equal(_im2col(x, kernel, dilation, stride), torch.nn.functional.unfold(x, kernel, dilation=dilation, stride=stride))
