@@ -29,24 +29,31 @@ PACKED_FIELDS = ("unit_sq_sum", "unit_size_sum", "unit_count", "micro_count", "m
 
 
 class AccumulationWindow:
-    """Sums over the micro-batches of one optimizer step, on one rank."""
+    """Sums over the micro-batches of one optimizer step, on one rank.
+
+    Each micro-batch adds a device scalar ``Σ_u |ḡ_u|²``-like value and a host-side weight; they are combined
+    in :meth:`packed`, once per step, to keep the per-micro-batch cost to a list append.
+    """
 
     def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
-        self.unit_sq_sum: torch.Tensor | None = None
+        self._sq_sums: list[torch.Tensor] = []
+        self._weights: list[float] = []
         self.unit_size_sum = 0.0
         self.unit_count = 0.0
         self.micro_count = 0
         self.micro_inv_size_sum = 0.0
         self.micro_size_sum = 0.0
 
-    def add_micro_batch(self, unit_sq_sum: torch.Tensor, unit_size_sum: float, unit_count: float, micro_size: int) -> None:
-        """Add one micro-batch of ``micro_size`` examples: ``unit_sq_sum = Σ_u s_u·|ḡ_u|²`` over the units
-        measured in it (all of it, or a subset of its examples); still AMP-scaled is fine."""
-        unit_sq_sum = unit_sq_sum.to(torch.float64)
-        self.unit_sq_sum = unit_sq_sum if self.unit_sq_sum is None else self.unit_sq_sum + unit_sq_sum
+    def add_micro_batch(
+        self, sq_sum: torch.Tensor, unit_size_sum: float, unit_count: float, micro_size: int, weight: float = 1.0
+    ) -> None:
+        """Add one micro-batch of ``micro_size`` examples whose units (all of it, or a subset of its examples)
+        contribute ``Σ_u s_u·|ḡ_u|² = weight·sq_sum`` (still AMP-scaled is fine)."""
+        self._sq_sums.append(sq_sum)
+        self._weights.append(float(weight))
         self.unit_size_sum += unit_size_sum
         self.unit_count += unit_count
         self.micro_count += 1
@@ -55,19 +62,27 @@ class AccumulationWindow:
 
     @property
     def empty(self) -> bool:
-        return self.unit_sq_sum is None
+        return not self._sq_sums
+
+    def measurable(self, loss_reduction: LossReduction = "mean") -> bool:
+        """Whether the small and big effective batch sizes differ (known on the host for one process)."""
+        if self.empty:
+            return False
+        b_small = self.unit_size_sum / self.unit_count
+        b_big = self.micro_count**2 / self.micro_inv_size_sum if loss_reduction == "mean" else self.micro_size_sum
+        return b_big > b_small * (1.0 + 1e-9)
 
     def packed(self, device: torch.device | str | None = None) -> torch.Tensor:
         """The sums as one float64 tensor in ``PACKED_FIELDS`` order (zeros for an empty window, so that a
         rank with nothing to report still joins the all-reduce)."""
-        host = torch.tensor(
-            [self.unit_size_sum, self.unit_count, float(self.micro_count), self.micro_inv_size_sum, self.micro_size_sum],
-            dtype=torch.float64,
-        )
-        if self.unit_sq_sum is None:
-            return torch.cat([torch.zeros(1, dtype=torch.float64), host]).to(device)
-        device = self.unit_sq_sum.device if device is None else device
-        return torch.cat([self.unit_sq_sum.reshape(1).to(device), host.to(device, non_blocking=True)])
+        host = [self.unit_size_sum, self.unit_count, float(self.micro_count), self.micro_inv_size_sum, self.micro_size_sum]
+        if not self._sq_sums:
+            return torch.tensor([0.0, *host], dtype=torch.float64, device=device)
+        sq = torch.stack(self._sq_sums).to(torch.float64)
+        device = sq.device if device is None else device
+        weights = torch.tensor(self._weights, dtype=torch.float64).to(sq.device, non_blocking=True)
+        values = torch.tensor(host, dtype=torch.float64).to(sq.device, non_blocking=True)
+        return torch.cat([(sq @ weights).reshape(1), values]).to(device)
 
 
 def step_estimates(

@@ -28,12 +28,10 @@ from gns_callback.lr_multiplier import rescale_learning_rates
 from gns_callback.probe import ProbeResult
 from gns_callback.recommendation import AdaptPolicy, Recommendation, recommend, warmup_epochs_for, warmup_lr
 from gns_callback.report import DEFAULT_REPORT_NAME, write_report
-from gns_callback.smoothing import RatioAccumulator
+from gns_callback.smoothing import RatioAccumulator, step_vector
 
 METHODS = ("auto", "micro_batch", "per_example")
 LOSS_REDUCTIONS = ("mean", "sum")
-#: Device-side counters, in this order.
-COUNT_FIELDS = ("measured", "non_finite", "unmeasurable")
 STATE_VERSION = 1
 
 
@@ -190,8 +188,8 @@ class GradientNoiseScaleCallback(pl.Callback):
     def _reset_state(self) -> None:
         self._ema = RatioAccumulator(self.ema_decay)
         self._run = RatioAccumulator(1.0)
-        self._counts = torch.zeros(len(COUNT_FIELDS), dtype=torch.float64)
-        self._steps_seen = 0
+        self._steps_seen = 0  # optimizer steps offered for measurement
+        self._unmeasurable = 0  # of which had one small batch only (nothing to compare)
         self._history: list[dict[str, Any]] = []
         self._window.reset()
         self._micro_batch_size: Optional[int] = None  # the first training batch's size (per device)
@@ -212,8 +210,8 @@ class GradientNoiseScaleCallback(pl.Callback):
             "method": self.resolved_method,
             "ema": self._ema.state_dict(),
             "run": self._run.state_dict(),
-            "counts": self._counts.tolist(),
             "steps_seen": self._steps_seen,
+            "unmeasurable": self._unmeasurable,
             "history": list(self._history),
             "micro_batch_size": self._micro_batch_size,
             "base_lr": self._base_lr,
@@ -227,8 +225,8 @@ class GradientNoiseScaleCallback(pl.Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._ema.load_state_dict(state_dict["ema"])
         self._run.load_state_dict(state_dict["run"])
-        self._counts = torch.tensor(state_dict["counts"], dtype=torch.float64, device=self._counts.device)
         self._steps_seen = int(state_dict["steps_seen"])
+        self._unmeasurable = int(state_dict["unmeasurable"])
         self._history = list(state_dict.get("history", []))
         self._micro_batch_size = state_dict.get("micro_batch_size")
         self._base_lr = state_dict.get("base_lr")
@@ -243,12 +241,12 @@ class GradientNoiseScaleCallback(pl.Callback):
 
     # ------------------------------------------------------------------ results
     def _estimate(self, accumulator: RatioAccumulator, averaging: str) -> GNSEstimate:
-        measured, non_finite, unmeasurable = (int(c) for c in self._counts.tolist())
+        measured = round(self._run.sums[0].item())  # the run average's weight counts the valid steps
         return GNSEstimate.from_summary(
             accumulator.summary(self.confidence),
             confidence=self.confidence,
             steps=measured,
-            skipped_steps=non_finite + unmeasurable,
+            skipped_steps=self._steps_seen - measured,
             method=self.resolved_method or self.method,
             averaging=averaging,
         )
@@ -427,14 +425,14 @@ class GradientNoiseScaleCallback(pl.Callback):
             b, measured = self._per_example.last_batch_size, per_example.shape[0]
             # Hook-level per-example gradients carry 1/(accumulate) and, for a mean loss, 1/b.
             factor = float(accumulate * b if self.loss_reduction == "mean" else accumulate) ** 2
-            self._window.add_micro_batch(per_example.sum() * factor, float(measured), float(measured), b)
+            self._window.add_micro_batch(per_example.sum(), float(measured), float(measured), b, weight=factor)
             return
         sq = self._micro_norms.pop()
         if sq is None or not self._micro_size:
             return
         b = self._micro_size
         factor = float(accumulate if self.loss_reduction == "mean" else accumulate / b) ** 2
-        self._window.add_micro_batch(sq * (b * factor), float(b), 1.0, b)
+        self._window.add_micro_batch(sq, float(b), 1.0, b, weight=b * factor)
 
     # ------------------------------------------------------------------ per optimizer step
     def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any) -> None:
@@ -444,6 +442,11 @@ class GradientNoiseScaleCallback(pl.Callback):
             self._advance_lr_ramp(trainer)
         world_size = trainer.world_size
         if self._window.empty and world_size == 1:
+            return
+        self._steps_seen += 1
+        if world_size == 1 and not self._window.measurable(self.loss_reduction):
+            self._unmeasurable += 1  # e.g. a one-micro-batch window: nothing to compare
+            self._window.reset()
             return
         device = pl_module.device
         packed = self._window.packed(device)
@@ -461,11 +464,9 @@ class GradientNoiseScaleCallback(pl.Callback):
         divisor = packed[3] if self.loss_reduction == "mean" else packed[5]
         grad_to_mean = float(world_size * trainer.accumulate_grad_batches) / divisor
         trace, grad_sq, valid = step_estimates(packed, step_grad_sq, grad_to_mean, self.loss_reduction)
-        self._ema.update(trace, grad_sq, valid)
-        self._run.update(trace, grad_sq, valid)
-        finite = torch.isfinite(trace) & torch.isfinite(grad_sq)
-        self._counts = self._counts.to(device) + torch.stack([valid, ~finite, finite & ~valid]).to(torch.float64)
-        self._steps_seen += 1
+        step = step_vector(trace, grad_sq)  # shared by both accumulators; non-finite steps are not added
+        self._ema.update_vector(step, valid)
+        self._run.update_vector(step, valid)
         every = self.log_every_n_steps or trainer.log_every_n_steps
         if every and self._steps_seen % every == 0:
             self._log(trainer, pl_module)

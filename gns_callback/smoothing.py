@@ -61,6 +61,13 @@ def summarize_ratio(sums: Sequence[float], confidence: float = 0.95) -> RatioSum
     return RatioSummary(mx, my, ratio, low, high, n_eff)
 
 
+def step_vector(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """One step's contribution in ``SUM_FIELDS`` order (float64): ``[1, 1, x, y, x², y², xy]``."""
+    x, y = x.to(torch.float64), y.to(torch.float64)
+    one = torch.ones_like(x)
+    return torch.stack([one, one, x, y, x * x, y * y, x * y])
+
+
 class RatioAccumulator:
     """Exponentially weighted sums of per-step ``(x, y)`` pairs, kept on the device (no host sync on update).
 
@@ -77,14 +84,15 @@ class RatioAccumulator:
 
     def update(self, x: torch.Tensor, y: torch.Tensor, valid: torch.Tensor) -> None:
         """Add one step's ``(x, y)``; a step with ``valid == False`` changes nothing (no decay either)."""
-        if self.sums.device != x.device:
-            self.sums = self.sums.to(x.device)
-            self._decays = self._decays.to(x.device)
-        x, y = x.to(torch.float64), y.to(torch.float64)
-        one = torch.ones_like(x)
-        step = torch.stack([one, one, x, y, x * x, y * y, x * y])
-        updated = self.sums * self._decays + torch.where(valid, step, torch.zeros_like(step))
-        self.sums = torch.where(valid, updated, self.sums)
+        self.update_vector(step_vector(x, y), valid)
+
+    def update_vector(self, step: torch.Tensor, valid: torch.Tensor) -> None:
+        """:meth:`update` with the step's :func:`step_vector` already built (shared by several accumulators)."""
+        if self.sums.device != step.device:
+            self.sums = self.sums.to(step.device)
+            self._decays = self._decays.to(step.device)
+        # where() picks, so a non-finite step vector never leaks into the sums.
+        self.sums = torch.where(valid, self.sums * self._decays + step, self.sums)
 
     def summary(self, confidence: float = 0.95) -> RatioSummary:
         """Read the ratio and its interval (one device-to-host copy)."""
