@@ -7,25 +7,14 @@ RESULTS.md.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "critical_batch_digits.py"
-
-
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("gns_benchmarks_critical_batch", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+def bench(load_benchmark):
+    return load_benchmark("critical_batch_digits")
 
 
 @pytest.fixture(scope="module")

@@ -5,24 +5,13 @@ No timing thresholds here: the overhead targets are checked by the benchmark its
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "overhead.py"
-
-
 @pytest.fixture(scope="module")
-def overhead():
-    spec = importlib.util.spec_from_file_location("gns_benchmarks_overhead", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+def overhead(load_benchmark):
+    return load_benchmark("overhead")
 
 
 @pytest.fixture(scope="module")
