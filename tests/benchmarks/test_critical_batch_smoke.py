@@ -12,6 +12,7 @@ import math
 import numpy as np
 import pytest
 
+
 @pytest.fixture(scope="module")
 def bench(load_benchmark):
     return load_benchmark("critical_batch_digits")

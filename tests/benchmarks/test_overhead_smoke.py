@@ -9,6 +9,7 @@ import math
 
 import pytest
 
+
 @pytest.fixture(scope="module")
 def overhead(load_benchmark):
     return load_benchmark("overhead")
