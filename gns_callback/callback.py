@@ -174,6 +174,7 @@ class GradientNoiseScaleCallback(pl.Callback):
         self.recommendation: Optional[Recommendation] = None
         self.adaptations: list[dict[str, Any]] = []
 
+        self._state_key: Optional[str] = None
         self.resolved_method: Optional[str] = None
         self._micro_norms = MicroBatchGradNorms()
         self._per_example = None  # a PerExampleNormTracker while fitting with method="per_example"
@@ -202,7 +203,10 @@ class GradientNoiseScaleCallback(pl.Callback):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(method=self.method, ema_decay=self.ema_decay)
+        # Lightning reads this at every hook call: build the string once.
+        if self._state_key is None:
+            self._state_key = self._generate_state_key(method=self.method, ema_decay=self.ema_decay)
+        return self._state_key
 
     def state_dict(self) -> dict[str, Any]:
         return {
