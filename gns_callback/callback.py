@@ -384,10 +384,11 @@ class GradientNoiseScaleCallback(pl.Callback):
 
     # ------------------------------------------------------------------ per micro-batch
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
-        size = extract_batch_size(batch)
-        self._micro_size = size
-        if self._micro_batch_size is None:
-            self._micro_batch_size = size
+        if self.resolved_method == "micro_batch" or self._micro_batch_size is None:
+            size = extract_batch_size(batch)  # per_example reads sizes off its hooks; it needs this once
+            self._micro_size = size
+            if self._micro_batch_size is None:
+                self._micro_batch_size = size
         if self._base_lr is None and trainer.optimizers:
             group = trainer.optimizers[0].param_groups[0]
             self._base_lr = float(group.get("initial_lr", group["lr"]))
