@@ -24,6 +24,7 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from gns_callback.accumulation import AccumulationWindow, step_estimates
 from gns_callback.collectors.micro_batch import MicroBatchGradNorms
 from gns_callback.estimate import GNSEstimate
+from gns_callback.json_values import json_safe
 from gns_callback.lr_multiplier import rescale_learning_rates
 from gns_callback.probe import ProbeResult
 from gns_callback.recommendation import AdaptPolicy, Recommendation, recommend, warmup_epochs_for, warmup_lr
@@ -481,7 +482,7 @@ class GradientNoiseScaleCallback(pl.Callback):
         if est.steps == 0:
             return
         self._history.append(
-            _json_safe(
+            json_safe(
                 {
                     "step": trainer.global_step + 1,  # this optimizer step, counted from 1
                     "b_simple": est.b_simple,
@@ -565,7 +566,7 @@ class GradientNoiseScaleCallback(pl.Callback):
             "lr_factor": target,
             "lr_rule": rule,
             "warmup_steps": warmup,
-            "b_simple": _finite_or_none(rec.b_noise),
+            "b_simple": json_safe(rec.b_noise),
             "reason": decision.reason,
         }
         self.adaptations.append(event)
@@ -661,10 +662,6 @@ class GradientNoiseScaleCallback(pl.Callback):
         return path
 
 
-def _finite_or_none(value: Optional[float]) -> Optional[float]:
-    return value if value is not None and math.isfinite(value) else None
-
-
 def _dataset_size(trainer: "pl.Trainer") -> Optional[int]:
     try:
         return len(trainer.train_dataloader.dataset)
@@ -677,10 +674,6 @@ def _steps_per_epoch(trainer: "pl.Trainer") -> Optional[int]:
     if not isinstance(batches, int) or batches <= 0:
         return None
     return math.ceil(batches / trainer.accumulate_grad_batches)
-
-
-def _json_safe(values: dict[str, float]) -> dict[str, Optional[float]]:
-    return {k: (v if math.isfinite(v) else None) for k, v in values.items()}
 
 
 def _loss_scale(trainer: "pl.Trainer") -> Optional[torch.Tensor]:

@@ -6,6 +6,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from gns_callback.json_values import json_safe
 from gns_callback.smoothing import RatioSummary
 
 
@@ -56,7 +57,7 @@ class GNSEstimate:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe dict: non-finite floats become ``None`` (``null``: unbounded or not measured)."""
-        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
+        return json_safe(asdict(self))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "GNSEstimate":

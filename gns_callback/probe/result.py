@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
+from gns_callback.json_values import json_safe
 from gns_callback.probe.split import SplitResult
-
-
-def _finite(value: Any) -> Any:
-    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def _bytes(n: Optional[float]) -> str:
@@ -51,7 +47,7 @@ class Trial:
     error: Optional[str] = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: _finite(v) for k, v in asdict(self).items()}
+        return {k: json_safe(v) for k, v in asdict(self).items()}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Trial":
@@ -121,15 +117,15 @@ class ProbeResult:
         """JSON-safe (non-finite floats become ``None``; throughput as a list of pairs)."""
         return {
             "max_micro_batch": self.max_micro_batch,
-            "fixed_bytes": _finite(self.fixed_bytes),
-            "bytes_per_sample": _finite(self.bytes_per_sample),
+            "fixed_bytes": json_safe(self.fixed_bytes),
+            "bytes_per_sample": json_safe(self.bytes_per_sample),
             "budget_bytes": self.budget_bytes,
             "headroom": self.headroom,
             "device": self.device,
             "measure": self.measure,
             "capped": self.capped,
             "world_size": self.world_size,
-            "throughput": [{"size": s, "samples_per_s": _finite(v)} for s, v in sorted(self.throughput.items())],
+            "throughput": [{"size": s, "samples_per_s": json_safe(v)} for s, v in sorted(self.throughput.items())],
             "trials": [t.to_dict() for t in self.trials],
             "split": None if self.split is None else self.split.to_dict(),
         }

@@ -6,6 +6,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
+from gns_callback.json_values import json_safe
 from gns_callback.recommendation.rules import warmup_lr
 
 #: ``status`` values. The first two are trusted estimates; the others keep the current batch size.
@@ -30,16 +31,6 @@ _UNBOUNDED_FIELDS = {
     "examples_factor_at_ci_low",
     "examples_factor_at_ci_high",
 }
-
-
-def _json_value(v: Any) -> Any:
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    if isinstance(v, dict):
-        return {k: _json_value(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_json_value(x) for x in v]
-    return v
 
 
 def _from_json_float(name: str, v: Any, missing: float) -> Any:
@@ -85,7 +76,7 @@ class OperatingPoint:
     cost_to_target: Optional[float] = None
 
     def to_dict(self) -> dict[str, Any]:
-        return _json_value(asdict(self))
+        return json_safe(asdict(self))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], missing: float = math.inf) -> "OperatingPoint":
@@ -165,7 +156,7 @@ class Recommendation:
         data["current"] = self.current.to_dict()
         data["recommended"] = self.recommended.to_dict()
         data["notes"] = list(self.notes)
-        return _json_value(data)
+        return json_safe(data)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Recommendation":
