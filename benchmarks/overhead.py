@@ -307,7 +307,7 @@ def lightning_run(spec: ModelSpec, template: nn.Module, pool: list, method: str 
         raise RuntimeError(f"expected {total_steps} optimizer steps, timed {len(times)}")
     info: dict[str, Any] = {}
     if gns is not None:
-        info = {"measured_steps": gns.estimate.steps, "coverage": gns._coverage.get("fraction")}
+        info = {"measured_steps": gns.estimate.steps, "coverage": gns.coverage.get("fraction")}
     return times[warmup:], cpu_times[warmup:], info
 
 
@@ -892,16 +892,21 @@ class _TimedCallback(GradientNoiseScaleCallback):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.spent: dict[str, float] = defaultdict(float)
-        on_grad = self._micro_norms._on_grad  # registered on each parameter at attach: time it there
 
-        def timed_on_grad(grad):
-            start = cpu_clock()
-            try:
-                return on_grad(grad)
-            finally:
-                self.spent["parameter hooks (micro_batch)"] += cpu_clock() - start
+    def _build_meter(self, trainer, pl_module):
+        meter = super()._build_meter(trainer, pl_module)
+        if meter.method == "micro_batch":  # its hook goes on each parameter at attach (after this): time it there
+            on_grad = meter.collector._on_grad
 
-        self._micro_norms._on_grad = timed_on_grad
+            def timed_on_grad(grad):
+                start = cpu_clock()
+                try:
+                    return on_grad(grad)
+                finally:
+                    self.spent["parameter hooks (micro_batch)"] += cpu_clock() - start
+
+            meter.collector._on_grad = timed_on_grad
+        return meter
 
     def _timed(self, name: str, *args):
         start = cpu_clock()
@@ -912,9 +917,6 @@ class _TimedCallback(GradientNoiseScaleCallback):
 
     def on_train_batch_start(self, *args):
         return self._timed("on_train_batch_start", *args)
-
-    def on_after_backward(self, *args):
-        return self._timed("on_after_backward", *args)
 
     def on_before_optimizer_step(self, *args):
         return self._timed("on_before_optimizer_step", *args)

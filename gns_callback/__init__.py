@@ -1,29 +1,48 @@
-"""gns_callback: measure the gradient noise scale while training with PyTorch Lightning.
+"""gns_callback: measure the gradient noise scale while training, and recommend a batch size and learning rate.
 
-    trainer = pl.Trainer(callbacks=[GradientNoiseScaleCallback()], accumulate_grad_batches=4)
+    trainer = pl.Trainer(callbacks=[GradientNoiseScaleCallback()])     # with Lightning
     trainer.fit(model)
     print(trainer.callbacks[0].estimate)   # B_simple with its 95% interval
+
+    with GradientNoiseScaleMeter(model) as meter:                       # any training loop
+        ...; loss.backward(); meter.step(); optimizer.step(); optimizer.zero_grad()
+
+Names are imported lazily: ``import gns_callback`` (and ``gns_callback.meter``) needs no Lightning package; only
+``GradientNoiseScaleCallback`` imports it.
 """
 
-from gns_callback.callback import GradientNoiseScaleCallback
-from gns_callback.estimate import GNSEstimate
-from gns_callback.estimators import effective_batch_size, grad_sq_norm_estimate, trace_sigma_estimate
-from gns_callback.probe import ProbeResult, probe_micro_batch
-from gns_callback.recommendation import Recommendation, recommend
-from gns_callback.report import load_estimate, read_report
+from __future__ import annotations
 
-__version__ = "0.1.0"
+import importlib
+from typing import Any
 
-__all__ = [
-    "GNSEstimate",
-    "GradientNoiseScaleCallback",
-    "ProbeResult",
-    "Recommendation",
-    "effective_batch_size",
-    "grad_sq_norm_estimate",
-    "load_estimate",
-    "probe_micro_batch",
-    "read_report",
-    "recommend",
-    "trace_sigma_estimate",
-]
+__version__ = "0.2.0"
+
+_LAZY = {
+    "GradientNoiseScaleCallback": "gns_callback.callback",
+    "GradientNoiseScaleMeter": "gns_callback.meter",
+    "GNSEstimate": "gns_callback.estimate",
+    "effective_batch_size": "gns_callback.estimators",
+    "grad_sq_norm_estimate": "gns_callback.estimators",
+    "trace_sigma_estimate": "gns_callback.estimators",
+    "ProbeResult": "gns_callback.probe",
+    "probe_micro_batch": "gns_callback.probe",
+    "Recommendation": "gns_callback.recommendation",
+    "recommend": "gns_callback.recommendation",
+    "load_estimate": "gns_callback.report",
+    "read_report": "gns_callback.report",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'gns_callback' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

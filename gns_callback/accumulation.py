@@ -25,7 +25,16 @@ from gns_callback.estimators import grad_sq_norm_estimate, trace_sigma_estimate
 LossReduction = Literal["mean", "sum"]
 
 #: Order of the entries of :meth:`AccumulationWindow.packed` (summed across ranks by one all-reduce).
-PACKED_FIELDS = ("unit_sq_sum", "unit_size_sum", "unit_count", "micro_count", "micro_inv_size_sum", "micro_size_sum")
+PACKED_FIELDS = (
+    "unit_sq_sum",
+    "unit_size_sum",
+    "unit_count",
+    "micro_count",
+    "micro_inv_size_sum",
+    "micro_size_sum",
+    "ranks",
+    "loss_divisor_sum",
+)
 
 
 class AccumulationWindow:
@@ -35,10 +44,13 @@ class AccumulationWindow:
     in :meth:`packed`, once per step, to keep the per-micro-batch cost to a list append.
     """
 
-    def __init__(self) -> None:
-        self.reset()
+    def __init__(self, loss_divisor: float = 1.0) -> None:
+        self.reset(loss_divisor)
 
-    def reset(self) -> None:
+    def reset(self, loss_divisor: float = 1.0) -> None:
+        """Empty the window; ``loss_divisor``: what each backward pass's loss was divided by (Lightning:
+        ``accumulate_grad_batches``; a plain loop: usually the number of backward passes per step)."""
+        self.loss_divisor = float(loss_divisor)
         self._sq_sums: list[torch.Tensor] = []
         self._weights: list[float] = []
         self.unit_size_sum = 0.0
@@ -72,45 +84,59 @@ class AccumulationWindow:
         b_big = self.micro_count**2 / self.micro_inv_size_sum if loss_reduction == "mean" else self.micro_size_sum
         return b_big > b_small * (1.0 + 1e-9)
 
-    def packed(self, device: torch.device | str | None = None) -> torch.Tensor:
-        """The sums as one float64 tensor in ``PACKED_FIELDS`` order (zeros for an empty window, so that a
-        rank with nothing to report still joins the all-reduce)."""
-        host = [self.unit_size_sum, self.unit_count, float(self.micro_count), self.micro_inv_size_sum, self.micro_size_sum]
+    def packed(
+        self, device: torch.device | str | None = None, loss_scale: torch.Tensor | float | None = None
+    ) -> torch.Tensor:
+        """The sums as one float64 tensor in ``PACKED_FIELDS`` order, summable across ranks (an empty window
+        packs zeros, so that a rank with nothing to report still joins the all-reduce).
+
+        ``loss_scale``: the AMP GradScaler's scale the backward passes ran with; the small-batch norms are
+        divided by its square (the optimizer's ``.grad`` is unscaled by then)."""
+        host = [self.unit_size_sum, self.unit_count, float(self.micro_count), self.micro_inv_size_sum,
+                self.micro_size_sum, 1.0, self.loss_divisor]
         if not self._sq_sums:
             return torch.tensor([0.0, *host], dtype=torch.float64, device=device)
         sq = torch.stack(self._sq_sums).to(torch.float64)
         device = sq.device if device is None else device
         weights = torch.tensor(self._weights, dtype=torch.float64).to(sq.device, non_blocking=True)
         values = torch.tensor(host, dtype=torch.float64).to(sq.device, non_blocking=True)
-        return torch.cat([(sq @ weights).reshape(1), values]).to(device)
+        unit_sq = (sq @ weights).reshape(1)
+        if loss_scale is not None:
+            unit_sq = unit_sq / torch.as_tensor(loss_scale, dtype=torch.float64, device=sq.device) ** 2
+        return torch.cat([unit_sq, values]).to(device)
 
 
 def step_estimates(
     packed: torch.Tensor,
     step_grad_sq: torch.Tensor,
-    grad_to_mean: torch.Tensor,
     loss_reduction: LossReduction = "mean",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One step's unbiased ``(tr(Σ), |G|², valid)`` from globally summed window sums.
 
     Args:
         packed: window sums (``PACKED_FIELDS``), summed over ranks, small-batch norms already unscaled.
-        step_grad_sq: ``|g|²`` of the gradient the optimizer sees (``p.grad``, unscaled, all-reduced).
-        grad_to_mean: factor ``c`` with ``c·g`` = the big-batch mean gradient (undoes Lightning's
-            division by ``accumulate_grad_batches`` over a partial window and DDP's division by world size).
+        step_grad_sq: ``|g|²`` of the gradient the optimizer sees (``p.grad``, unscaled, data-parallel averaged).
         loss_reduction: ``"mean"`` (Lightning's convention) or ``"sum"``; sets the big batch's effective size.
+
+    The optimizer's gradient is ``g = (1/R)·Σ_ranks (1/d)·Σ_passes ĝ``: the average over ``R`` ranks of the
+    summed backward passes, each of whose loss was divided by ``d``. The big-batch mean gradient is ``c·g`` with
+    ``c = R·d/n`` (mean loss; ``n`` micro-batches in all) or ``R·d/N`` (sum loss; ``N`` examples): this undoes
+    Lightning's ``1/accumulate_grad_batches`` over a partial window and DDP's ``1/world_size``.
 
     ``valid`` is False when a value is not finite (e.g. a step the GradScaler skips) or the two batch sizes
     coincide (one micro-batch on one device: nothing to compare).
     """
-    unit_sq_sum, unit_size_sum, unit_count, micro_count, micro_inv_size_sum, micro_size_sum = packed.unbind()
+    unit_sq_sum, unit_size_sum, unit_count, micro_count, micro_inv_size_sum, micro_size_sum, _, divisor_sum = (
+        packed.unbind()
+    )
+    grad_to_mean = divisor_sum / (micro_count if loss_reduction == "mean" else micro_size_sum)
     small_sq = unit_sq_sum / unit_size_sum
     b_small = unit_size_sum / unit_count
     if loss_reduction == "mean":
         b_big = micro_count * micro_count / micro_inv_size_sum
     else:
         b_big = micro_size_sum
-    big_sq = step_grad_sq.to(torch.float64) * grad_to_mean.to(torch.float64) ** 2
+    big_sq = step_grad_sq.to(torch.float64) * grad_to_mean**2
     trace = trace_sigma_estimate(small_sq, big_sq, b_small, b_big)
     grad_sq = grad_sq_norm_estimate(small_sq, big_sq, b_small, b_big)
     valid = torch.isfinite(trace) & torch.isfinite(grad_sq) & (b_big > b_small * (1.0 + 1e-9))

@@ -1,10 +1,12 @@
 """``GradientNoiseScaleCallback``: measures ``B_simple`` while a Lightning ``Trainer`` fits.
 
-Framework glue only; the math lives in :mod:`gns_callback.estimators`, :mod:`gns_callback.accumulation`
-and :mod:`gns_callback.smoothing`. Where the gradients are read, and in what state (Lightning 2.x):
+Glue only. The measurement is :class:`gns_callback.meter.GradientNoiseScaleMeter`; the recommendation
+:func:`gns_callback.recommendation.recommend`; the probe :mod:`gns_callback.probe`. Each hook hands the meter what
+Lightning knows: the micro-batch sizes, ``accumulate_grad_batches`` (the loss divisor), the AMP scale, and the
+strategy's all-reduce. Where the gradients are read (Lightning 2.x):
 
-* each micro-batch's local gradient: parameter hooks (``micro_batch``) or per-layer hooks
-  (``per_example``) during backward — AMP-scaled, divided by ``accumulate_grad_batches``, before DDP;
+* each micro-batch's local gradient: the collector's hooks during backward — AMP-scaled, divided by
+  ``accumulate_grad_batches``, before DDP;
 * the gradient the optimizer steps on: ``.grad`` in ``on_before_optimizer_step`` — after the GradScaler's
   ``unscale_``, before gradient clipping, DDP-averaged.
 """
@@ -13,30 +15,27 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from typing import Any, Optional
 
-import pytorch_lightning as pl
 import torch
-from pytorch_lightning.utilities.data import extract_batch_size
-from pytorch_lightning.utilities.exceptions import MisconfigurationException
-from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from gns_callback.accumulation import AccumulationWindow, step_estimates
-from gns_callback.collectors.micro_batch import MicroBatchGradNorms
+from gns_callback.batch_size import batch_size_of
+from gns_callback.collectors import METHODS, UnmeasurableSetup, choose_method
 from gns_callback.estimate import GNSEstimate
 from gns_callback.json_values import json_safe
-from gns_callback.lr_multiplier import rescale_learning_rates
+from gns_callback.lightning import trainer_facts as facts
+from gns_callback.lightning.adaptation import Adapter
+from gns_callback.lightning.compat import CALLBACK_BASES, misconfiguration
+from gns_callback.meter import LOSS_REDUCTIONS, GradientNoiseScaleMeter
 from gns_callback.probe import ProbeResult
-from gns_callback.recommendation import AdaptPolicy, Recommendation, recommend, warmup_epochs_for, warmup_lr
+from gns_callback.recommendation import Recommendation, recommend
 from gns_callback.report import DEFAULT_REPORT_NAME, write_report
-from gns_callback.smoothing import RatioAccumulator, step_vector
 
-METHODS = ("auto", "micro_batch", "per_example")
-LOSS_REDUCTIONS = ("mean", "sum")
-STATE_VERSION = 1
+STATE_VERSION = 2
 
 
-class GradientNoiseScaleCallback(pl.Callback):
+class GradientNoiseScaleCallback(*CALLBACK_BASES):
     """Measures the simple gradient noise scale ``B_simple = tr(Σ)/|G|²`` (McCandlish et al. 2018) during fit.
 
     Args:
@@ -134,14 +133,6 @@ class GradientNoiseScaleCallback(pl.Callback):
                 f"GradientNoiseScaleCallback(log_every_n_steps={log_every_n_steps!r}): a positive int, or None "
                 "to follow the Trainer."
             )
-        self.method = method
-        self.ema_decay = float(ema_decay)
-        self.confidence = float(confidence)
-        self.loss_reduction = loss_reduction
-        self.log_every_n_steps = log_every_n_steps
-        self.report_path = report_path
-        self.verbose = verbose
-        self.per_example_max_examples = per_example_max_examples
         if not 0.0 < headroom <= 1.0:
             raise ValueError(f"GradientNoiseScaleCallback(headroom={headroom!r}): a fraction in (0, 1], e.g. 0.85.")
         if memory_budget_bytes is not None and memory_budget_bytes <= 0:
@@ -156,6 +147,14 @@ class GradientNoiseScaleCallback(pl.Callback):
             )
         if adapt and not recommend:
             raise ValueError("GradientNoiseScaleCallback(adapt=True) needs recommend=True: it applies the recommendation.")
+        self.method = method
+        self.ema_decay = float(ema_decay)
+        self.confidence = float(confidence)
+        self.loss_reduction = loss_reduction
+        self.log_every_n_steps = log_every_n_steps
+        self.report_path = report_path
+        self.verbose = verbose
+        self.per_example_max_examples = per_example_max_examples
         self.probe_enabled = probe
         self.memory_budget_bytes = memory_budget_bytes
         self.headroom = headroom
@@ -170,37 +169,27 @@ class GradientNoiseScaleCallback(pl.Callback):
         }
         self.summary_every_n_epochs = summary_every_n_epochs
         self.adapt = adapt
-        self._adapt_policy = AdaptPolicy(factor=adapt_factor, patience=adapt_patience) if adapt else None
-        self.probe_result: Optional[ProbeResult] = None
-        self.recommendation: Optional[Recommendation] = None
-        self.adaptations: list[dict[str, Any]] = []
-
+        self.adapt_factor, self.adapt_patience = adapt_factor, adapt_patience
+        self.meter: Optional[GradientNoiseScaleMeter] = None
         self._state_key: Optional[str] = None
-        self.resolved_method: Optional[str] = None
-        self._micro_norms = MicroBatchGradNorms()
-        self._per_example = None  # a PerExampleNormTracker while fitting with method="per_example"
-        self._measured_params: list[torch.nn.Parameter] = []
-        self._window = AccumulationWindow()
-        self._micro_size: Optional[int] = None
-        self._coverage: dict[str, Any] = {}
-        self._restored_method: Optional[str] = None
-        self._reset_state()
+        self._new_fit()
 
     # ------------------------------------------------------------------ state
-    def _reset_state(self) -> None:
-        self._ema = RatioAccumulator(self.ema_decay)
-        self._run = RatioAccumulator(1.0)
-        self._steps_seen = 0  # optimizer steps offered for measurement
-        self._unmeasurable = 0  # of which had one small batch only (nothing to compare)
+    def _new_fit(self) -> None:
+        """Forget the last fit (a fresh fit starts from zero; a restore then loads the checkpoint's state)."""
+        if self.meter is not None:
+            self.meter.detach()
+        self.meter = None
+        self.resolved_method: Optional[str] = None
+        self._restored: Optional[dict[str, Any]] = None
         self._history: list[dict[str, Any]] = []
-        self._window.reset()
+        self._sizes: list[int] = []  # micro-batch sizes of the current optimizer step
         self._micro_batch_size: Optional[int] = None  # the first training batch's size (per device)
         self._base_lr: Optional[float] = None
-        self._lr_multiplier = 1.0  # what adapt=True has applied on top of the user's LR
-        self._lr_ramp: Optional[dict[str, float]] = None
-        self.probe_result = None
-        self.recommendation = None
-        self.adaptations = []
+        self._fit_report_path: Optional[str] = None
+        self._adapter = Adapter(self.adapt_factor, self.adapt_patience) if self.adapt else None
+        self.probe_result: Optional[ProbeResult] = None
+        self.recommendation: Optional[Recommendation] = None
 
     @property
     def state_key(self) -> str:
@@ -212,54 +201,35 @@ class GradientNoiseScaleCallback(pl.Callback):
     def state_dict(self) -> dict[str, Any]:
         return {
             "version": STATE_VERSION,
-            "method": self.resolved_method,
-            "ema": self._ema.state_dict(),
-            "run": self._run.state_dict(),
-            "steps_seen": self._steps_seen,
-            "unmeasurable": self._unmeasurable,
+            "meter": self.meter.state_dict() if self.meter is not None else self._restored,
             "history": list(self._history),
             "micro_batch_size": self._micro_batch_size,
             "base_lr": self._base_lr,
-            "lr_multiplier": self._lr_multiplier,
-            "lr_ramp": dict(self._lr_ramp) if self._lr_ramp else None,
-            "adaptations": list(self.adaptations),
-            "adapt_policy": self._adapt_policy.state_dict() if self._adapt_policy else None,
+            "adapter": self._adapter.state_dict() if self._adapter is not None else None,
             "probe": self.probe_result.to_dict() if self.probe_result is not None else None,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._ema.load_state_dict(state_dict["ema"])
-        self._run.load_state_dict(state_dict["run"])
-        self._steps_seen = int(state_dict["steps_seen"])
-        self._unmeasurable = int(state_dict["unmeasurable"])
+        # Restored before on_fit_start builds the meter: kept until then.
+        self._restored = state_dict["meter"]
         self._history = list(state_dict.get("history", []))
         self._micro_batch_size = state_dict.get("micro_batch_size")
         self._base_lr = state_dict.get("base_lr")
-        self._lr_multiplier = float(state_dict.get("lr_multiplier", 1.0))
-        self._lr_ramp = state_dict.get("lr_ramp")
-        self.adaptations = list(state_dict.get("adaptations", []))
-        if self._adapt_policy is not None and state_dict.get("adapt_policy"):
-            self._adapt_policy.load_state_dict(state_dict["adapt_policy"])
+        if self._adapter is not None and state_dict.get("adapter"):
+            self._adapter.load_state_dict(state_dict["adapter"])
         if state_dict.get("probe"):
             self.probe_result = ProbeResult.from_dict(state_dict["probe"])
-        self._restored_method = state_dict.get("method")
 
     # ------------------------------------------------------------------ results
-    def _estimate(self, accumulator: RatioAccumulator, averaging: str) -> GNSEstimate:
-        measured = round(self._run.sums[0].item())  # the run average's weight counts the valid steps
-        return GNSEstimate.from_summary(
-            accumulator.summary(self.confidence),
-            confidence=self.confidence,
-            steps=measured,
-            skipped_steps=self._steps_seen - measured,
-            method=self.resolved_method or self.method,
-            averaging=averaging,
-        )
-
     @property
     def estimate(self) -> GNSEstimate:
-        """The EMA estimate (recent window) with its interval. Reading it syncs the device once."""
-        return self._estimate(self._ema, "ema")
+        """The recent (EMA) estimate with its interval; one device sync."""
+        return self._meter_for_reading().estimate
+
+    @property
+    def run_estimate(self) -> GNSEstimate:
+        """The run-average estimate (all measured steps weighted equally); one device sync."""
+        return self._meter_for_reading().run_estimate
 
     @property
     def probe(self) -> Optional[ProbeResult]:
@@ -268,427 +238,314 @@ class GradientNoiseScaleCallback(pl.Callback):
 
     @property
     def history(self) -> list[dict[str, Any]]:
-        """The estimate at each logging point: step, b_simple, ci_low, ci_high, b_simple_run, run_ci_*."""
+        """The estimate at each logging point (and at fit end, ``"final": True``)."""
         return list(self._history)
 
     @property
-    def run_estimate(self) -> GNSEstimate:
-        """The run-average estimate (all measured steps weighted equally)."""
-        return self._estimate(self._run, "run")
+    def coverage(self) -> dict[str, Any]:
+        """Measured vs trainable parameters, and why the rest is left out (after fit start)."""
+        return self.meter.coverage if self.meter is not None else {}
+
+    @property
+    def adaptations(self) -> list[dict[str, Any]]:
+        """Every change ``adapt=True`` made, in order."""
+        return list(self._adapter.events) if self._adapter is not None else []
+
+    def _meter_for_reading(self) -> GradientNoiseScaleMeter:
+        if self.meter is not None:
+            return self.meter
+        meter = GradientNoiseScaleMeter(_EMPTY_MODEL, "micro_batch", self.ema_decay, self.confidence)
+        if self._restored:
+            meter.load_state_dict(self._restored)
+        return meter
 
     # ------------------------------------------------------------------ lifecycle
-    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit":
-            # Before checkpoint restore (which calls load_state_dict): a fresh fit starts from zero.
-            self._reset_state()
-            self._restored_method = None
+            self._new_fit()
 
-    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self._refuse_unsupported(trainer, pl_module)
+        self._fit_report_path = self._resolve_report_path(trainer)  # on every rank: log_dir is a collective
+        if self._adapter is not None:
+            self._adapter.resume(trainer)
+        self.meter = self._build_meter(trainer, pl_module)
+        self.meter.attach()
+
+    def _refuse_unsupported(self, trainer: Any, pl_module: Any) -> None:
         if not pl_module.automatic_optimization:
-            raise MisconfigurationException(
+            raise misconfiguration(trainer,
                 "GradientNoiseScaleCallback needs automatic optimization (one optimizer stepped by Lightning); "
                 f"{type(pl_module).__name__} sets `automatic_optimization = False`. Remove the callback or use "
-                "automatic optimization."
+                "automatic optimization, or measure in your own loop with gns_callback.GradientNoiseScaleMeter."
             )
-        if self.adapt and _has_accumulation_schedule(trainer):
-            raise MisconfigurationException(
+        if self.adapt and facts.accumulation_schedule(trainer) is not None:
+            raise misconfiguration(trainer,
                 "GradientNoiseScaleCallback(adapt=True) changes accumulate_grad_batches itself; remove the "
                 "GradientAccumulationScheduler callback or set adapt=False."
             )
-        if self.adapt and self.adaptations:
-            # Resumed after an adaptation: the Trainer starts from its constructor's value again. (The LR lives
-            # in the restored optimizer and scheduler state.)
-            trainer.accumulate_grad_batches = int(self.adaptations[-1]["accumulate_grad_batches"][1])
-        self.resolved_method = self._resolve_method(trainer, pl_module)
-        if self._restored_method and self._restored_method != self.resolved_method:
-            rank_zero_warn(
-                f"GradientNoiseScaleCallback: the checkpoint's running sums were measured with "
-                f"method={self._restored_method!r}, this run uses {self.resolved_method!r}; they are combined."
-            )
-        if self.resolved_method == "per_example":
-            self._measured_params = list(self._per_example.covered_parameters())
-            self._per_example.enabled = True
-        else:
-            self._measured_params = [p for p in pl_module.parameters() if p.requires_grad]
-            self._micro_norms.attach(self._measured_params)
-            total = sum(p.numel() for p in self._measured_params)
-            self._coverage = {"measured_parameters": total, "trainable_parameters": total, "fraction": 1.0}
-        self._window.reset()
 
-    def _resolve_method(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> str:
-        can_micro = trainer.world_size * trainer.accumulate_grad_batches > 1 or _has_accumulation_schedule(trainer)
-        if self.method == "micro_batch":
-            if not can_micro:
-                raise MisconfigurationException(
-                    "GradientNoiseScaleCallback(method='micro_batch') compares each micro-batch's gradient with "
-                    "the step's gradient, so it needs several micro-batches per optimizer step: set "
-                    "Trainer(accumulate_grad_batches=2) or more, or train on 2+ devices, or use "
-                    "method='per_example'."
-                )
-            return "micro_batch"
-        per_example_reason = self._try_per_example(pl_module)
-        if self.method == "per_example":
-            if per_example_reason is not None and self._per_example is None:
-                raise MisconfigurationException(f"GradientNoiseScaleCallback(method='per_example'): {per_example_reason}")
-            if per_example_reason is not None:
-                rank_zero_warn(f"GradientNoiseScaleCallback(method='per_example'): {per_example_reason}")
-            return "per_example"
-        # auto
-        if per_example_reason is None:
-            return "per_example"
-        self._release_per_example()
-        if can_micro:
-            rank_zero_info(f"GradientNoiseScaleCallback: method='auto' uses 'micro_batch' ({per_example_reason}).")
-            return "micro_batch"
-        raise MisconfigurationException(
-            f"GradientNoiseScaleCallback(method='auto') found no valid estimator: per-example norms are not "
-            f"usable ({per_example_reason}) and there is one micro-batch per step on one device. Set "
-            "Trainer(accumulate_grad_batches=2) or more (or use 2+ devices) for method='micro_batch'."
-        )
-
-    def _try_per_example(self, pl_module: "pl.LightningModule") -> Optional[str]:
-        """Attach per-example hooks; return why per-example norms are not (fully) valid, or None."""
+    def _build_meter(self, trainer: Any, pl_module: Any) -> GradientNoiseScaleMeter:
         try:
-            from gns_callback.per_example import PerExampleNormTracker
-        except ImportError:  # pragma: no cover - the sub-package ships with the package
-            return "per-example norms are not available in this installation"
-        tracker = PerExampleNormTracker(pl_module, max_examples=self.per_example_max_examples)
-        tracker.attach()
-        self._per_example = tracker
-        measured = sum(p.numel() for p in tracker.covered_parameters())
-        total = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
-        self._coverage = {
-            "measured_parameters": measured,
-            "trainable_parameters": total,
-            "fraction": measured / total if total else 0.0,
-            "excluded": {name: reason for name, reason in getattr(tracker, "excluded_reasons", {}).items()},
-            "uncovered": [name for name, _ in tracker.uncovered_parameters()],
-        }
-        if measured == 0:
-            self._release_per_example()
-            return "no parameter is in a supported layer (Linear, Conv1d/2d, Embedding, LayerNorm, GroupNorm)"
-        if tracker.has_batchnorm_in_training():
-            return (
-                "the model has BatchNorm in training mode, which couples the examples of a batch, so "
-                "per-example gradients are not independent samples"
+            choice = choose_method(self.method, pl_module, several_micro_batches=facts.several_micro_batches(trainer))
+        except UnmeasurableSetup as error:
+            raise misconfiguration(trainer, f"GradientNoiseScaleCallback: {error}") from None
+        if choice.note and self.verbose:
+            facts.say(trainer, f"GradientNoiseScaleCallback: {choice.note}")
+        if choice.warning:
+            _warn_rank_zero(trainer, f"GradientNoiseScaleCallback: {choice.warning}")
+        self.resolved_method = choice.method
+        meter = GradientNoiseScaleMeter(
+            pl_module, choice.method, self.ema_decay, self.confidence, self.loss_reduction,
+            self.per_example_max_examples, reduce=facts.sum_across_ranks(trainer),
+        )
+        if self._restored:
+            self._restore_meter(trainer, meter)
+        return meter
+
+    def _restore_meter(self, trainer: Any, meter: GradientNoiseScaleMeter) -> None:
+        if self._restored.get("method") not in (None, meter.method):
+            _warn_rank_zero(trainer,
+                f"GradientNoiseScaleCallback: the checkpoint's running sums were measured with "
+                f"method={self._restored['method']!r}, this run uses {meter.method!r}; they are combined."
             )
-        return None
+        meter.load_state_dict(self._restored)
 
-    def _release_per_example(self) -> None:
-        if self._per_example is not None:
-            self._per_example.detach()
-            self._per_example = None
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._detach()
 
-    def _detach_all(self) -> None:
-        self._micro_norms.detach()
-        self._release_per_example()
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._detach()
 
-    # ------------------------------------------------------------------ per micro-batch
-    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
-        if self.resolved_method == "micro_batch" or self._micro_batch_size is None:
-            size = extract_batch_size(batch)  # per_example reads sizes off its hooks; it needs this once
-            self._micro_size = size
-            if self._micro_batch_size is None:
-                self._micro_batch_size = size
-        if self._base_lr is None and trainer.optimizers:
-            group = trainer.optimizers[0].param_groups[0]
-            self._base_lr = float(group.get("initial_lr", group["lr"]))
-        if self.probe_enabled and self.probe_result is None:
+    def _detach(self) -> None:
+        if self.meter is not None:
+            self.meter.detach()
+
+    # ------------------------------------------------------------------ per batch and step
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._sizes.append(batch_size_of(batch))
+        if self._micro_batch_size is None:
+            self._start_measuring(trainer, pl_module, batch)
+
+    def _start_measuring(self, trainer: Any, pl_module: Any, batch: Any) -> None:
+        self._micro_batch_size = self._sizes[-1]
+        self._base_lr = facts.base_lr(trainer)
+        if self.probe_enabled and self.probe_result is None and self._micro_batch_size:
             self._run_probe(trainer, pl_module, batch)
 
-    def _run_probe(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any) -> None:
+    def _run_probe(self, trainer: Any, pl_module: Any, batch: Any) -> None:
         """Probe on every rank (they agree through one min all-reduce); our own hooks must not see it."""
         from gns_callback.probe import probe_trainer
 
-        if self._per_example is not None:
-            self._per_example.enabled = False
-        try:
+        with self.meter.paused():
             self.probe_result = probe_trainer(
-                trainer,
-                pl_module,
-                batch,
-                memory_budget_bytes=self.memory_budget_bytes,
-                headroom=self.headroom,
-                # Throughput where the decision is made: the current micro-batch and its doublings (the probe
-                # adds the largest size that fits).
-                throughput_sizes=[self._micro_batch_size * 2**k for k in range(6)],
-                progress_bar=self.verbose,
+                trainer, pl_module, batch, memory_budget_bytes=self.memory_budget_bytes, headroom=self.headroom,
+                # Throughput where the decision is made: the current micro-batch and its doublings (the probe adds
+                # the largest size that fits).
+                throughput_sizes=[self._micro_batch_size * 2**k for k in range(6)], progress_bar=self.verbose,
             )
-        finally:
-            if self._per_example is not None:
-                self._per_example.enabled = True
-                self._per_example.pop()
-            self._micro_norms.pop()
         if self.verbose:
-            rank_zero_info(f"GradientNoiseScaleCallback: {self.probe_result.summary()}")
+            facts.say(trainer, f"GradientNoiseScaleCallback: {self.probe_result.summary()}")
 
-    def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        accumulate = trainer.accumulate_grad_batches
-        if self.resolved_method == "per_example":
-            per_example = self._per_example.pop()
-            if per_example is None:
-                return
-            b, measured = self._per_example.last_batch_size, per_example.shape[0]
-            # Hook-level per-example gradients carry 1/(accumulate) and, for a mean loss, 1/b.
-            factor = float(accumulate * b if self.loss_reduction == "mean" else accumulate) ** 2
-            self._window.add_micro_batch(per_example.sum(), float(measured), float(measured), b, weight=factor)
-            return
-        sq = self._micro_norms.pop()
-        if sq is None or not self._micro_size:
-            return
-        b = self._micro_size
-        factor = float(accumulate if self.loss_reduction == "mean" else accumulate / b) ** 2
-        self._window.add_micro_batch(sq, float(b), 1.0, b, weight=b * factor)
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.meter is not None:
+            self.meter.collector.enabled = False  # validation with gradients on is not a training step
 
-    # ------------------------------------------------------------------ per optimizer step
-    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any) -> None:
-        if self.resolved_method is None:
-            return
-        if self._lr_ramp is not None:
-            self._advance_lr_ramp(trainer)
-        world_size = trainer.world_size
-        if self._window.empty and world_size == 1:
-            return
-        self._steps_seen += 1
-        if world_size == 1 and not self._window.measurable(self.loss_reduction):
-            self._unmeasurable += 1  # e.g. a one-micro-batch window: nothing to compare
-            self._window.reset()
-            return
-        device = pl_module.device
-        packed = self._window.packed(device)
-        self._window.reset()
-        scale = _loss_scale(trainer)
-        if scale is not None:  # small-batch norms were taken on scaled gradients; .grad is unscaled by now
-            packed[0] = packed[0] / scale.to(device=device, dtype=torch.float64) ** 2
-        if world_size > 1:
-            packed = trainer.strategy.reduce(packed, reduce_op="sum")  # the one collective per step
-        grads = [p.grad for p in self._measured_params if p.grad is not None]
-        if not grads:
-            return
-        step_grad_sq = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
-        # .grad = (1/(world·accumulate))·Σ micro-batch gradients: undo it over the micro-batches present.
-        divisor = packed[3] if self.loss_reduction == "mean" else packed[5]
-        grad_to_mean = float(world_size * trainer.accumulate_grad_batches) / divisor
-        trace, grad_sq, valid = step_estimates(packed, step_grad_sq, grad_to_mean, self.loss_reduction)
-        step = step_vector(trace, grad_sq)  # shared by both accumulators; non-finite steps are not added
-        self._ema.update_vector(step, valid)
-        self._run.update_vector(step, valid)
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.meter is not None:
+            self.meter.collector.enabled = True  # (what the step recorded before validation is kept)
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if self._adapter is not None:
+            self._adapter.advance(trainer)
+        sizes, self._sizes = self._sizes, []
+        self.meter.step(micro_batch_size=sizes, loss_scale=facts.loss_scale(trainer),
+                        loss_divisor=trainer.accumulate_grad_batches)
         every = self.log_every_n_steps or trainer.log_every_n_steps
-        if every and self._steps_seen % every == 0:
+        if every and (trainer.global_step + 1) % every == 0:
             self._log(trainer, pl_module)
 
-    def _log(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        est, run = self.estimate, self.run_estimate
-        if est.steps == 0:
+    # ------------------------------------------------------------------ logging
+    def _log(self, trainer: Any, pl_module: Any, final: bool = False) -> None:
+        """One point of history and one row in every logger, at the callback's own interval."""
+        if final and self._history and self._history[-1]["step"] == trainer.global_step:
+            self._history[-1]["final"] = True  # the last logging point was the last step
             return
-        self._history.append(
-            json_safe(
-                {
-                    "step": trainer.global_step + 1,  # this optimizer step, counted from 1
-                    "b_simple": est.b_simple,
-                    "ci_low": est.ci_low,
-                    "ci_high": est.ci_high,
-                    "b_simple_run": run.b_simple,
-                    "run_ci_low": run.ci_low,
-                    "run_ci_high": run.ci_high,
-                }
-            )
-        )
-        metrics = {}
-        if self.recommend_enabled:
-            rec = self._recommend(trainer, run)
-            if rec is not None:
-                metrics["gns/recommended_batch_size"] = float(rec.batch_size)
-                metrics["gns/recommended_micro_batch_size"] = float(rec.micro_batch_size)
-                metrics["gns/recommended_accumulate_grad_batches"] = float(rec.accumulate_grad_batches)
-                if rec.learning_rate is not None:
-                    metrics["gns/recommended_lr"] = float(rec.learning_rate)
-        pl_module.log_dict(
-            {
-                **metrics,
-                "gns/b_simple": est.b_simple,
-                "gns/grad_sq_norm": est.grad_sq_norm,
-                "gns/trace_sigma": est.trace_sigma,
-                "gns/b_simple_ci_low": est.ci_low,
-                "gns/b_simple_ci_high": est.ci_high,
-                "gns/b_simple_run": run.b_simple,
-            },
-            on_step=True,
-            on_epoch=False,
-        )
+        est, run = self.meter.read()
+        if est.steps == 0 and est.failure is None:
+            return
+        self._history.append(_history_entry(trainer.global_step + (0 if final else 1), est, run, final))
+        metrics = {**_estimate_metrics(est, run), **self._recommendation_metrics(trainer, run)}
+        _log_metrics(trainer, metrics, step=trainer.global_step - (1 if final else 0))
 
-    # ------------------------------------------------------------------ recommendation
-    def _recommend(self, trainer: "pl.Trainer", estimate: GNSEstimate) -> Optional[Recommendation]:
+    def _recommendation_metrics(self, trainer: Any, run: GNSEstimate) -> dict[str, float]:
+        rec = self._recommend(trainer, run) if self.recommend_enabled else None
+        if rec is None:
+            return {}
+        metrics = {
+            "gns/recommended_batch_size": float(rec.batch_size),
+            "gns/recommended_micro_batch_size": float(rec.micro_batch_size),
+            "gns/recommended_accumulate_grad_batches": float(rec.accumulate_grad_batches),
+        }
+        if rec.learning_rate is not None:
+            metrics["gns/recommended_lr"] = float(rec.learning_rate)
+        return metrics
+
+    # ------------------------------------------------------------------ recommendation and adaptation
+    def _recommend(self, trainer: Any, estimate: GNSEstimate) -> Optional[Recommendation]:
         """The recommendation for this run from ``estimate`` (pure; the same on every rank)."""
         if self._micro_batch_size is None or not trainer.optimizers:
             return None
-        accumulate = trainer.accumulate_grad_batches
-        world = trainer.world_size
-        base_lr = None if self._base_lr is None else self._base_lr * self._lr_multiplier
+        accumulate, world = trainer.accumulate_grad_batches, trainer.world_size
+        multiplier = self._adapter.lr_multiplier if self._adapter is not None else 1.0
         return recommend(
             estimate,
             current_batch_size=self._micro_batch_size * accumulate * world,
-            current_lr=base_lr,
+            current_lr=None if self._base_lr is None else self._base_lr * multiplier,
             optimizer=trainer.optimizers[0],
             num_devices=world,
             current_micro_batch_size=self._micro_batch_size,
             current_accumulate=accumulate,
             probe=self.probe_result,
-            dataset_size=_dataset_size(trainer),
-            steps_per_epoch=_steps_per_epoch(trainer),
+            dataset_size=facts.dataset_size(trainer),
+            steps_per_epoch=facts.steps_per_epoch(trainer),
             **self.recommend_options,
         )
 
-    def on_train_epoch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if not self.adapt or trainer.current_epoch == 0 or self._micro_batch_size is None:
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        if self._adapter is None or trainer.current_epoch == 0 or self._micro_batch_size is None:
             return
         # Adaptation follows the recent (EMA) estimate: the noise scale grows as training progresses.
-        rec = self._recommend(trainer, self.estimate)
+        rec = self._recommend(trainer, self.meter.estimate)
         if rec is None:
             return
-        current = trainer.accumulate_grad_batches
-        decision = self._adapt_policy.decide(current, rec, micro_batch_size=self._micro_batch_size,
-                                             num_devices=trainer.world_size)
-        if not decision.change:
-            return
-        rule = rec.lr_rule or "none"
-        target = decision.new_lr(1.0, rule)  # LR ratio new/old for this batch change
-        trainer.accumulate_grad_batches = decision.accumulate_grad_batches
-        # Warmup by the recommendation's rule for this LR factor, in optimizer steps at the new batch size.
-        warmup = math.ceil(warmup_epochs_for(target) * (_steps_per_epoch(trainer) or 0))
-        self._lr_ramp = {"start": self._lr_multiplier, "target": self._lr_multiplier * target, "step": 0,
-                         "warmup_steps": warmup}
-        event = {
-            "epoch": trainer.current_epoch,
-            "global_step": trainer.global_step,
-            "accumulate_grad_batches": [current, decision.accumulate_grad_batches],
-            "batch_size": decision.batch_size,
-            "lr_factor": target,
-            "lr_rule": rule,
-            "warmup_steps": warmup,
-            "b_simple": json_safe(rec.b_noise),
-            "reason": decision.reason,
-        }
-        self.adaptations.append(event)
-        pl_module.log_dict(
-            {"gns/adapt_accumulate_grad_batches": float(decision.accumulate_grad_batches),
-             "gns/adapt_lr_factor": float(self._lr_ramp["target"])},
-            on_step=False, on_epoch=True,
-        )
-        rank_zero_info(
-            f"GradientNoiseScaleCallback(adapt=True): epoch {trainer.current_epoch}: accumulate_grad_batches "
-            f"{current} → {decision.accumulate_grad_batches} (global batch {decision.batch_size}); LR ×{target:.3g} "
-            f"({rule} rule) over {warmup} warmup steps. {decision.reason}"
+        event = self._adapter.consider(trainer, rec, self._micro_batch_size, facts.steps_per_epoch(trainer))
+        if event is not None:
+            self._announce_adaptation(trainer, event)
+
+    def _announce_adaptation(self, trainer: Any, event: dict[str, Any]) -> None:
+        old, new = event["accumulate_grad_batches"]
+        _log_metrics(trainer, {"gns/adapt_accumulate_grad_batches": float(new),
+                               "gns/adapt_lr_factor": float(self._adapter.ramp["target"] if self._adapter.ramp
+                                                            else self._adapter.lr_multiplier)},
+                     step=trainer.global_step)
+        facts.say(trainer,
+            f"GradientNoiseScaleCallback(adapt=True): epoch {event['epoch']}: accumulate_grad_batches {old} → {new} "
+            f"(global batch {event['batch_size']}); LR ×{event['lr_factor']:.3g} ({event['lr_rule']} rule) over "
+            f"{event['warmup_steps']} warmup steps. {event['reason']}"
         )
 
-    def _advance_lr_ramp(self, trainer: "pl.Trainer") -> None:
-        ramp = self._lr_ramp
-        # Step k after the change (k = 1, 2, ...) runs at start + (target − start)·k/warmup, then flat.
-        wanted = warmup_lr(int(ramp["step"]) + 1, start_lr=ramp["start"], target_lr=ramp["target"],
-                           warmup_steps=int(ramp["warmup_steps"]))
-        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
-        for optimizer in trainer.optimizers:
-            rescale_learning_rates(optimizer, schedulers, wanted / self._lr_multiplier)
-        self._lr_multiplier = wanted
-        ramp["step"] += 1
-        if wanted == ramp["target"]:
-            self._lr_ramp = None
-
-    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         every = self.summary_every_n_epochs
         if self.recommend_enabled and every and (trainer.current_epoch + 1) % every == 0:
-            rec = self._recommend(trainer, self.run_estimate)
+            rec = self._recommend(trainer, self.meter.run_estimate)
             if rec is not None:
-                rank_zero_info(f"GradientNoiseScaleCallback, epoch {trainer.current_epoch}:\n{rec.summary_table()}")
+                facts.say(trainer, f"GradientNoiseScaleCallback, epoch {trainer.current_epoch}:\n{rec.summary_table()}")
 
     # ------------------------------------------------------------------ end of fit
-    def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self._detach_all()
-        est = self.estimate
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        self._detach()
+        self._log(trainer, pl_module, final=True)
+        est, run = self.meter.read()
         if self.recommend_enabled:
             # From the run average: the critical batch of a run is the noise scale averaged along it.
-            self.recommendation = self._recommend(trainer, self.run_estimate)
+            self.recommendation = self._recommend(trainer, run)
         if trainer.is_global_zero:
-            path = self.write_report(trainer)
-            if self.verbose:
-                rank_zero_info(f"GradientNoiseScaleCallback: {est}\n  report: {path}")
-                if self.recommendation is not None:
-                    rank_zero_info(self.recommendation.summary_table())
-                if est.steps and not math.isfinite(est.ci_high):
-                    rank_zero_info(
-                        "GradientNoiseScaleCallback: the interval is unbounded: |G|² is not resolved from the "
-                        "noise yet; train longer or measure over more steps before trusting B_simple."
-                    )
+            self.write_report(trainer)
+        if self.verbose:
+            self._print_summary(trainer, est)
 
-    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
-        self._detach_all()
+    def _print_summary(self, trainer: Any, est: GNSEstimate) -> None:
+        facts.say(trainer, f"GradientNoiseScaleCallback: {est}\n  report: {self._fit_report_path}")
+        if self.recommendation is not None:
+            facts.say(trainer, self.recommendation.summary_table())
+        if est.steps and est.failure is None and not math.isfinite(est.ci_high):
+            facts.say(trainer,
+                "GradientNoiseScaleCallback: the interval is unbounded: |G|² is not resolved from the noise yet; "
+                "train longer or measure over more steps before trusting B_simple."
+            )
 
-    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        self._detach_all()
+    def _resolve_report_path(self, trainer: Any) -> str:
+        if self.report_path is not None:
+            return str(self.report_path)
+        return os.path.join(trainer.log_dir or trainer.default_root_dir, DEFAULT_REPORT_NAME)
 
-    def resolve_report_path(self, trainer: "pl.Trainer") -> str:
-        if self.report_path is None:
-            self.report_path = os.path.join(trainer.log_dir or trainer.default_root_dir, DEFAULT_REPORT_NAME)
-        return self.report_path
+    @property
+    def report_file(self) -> Optional[str]:
+        """Where the current (or last) fit writes its report; ``report_path`` itself is never changed."""
+        return self._fit_report_path
 
-    def report_sections(self, trainer: "pl.Trainer") -> dict[str, Any]:
-        """The report's content; later features add sections (recommendation, probe)."""
+    def resolve_report_path(self, trainer: Any) -> str:
+        """Where this fit's report goes (``report_path``, else ``<trainer.log_dir>/gns_report.json``)."""
+        return self._fit_report_path or self._resolve_report_path(trainer)
+
+    def report_sections(self, trainer: Any) -> dict[str, Any]:
+        """The report's content."""
+        est, run = self.meter.read()
         return {
-            "estimate": self.estimate.to_dict(),
-            "run_estimate": self.run_estimate.to_dict(),
+            "estimate": est.to_dict(),
+            "run_estimate": run.to_dict(),
             "history": self._history,
             "recommendation": self.recommendation.to_dict() if self.recommendation is not None else None,
             "probe": self.probe_result.to_dict() if self.probe_result is not None else None,
             "adaptations": self.adaptations,
-            "coverage": self._coverage,
+            "coverage": self.meter.coverage,
             "config": {
                 "method": self.method,
                 "ema_decay": self.ema_decay,
                 "confidence": self.confidence,
                 "loss_reduction": self.loss_reduction,
                 "per_example_max_examples": self.per_example_max_examples,
+                "recommend_options": dict(self.recommend_options),
             },
             "run": {
                 "world_size": trainer.world_size,
                 "accumulate_grad_batches": trainer.accumulate_grad_batches,
                 "precision": str(trainer.precision),
                 "global_step": trainer.global_step,
+                "dataset_size": facts.dataset_size(trainer),
+                "steps_per_epoch": facts.steps_per_epoch(trainer),
             },
         }
 
-    def write_report(self, trainer: "pl.Trainer") -> str:
+    def write_report(self, trainer: Any) -> str:
         path = self.resolve_report_path(trainer)
         write_report(path, self.report_sections(trainer))
         return path
 
 
-def _dataset_size(trainer: "pl.Trainer") -> Optional[int]:
-    try:
-        return len(trainer.train_dataloader.dataset)
-    except (AttributeError, TypeError):
-        return None
+_EMPTY_MODEL = torch.nn.Module()  # what a meter reads from before fit (or after a restore, before fit start)
 
 
-def _steps_per_epoch(trainer: "pl.Trainer") -> Optional[int]:
-    batches = trainer.num_training_batches
-    if not isinstance(batches, int) or batches <= 0:
-        return None
-    return math.ceil(batches / trainer.accumulate_grad_batches)
+def _history_entry(step: int, est: GNSEstimate, run: GNSEstimate, final: bool) -> dict[str, Any]:
+    entry = {"step": step, "b_simple": est.b_simple, "ci_low": est.ci_low, "ci_high": est.ci_high,
+             "b_simple_run": run.b_simple, "run_ci_low": run.ci_low, "run_ci_high": run.ci_high}
+    if final:
+        entry["final"] = True
+    return json_safe(entry)
 
 
-def _loss_scale(trainer: "pl.Trainer") -> Optional[torch.Tensor]:
-    """The AMP GradScaler's current scale as a tensor (no host sync), or None without a scaler."""
-    scaler = getattr(trainer.precision_plugin, "scaler", None)
-    if scaler is None or not scaler.is_enabled():
-        return None
-    scale = getattr(scaler, "_scale", None)
-    return scale if isinstance(scale, torch.Tensor) else torch.tensor(scaler.get_scale())
+def _estimate_metrics(est: GNSEstimate, run: GNSEstimate) -> dict[str, float]:
+    return {
+        "gns/b_simple": est.b_simple,
+        "gns/grad_sq_norm": est.grad_sq_norm,
+        "gns/trace_sigma": est.trace_sigma,
+        "gns/b_simple_ci_low": est.ci_low,
+        "gns/b_simple_ci_high": est.ci_high,
+        "gns/b_simple_run": run.b_simple,
+    }
 
 
-def _has_accumulation_schedule(trainer: "pl.Trainer") -> bool:
-    from pytorch_lightning.callbacks import GradientAccumulationScheduler
+def _log_metrics(trainer: Any, metrics: dict[str, float], step: int) -> None:
+    """Straight to every logger at ``step`` (not through ``self.log``, which follows the Trainer's interval),
+    and into ``trainer.callback_metrics`` (for checkpoint monitors and progress bars)."""
+    for name, value in metrics.items():
+        trainer.callback_metrics[name] = torch.tensor(value)
+    if trainer.is_global_zero:
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
 
-    return any(
-        isinstance(cb, GradientAccumulationScheduler) and any(v > 1 for v in cb.scheduling.values())
-        for cb in trainer.callbacks
-    )
+
+def _warn_rank_zero(trainer: Any, message: str) -> None:
+    if trainer.is_global_zero:
+        warnings.warn(message, stacklevel=3)

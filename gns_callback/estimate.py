@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
-from typing import Any
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Optional
 
 from gns_callback.json_values import json_safe
 from gns_callback.smoothing import RatioSummary
@@ -23,6 +23,7 @@ class GNSEstimate:
         steps: optimizer steps that contributed; skipped_steps: steps left out (non-finite gradients, e.g. a
             step the AMP GradScaler skipped, or nothing to compare). effective_steps: the smoothing's ``n_eff``.
         method: ``"micro_batch"`` or ``"per_example"``; averaging: ``"ema"`` (recent window) or ``"run"``.
+        failure: why measuring stopped (then every value is ``nan``: "not measured"), else None.
     """
 
     b_simple: float
@@ -36,6 +37,7 @@ class GNSEstimate:
     effective_steps: float
     method: str
     averaging: str
+    failure: Optional[str] = None
 
     @classmethod
     def from_summary(
@@ -55,6 +57,16 @@ class GNSEstimate:
             averaging=averaging,
         )
 
+    def not_measured(self, reason: str) -> "GNSEstimate":
+        """This estimate withheld: no number the measurement can't vouch for, and the reason."""
+        nan = math.nan
+        return replace(self, b_simple=nan, grad_sq_norm=nan, trace_sigma=nan, ci_low=nan, ci_high=nan, failure=reason)
+
+    @property
+    def measured(self) -> bool:
+        """Whether a value was measured (False before any step, or after measuring stopped)."""
+        return self.failure is None and not math.isnan(self.b_simple)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe dict: non-finite floats become ``None`` (``null``: unbounded or not measured)."""
         return json_safe(asdict(self))
@@ -62,15 +74,18 @@ class GNSEstimate:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "GNSEstimate":
         """Inverse of :meth:`to_dict` (``null`` → ``inf`` for ``ci_high``/``b_simple``, ``nan`` otherwise)."""
+        failed = data.get("failure") is not None  # absent in reports before "failure" existed
         values = {}
         for f in fields(cls):
-            v = data[f.name]
-            if v is None:
-                v = math.inf if f.name in ("b_simple", "ci_high") else math.nan
+            v = data.get("failure") if f.name == "failure" else data[f.name]
+            if v is None and f.name != "failure":
+                v = math.inf if f.name in ("b_simple", "ci_high") and not failed else math.nan
             values[f.name] = v
         return cls(**values)
 
     def __str__(self) -> str:
+        if self.failure is not None:
+            return f"B_simple not measured ({self.failure})"
         level = round(100 * self.confidence)
         return (
             f"B_simple = {self.b_simple:.4g} ({level}% CI {self.ci_low:.4g} – {self.ci_high:.4g}; "

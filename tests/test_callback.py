@@ -181,8 +181,8 @@ def test_metrics_reach_loggers_and_callback_metrics(digits):
 
 def test_default_report_path_is_under_the_log_dir(digits, tmp_path):
     cb, trainer, _ = fit_with_gns(mlp(), *digits, steps=5, callback=micro(), default_root_dir=str(tmp_path))
-    assert cb.report_path == str(tmp_path / "gns_report.json")
-    assert load_estimate(cb.report_path).steps == 5
+    assert cb.report_path is None and cb.report_file == str(tmp_path / "gns_report.json")
+    assert load_estimate(cb.report_file).steps == 5
 
 
 def test_checkpoint_resume_restores_the_running_state_exactly(digits, tmp_path):

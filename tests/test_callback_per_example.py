@@ -39,7 +39,7 @@ def test_token_model_with_embedding_and_layernorm(digit_tokens, exact_gns, tmp_p
     exact = exact_gns(token_model(), F.cross_entropy, *digit_tokens)[0]
     cb, _, _ = fit_with_gns(token_model(), *digit_tokens, accumulate=1, batch_size=64, steps=300, seed=0,
                             callback=per_example(report_path=str(tmp_path / "r.json")))
-    assert cb._coverage["fraction"] == 1.0
+    assert cb.coverage["fraction"] == 1.0
     assert_matches_exact(cb.run_estimate, exact)
 
 
@@ -81,8 +81,9 @@ def test_auto_prefers_per_example_and_falls_back_for_batchnorm(digits):
         fit_with_gns(bn_mlp(), *digits, accumulate=1, steps=5, callback=GradientNoiseScaleCallback(verbose=False))
 
 
-def test_explicit_per_example_on_batchnorm_warns(digits):
-    with pytest.warns(UserWarning, match="BatchNorm"):
+def test_explicit_per_example_on_batchnorm_is_refused_at_fit_start(digits):
+    """BatchNorm couples the examples: per-example norms would be a confidently wrong number, so no step runs."""
+    with pytest.raises(MisconfigurationException, match="BatchNorm.*micro_batch"):
         fit_with_gns(bn_mlp(), *digits, accumulate=1, steps=5, callback=per_example())
 
 
@@ -105,7 +106,7 @@ class TiedModel(torch.nn.Module):
 def test_tied_weights_are_excluded_and_reported(digits, tmp_path):
     cb = per_example(report_path=str(tmp_path / "r.json"))
     fit_with_gns(TiedModel(), *digits, accumulate=1, steps=20, callback=cb)
-    coverage = cb._coverage
+    coverage = cb.coverage
     assert 0 < coverage["fraction"] < 1
     assert any("inp.weight" in name or "out.weight" in name for name in coverage["excluded"])
     assert cb.run_estimate.steps == 20

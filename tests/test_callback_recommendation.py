@@ -18,7 +18,7 @@ def test_recommendation_agrees_across_logs_summary_report_and_attribute(digits, 
     cb = GradientNoiseScaleCallback(report_path=str(tmp_path / "r.json"), log_every_n_steps=20)
     module = Classifier(mlp(), lr=0.05)
     printed = []
-    monkeypatch.setattr("gns_callback.callback.rank_zero_info", printed.append)
+    monkeypatch.setattr("gns_callback.lightning.trainer_facts.say", lambda trainer, message: printed.append(message))
     trainer = quiet_trainer(max_epochs=2, callbacks=[cb], log_every_n_steps=20)
     trainer.fit(module, with_replacement_loader(*digits, batch_size=8, num_samples=8 * 200, seed=0))
     rec = cb.recommendation
@@ -75,7 +75,7 @@ def test_adapt_changes_accumulation_and_lr_at_an_epoch_boundary(digits, tmp_path
     for event in cb.adaptations:
         total *= event["lr_factor"]
     lr = module.optimizers().param_groups[0]["lr"]
-    if cb._lr_ramp is None:
+    if cb._adapter.ramp is None:
         assert lr == pytest.approx(0.01 * total)
     else:
         assert 0.01 * total / last["lr_factor"] <= lr <= 0.01 * total

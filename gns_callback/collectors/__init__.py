@@ -1,1 +1,147 @@
-"""Where small-batch gradient norms come from: one module per method."""
+"""Where small-batch gradient norms come from: one module per method, chosen here and nowhere else.
+
+Every collector has the same small interface (:class:`Collector`): ``attach``/``detach`` its hooks,
+``measured_parameters``, ``coverage``, ``enabled``, ``discard`` (hooks inert while False), and ``pop_into(window, ...)``,
+which adds the committed backward passes since the last call to an
+:class:`~gns_callback.accumulation.AccumulationWindow`, each scaled by the collector's own rule. A third method
+is one new module plus one entry in :data:`COLLECTORS`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Protocol, Sequence
+
+from torch import nn
+
+from gns_callback.accumulation import AccumulationWindow, LossReduction
+from gns_callback.collectors.coverage import Coverage
+from gns_callback.collectors.micro_batch import MicroBatchCollector
+from gns_callback.collectors.per_example import PerExampleCollector
+
+METHODS = ("auto", "micro_batch", "per_example")
+
+#: Under ``method="auto"``, per-example norms are used only if they cover at least this share of the trainable
+#: parameters; below it ``micro_batch`` (which covers all of them) is preferred where the run allows it, and
+#: otherwise a warning states the share. B_simple of a subset of the parameters is a different quantity.
+MIN_COVERAGE = 0.9
+
+
+class Collector(Protocol):
+    method: str
+    needs_batch_sizes: bool
+    enabled: bool
+
+    def attach(self) -> None: ...
+
+    def detach(self) -> None: ...
+
+    def discard(self) -> None: ...
+
+    def measured_parameters(self) -> list[nn.Parameter]: ...
+
+    def coverage(self) -> Coverage: ...
+
+    def pop_into(
+        self,
+        window: AccumulationWindow,
+        *,
+        batch_sizes: Optional[Sequence[int]],
+        loss_divisor: Optional[float],
+        loss_reduction: LossReduction,
+    ) -> int: ...
+
+
+COLLECTORS: dict[str, Callable[..., Collector]] = {
+    "micro_batch": lambda model, max_examples=None: MicroBatchCollector(model),
+    "per_example": lambda model, max_examples=None: PerExampleCollector(model, max_examples=max_examples),
+}
+
+
+class UnmeasurableSetup(ValueError):
+    """The model/run can't be measured with the requested method; the message says why and what works."""
+
+
+@dataclass(frozen=True)
+class MethodChoice:
+    method: str
+    note: Optional[str] = None  # why auto chose this method (info)
+    warning: Optional[str] = None  # something the user must see (partial coverage)
+
+
+def per_example_problem(model: nn.Module) -> tuple[Optional[str], float]:
+    """Why per-example norms are invalid for ``model`` (or None), and the share of parameters they'd cover."""
+    collector = PerExampleCollector(model)
+    coverage = collector.coverage()
+    if coverage.measured_parameters == 0:
+        return "no parameter is in a supported layer (Linear, Conv1d/2d, Embedding, LayerNorm, GroupNorm, RMSNorm)", 0.0
+    if collector.tracker.has_batchnorm_in_training():
+        return (
+            "the model has BatchNorm in training mode, which couples the examples of a batch, so per-example "
+            "gradients are not independent samples"
+        ), coverage.fraction
+    return None, coverage.fraction
+
+
+def choose_method(requested: str, model: nn.Module, *, several_micro_batches: bool) -> MethodChoice:
+    """The method to measure ``model`` with; raises :class:`UnmeasurableSetup` with the reason and the fix.
+
+    ``several_micro_batches``: the run has more than one backward pass per optimizer step (gradient
+    accumulation and/or several data-parallel ranks), which ``micro_batch`` needs.
+    """
+    if requested not in METHODS:
+        raise ValueError(f"method={requested!r}: use one of {', '.join(METHODS)}.")
+    if requested == "micro_batch":
+        if not several_micro_batches:
+            raise UnmeasurableSetup(_NEEDS_MICRO_BATCHES.format(who="method='micro_batch'"))
+        return MethodChoice("micro_batch")
+    problem, fraction = per_example_problem(model)
+    if requested == "per_example":
+        if problem is not None:
+            raise UnmeasurableSetup(f"method='per_example': {problem}; use method='micro_batch'.")
+        return MethodChoice("per_example", warning=_coverage_warning(fraction))
+    return _choose_auto(problem, fraction, several_micro_batches)
+
+
+def _choose_auto(problem: Optional[str], fraction: float, several_micro_batches: bool) -> MethodChoice:
+    if problem is None and fraction >= MIN_COVERAGE:
+        return MethodChoice("per_example")
+    if several_micro_batches:
+        why = problem or f"per-example norms would cover only {fraction:.1%} of the trainable parameters"
+        return MethodChoice("micro_batch", note=f"method='auto' uses 'micro_batch' ({why}).")
+    if problem is None:
+        return MethodChoice("per_example", warning=_coverage_warning(fraction))
+    raise UnmeasurableSetup(
+        f"method='auto' found no valid estimator: per-example norms are not usable ({problem}) and "
+        + _NEEDS_MICRO_BATCHES.format(who="method='micro_batch'")
+    )
+
+
+def _coverage_warning(fraction: float) -> Optional[str]:
+    if fraction >= MIN_COVERAGE:
+        return None
+    return (
+        f"per-example norms cover only {fraction:.1%} of the trainable parameters (layers of other types are "
+        "left out, see the report's 'coverage'): B_simple is that of the covered parameters. For the whole model "
+        "use method='micro_batch' with accumulate_grad_batches ≥ 2."
+    )
+
+
+_NEEDS_MICRO_BATCHES = (
+    "{who} compares each micro-batch's gradient with the step's gradient, so it needs several micro-batches "
+    "per optimizer step: set accumulate_grad_batches=2 or more, or train on 2+ devices."
+)
+
+__all__ = [
+    "COLLECTORS",
+    "METHODS",
+    "MIN_COVERAGE",
+    "Collector",
+    "Coverage",
+    "MethodChoice",
+    "MicroBatchCollector",
+    "PerExampleCollector",
+    "UnmeasurableSetup",
+    "choose_method",
+    "per_example_problem",
+]

@@ -1,51 +1,115 @@
-"""Squared norms of each micro-batch's local gradient, from parameter hooks (torch, no Lightning).
+"""``method="micro_batch"``: each backward pass's local gradient norm, from parameter hooks (torch, no Lightning).
 
 ``Tensor.register_hook`` on a parameter sees the gradient of one backward pass *before* it is accumulated
-into ``.grad`` and before DDP reduces it: exactly one micro-batch's local gradient (still carrying the
-AMP loss scale and Lightning's ``1/accumulate_grad_batches`` factor — the caller rescales).
+into ``.grad`` and before DDP reduces it: exactly one micro-batch's local gradient ``ĝ_j``, still carrying
+the AMP loss scale and the loss divisor (Lightning's ``1/accumulate_grad_batches``). The unit of the
+small-batch term is the whole micro-batch (size ``b_j``): :meth:`MicroBatchCollector.pop_into` adds
+``b_j·|ḡ_j|²`` with ``ḡ_j = divisor·ĝ_j`` (mean loss) or ``divisor·ĝ_j/b_j`` (sum loss).
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Optional, Sequence
 
 import torch
+from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from gns_callback.accumulation import AccumulationWindow, LossReduction
+from gns_callback.collectors.coverage import Coverage
+from gns_callback.backward_passes import PassLedger, current_pass, in_functorch_transform
 
-class MicroBatchGradNorms:
-    """Sums ``|∂L/∂p|²`` over hooked parameters for each backward pass."""
 
-    def __init__(self) -> None:
+class MicroBatchCollector:
+    """Sums ``|∂L/∂p|²`` over the trainable parameters of ``model`` for each backward pass."""
+
+    method = "micro_batch"
+    needs_batch_sizes = True
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.enabled = True
+        self.failure: Optional[str] = None
+        self._params: list[nn.Parameter] = []
         self._handles: list[RemovableHandle] = []
-        self._parts: list[torch.Tensor] = []
+        self._passes: PassLedger[list[torch.Tensor]] = PassLedger()
 
-    def attach(self, params: Iterable[torch.nn.Parameter]) -> None:
+    def attach(self) -> None:
         self.detach()
-        for p in params:
-            self._handles.append(p.register_hook(self._on_grad))
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        self._handles = [p.register_hook(self._on_grad) for p in self._params]
+        self._passes.watch(self._params)
 
     def detach(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._parts.clear()
+        self._passes.unwatch()
 
     @property
     def attached(self) -> bool:
         return bool(self._handles)
 
+    def measured_parameters(self) -> list[nn.Parameter]:
+        return list(self._params)
+
+    def coverage(self) -> Coverage:
+        total = sum(p.numel() for p in self._params)
+        return Coverage(measured_parameters=total, trainable_parameters=total)
+
     def _on_grad(self, grad: torch.Tensor) -> None:
+        if not self.enabled or in_functorch_transform():
+            return
+        pass_id = current_pass()
+        parts = self._passes.get(pass_id)
+        if parts is None:
+            parts = []
+            self._passes.put(pass_id, parts)
         if grad.dtype in (torch.float32, torch.float64):
             flat = grad.reshape(-1)
-            self._parts.append(torch.dot(flat, flat).float())  # one kernel, about half a vector_norm's cost
+            parts.append(torch.dot(flat, flat).float())  # one kernel, about half a vector_norm's cost
         else:  # fp16/bf16 (16-true): accumulate in float32, squares would overflow
-            self._parts.append(torch.linalg.vector_norm(grad, dtype=torch.float32).square())
+            parts.append(torch.linalg.vector_norm(grad, dtype=torch.float32).square())
 
-    def pop(self) -> torch.Tensor | None:
-        """``Σ_p |grad_p|²`` of the backward pass(es) since the last pop, or None if no hook fired."""
-        if not self._parts:
-            return None
-        total = torch.stack(self._parts).sum()
-        self._parts.clear()
-        return total
+    def discard(self) -> None:
+        """Drop every pass recorded since the last pop."""
+        self._passes.clear()
+
+    def pop(self) -> list[torch.Tensor]:
+        """``Σ_p |grad_p|²`` of each committed backward pass since the last pop (device scalars, no sync)."""
+        return [torch.stack(parts).sum() for parts in self._passes.pop() if parts]
+
+    def pop_into(
+        self,
+        window: AccumulationWindow,
+        *,
+        batch_sizes: Optional[Sequence[int]],
+        loss_divisor: Optional[float],
+        loss_reduction: LossReduction,
+    ) -> int:
+        """Add each committed pass to ``window`` as one unit of its micro-batch's size; returns the pass count."""
+        passes = self.pop()
+        if not passes:
+            return 0
+        sizes = _sizes_for(passes, batch_sizes)
+        divisor = float(loss_divisor or len(passes))
+        for sq, b in zip(passes, sizes):
+            factor = (divisor if loss_reduction == "mean" else divisor / b) ** 2
+            window.add_micro_batch(sq, float(b), 1.0, b, weight=b * factor)
+        return len(passes)
+
+
+def _sizes_for(passes: Sequence[object], batch_sizes: Optional[Sequence[int]]) -> list[int]:
+    if not batch_sizes or None in batch_sizes:
+        raise RuntimeError(
+            "method='micro_batch' needs the micro-batch size and none could be read off the batch (no tensor in it?): "
+            "pass micro_batch_size=<examples per backward pass> to meter.step(), or give the DataLoader tensors."
+        )
+    if len(batch_sizes) == 1:
+        return list(batch_sizes) * len(passes)
+    if len(batch_sizes) != len(passes):
+        raise RuntimeError(
+            f"micro_batch_size lists {len(batch_sizes)} sizes but {len(passes)} backward passes were measured: "
+            "give one size per backward pass, or one int for all."
+        )
+    return list(batch_sizes)

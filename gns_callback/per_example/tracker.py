@@ -6,7 +6,7 @@ No Lightning dependency: attach to any ``nn.Module``, run forward + backward, th
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from types import TracebackType
 from typing import Any
@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
+
+from gns_callback.backward_passes import PassLedger, current_pass, in_functorch_transform
 
 from .conv import conv_sq_norms
 from .embedding import embedding_sq_norms, embedding_unsupported_reason
@@ -40,6 +42,19 @@ SUPPORTED_MODULES: dict[type[nn.Module], SqNormFunction] = {
 _MEASURED_PARAM_NAMES = frozenset({"weight", "bias"})
 
 _MICRO_BATCH_HINT = 'use method="micro_batch" for this model'
+
+
+@dataclass
+class PassNorms:
+    """What one backward pass contributed: per-example squared norms summed over covered modules."""
+
+    sq_norms: Tensor | None = None
+    batch_size: int | None = None
+    source: str = ""
+    fired: set = field(default_factory=set)
+
+    def add(self, sq_norms: Tensor) -> None:
+        self.sq_norms = sq_norms if self.sq_norms is None else self.sq_norms + sq_norms
 
 
 @dataclass(frozen=True)
@@ -87,18 +102,16 @@ class PerExampleNormTracker:
         self.max_examples = max_examples
         #: Full batch size of the backward pass(es) returned by the last :meth:`pop`.
         self.last_batch_size: int | None = None
-        self._batch_size: int | None = None
+        #: Why measuring stopped (set by a hook, which never raises inside the user's backward), or None.
+        self.failure: str | None = None
         self.excluded_reasons: dict[str, str] = {}
         self._covered_modules: dict[nn.Module, _CoveredModule] = {}
         self._covered_params: list[tuple[str, nn.Parameter]] = []
         self._uncovered_params: list[tuple[str, nn.Parameter]] = []
         self._handles: list[RemovableHandle] = []
         self._attached = False
-        self._running: Tensor | None = None
-        self._batch_size_source = ""
+        self._passes: PassLedger[PassNorms] = PassLedger()
         self._saw_tracked_forward = False
-        self._pass_id: int | None = None
-        self._fired_this_pass: set[nn.Module] = set()
         self._analyse()
 
     # ------------------------------------------------------------------ coverage
@@ -185,6 +198,7 @@ class PerExampleNormTracker:
                 param = getattr(module, local_name)
                 qualified = _qualified(covered.name, local_name)
                 self._handles.append(param.register_hook(partial(self._on_param_grad, module, qualified)))
+        self._passes.watch(self.covered_parameters())
         self._attached = True
         self._reset_state()
         return self
@@ -194,6 +208,7 @@ class PerExampleNormTracker:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._passes.unwatch()
         self._attached = False
         self._reset_state()
 
@@ -208,26 +223,45 @@ class PerExampleNormTracker:
     ) -> None:
         self.detach()
 
+    def pop_passes(self) -> list[PassNorms]:
+        """One :class:`PassNorms` per backward pass that accumulated into ``.grad`` since the last pop (passes of
+        ``torch.autograd.grad`` are dropped). Raises ``RuntimeError`` with the reason if a hook found the model
+        unmeasurable (hooks never raise inside ``backward``). Does not sync the device."""
+        if self.failure is not None:
+            failure = self.failure
+            self._reset_state()
+            raise RuntimeError(f"PerExampleNormTracker: {failure}")
+        passes = [p for p in self._passes.pop() if p.sq_norms is not None]
+        self._saw_tracked_forward = False
+        return passes
+
     def pop(self) -> Tensor | None:
         """Per-example squared norms (B,), float32, summed over covered modules and over the backward
         passes since the last pop; None if nothing was measured. Resets. Does not sync the device."""
-        result = self._running
-        self.last_batch_size = self._batch_size
+        passes = self.pop_passes()
+        self.last_batch_size = passes[-1].batch_size if passes else None
+        if not passes:
+            return None
+        return torch.stack([p.sq_norms for p in passes]).sum(0) if len(passes) > 1 else passes[0].sq_norms
+
+    def discard(self) -> None:
+        """Drop every pass recorded since the last pop, and a failure found in them."""
         self._reset_state()
-        return result
 
     def _reset_state(self) -> None:
-        self._running = None
-        self._batch_size = None
-        self._batch_size_source = ""
+        self._passes.clear()
         self._saw_tracked_forward = False
-        self._pass_id = None
-        self._fired_this_pass = set()
+        self.failure = None
+
+    def _fail(self, reason: str) -> None:
+        """Stop measuring: remember why (:meth:`pop_passes` raises it) and make every hook inert."""
+        if self.failure is None:
+            self.failure = reason
 
     # ------------------------------------------------------------------ hooks
 
     def _active(self) -> bool:
-        return self.enabled and self._attached
+        return self.enabled and self._attached and self.failure is None and not in_functorch_transform()
 
     def _on_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
@@ -243,58 +277,59 @@ class PerExampleNormTracker:
         # The hook lives on the output's autograd node, so the saved input is freed with the graph.
         output.register_hook(partial(self._on_output_grad, module, inp.detach()))
 
-    def _enter_pass(self) -> None:
-        pass_id = torch._C._current_graph_task_id()
-        if pass_id != self._pass_id:
-            self._pass_id = pass_id
-            self._fired_this_pass = set()
+    def _pass_record(self) -> PassNorms:
+        pass_id = current_pass()
+        record = self._passes.get(pass_id)
+        if record is None:
+            record = PassNorms()
+            self._passes.put(pass_id, record)
+        return record
 
     def _on_output_grad(self, module: nn.Module, inp: Tensor, grad_output: Tensor) -> None:
         if not self._active() or module not in self._covered_modules:
             return
         covered = self._covered_modules[module]
-        self._enter_pass()
-        if module in self._fired_this_pass:
-            self._fired_this_pass = set()
-            raise RuntimeError(
-                f"PerExampleNormTracker: module '{covered.name}' ({type(module).__name__}) was applied "
-                "more than once in the forward pass and received several output gradients in one "
-                "backward pass. The per-example norm of the summed gradient is not the sum of "
-                f"per-call norms, so it can't be measured with hooks; {_MICRO_BATCH_HINT}."
+        if grad_output.requires_grad:
+            return self._fail(
+                f"a backward pass with create_graph=True reached '{covered.name}' (e.g. a gradient penalty): the "
+                "step's gradient then holds second-order terms that per-example hooks can't see; "
+                f"{_MICRO_BATCH_HINT}."
             )
-        self._fired_this_pass.add(module)
-        self._check_batch_size(grad_output.shape[0], covered.name)
+        record = self._pass_record()
+        if module in record.fired:
+            return self._fail(
+                f"module '{covered.name}' ({type(module).__name__}) was applied more than once in the forward "
+                "pass and received several output gradients in one backward pass. The per-example norm of the "
+                f"summed gradient is not the sum of per-call norms, so it can't be measured with hooks; "
+                f"{_MICRO_BATCH_HINT}."
+            )
+        record.fired.add(module)
+        if not self._check_batch_size(record, grad_output.shape[0], covered.name):
+            return
         if self.max_examples is not None and grad_output.shape[0] > self.max_examples:
             inp, grad_output = inp[: self.max_examples], grad_output[: self.max_examples]
         with torch.no_grad():
             sq_norms = covered.sq_norms(module, inp, grad_output, param_names=covered.param_names)
-        self._accumulate(sq_norms.float())
+        record.add(sq_norms.float())
 
     def _on_param_grad(self, module: nn.Module, param_name: str, grad: Tensor) -> None:
         if not self._active() or not self._saw_tracked_forward:
             return
-        self._enter_pass()
-        if module not in self._fired_this_pass:
-            raise RuntimeError(
-                f"PerExampleNormTracker: parameter '{param_name}' received a gradient that did not "
-                "flow through its module's output: it is used outside the module's forward (e.g. "
-                f"F.linear(x, module.weight)), so its per-example norm can't be measured; "
+        if module not in self._pass_record().fired:
+            self._fail(
+                f"parameter '{param_name}' received a gradient that did not flow through its module's output: "
+                "it is used outside the module's forward (e.g. F.linear(x, module.weight), or a positional "
+                f"table indexed directly), so its per-example norm can't be measured; {_MICRO_BATCH_HINT}."
+            )
+
+    def _check_batch_size(self, record: PassNorms, batch_size: int, source: str) -> bool:
+        if record.batch_size is None:
+            record.batch_size, record.source = batch_size, source
+        elif batch_size != record.batch_size:
+            self._fail(
+                f"module '{source}' saw batch size {batch_size} but '{record.source}' saw {record.batch_size}. "
+                "Every covered module must receive inputs with the batch as dim 0; "
                 f"{_MICRO_BATCH_HINT}."
             )
-
-    def _check_batch_size(self, batch_size: int, source: str) -> None:
-        if self._batch_size is None:
-            self._batch_size, self._batch_size_source = batch_size, source
-        elif batch_size != self._batch_size:
-            raise RuntimeError(
-                f"PerExampleNormTracker: module '{source}' saw batch size {batch_size} but "
-                f"'{self._batch_size_source}' saw {self._batch_size}. Every covered module must receive "
-                "inputs with the batch as dim 0 (and pop() must be called between backward passes over "
-                "batches of different sizes)."
-            )
-
-    def _accumulate(self, sq_norms: Tensor) -> None:
-        if self._running is None:
-            self._running = sq_norms
-        else:
-            self._running.add_(sq_norms)
+            return False
+        return True

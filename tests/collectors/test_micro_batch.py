@@ -3,30 +3,65 @@
 import pytest
 import torch
 
-from gns_callback.collectors.micro_batch import MicroBatchGradNorms
+from gns_callback.accumulation import AccumulationWindow
+from gns_callback.collectors.micro_batch import MicroBatchCollector
 
 
 def test_hook_norms_equal_each_micro_batch_gradient():
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
-    collector = MicroBatchGradNorms()
-    collector.attach(p for p in net.parameters())
+    collector = MicroBatchCollector(net)
+    collector.attach()
     for _ in range(3):  # accumulate three backward passes into .grad
         x = torch.randn(6, 5)
         before = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in net.parameters()]
         net(x).pow(2).mean().backward()
         own = sum((p.grad - g0).pow(2).sum() for p, g0 in zip(net.parameters(), before))
-        assert collector.pop().item() == pytest.approx(own.item(), rel=1e-5)
-    assert collector.pop() is None
+        (got,) = collector.pop()
+        assert got.item() == pytest.approx(own.item(), rel=1e-5)
+    assert collector.pop() == []
     collector.detach()
     net(torch.randn(2, 5)).sum().backward()
-    assert collector.pop() is None and not collector.attached
+    assert collector.pop() == [] and not collector.attached
 
 
 def test_frozen_and_unused_parameters_are_skipped():
     net = torch.nn.ModuleDict({"used": torch.nn.Linear(3, 1), "unused": torch.nn.Linear(3, 1)})
     net["used"].bias.requires_grad_(False)
-    collector = MicroBatchGradNorms()
-    collector.attach(p for p in net.parameters() if p.requires_grad)
+    collector = MicroBatchCollector(net)
+    collector.attach()
     net["used"](torch.randn(4, 3)).sum().backward()
-    assert collector.pop().item() == pytest.approx(net["used"].weight.grad.pow(2).sum().item())
+    (got,) = collector.pop()
+    assert got.item() == pytest.approx(net["used"].weight.grad.pow(2).sum().item())
+
+
+def test_autograd_grad_passes_are_not_measured():
+    """A gradient penalty's ``torch.autograd.grad`` pass never reaches ``.grad``: only the real backward counts."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 2)
+    collector = MicroBatchCollector(net)
+    collector.attach()
+    x = torch.randn(4, 3, requires_grad=True)
+    out = net(x).pow(2).sum()
+    (gx,) = torch.autograd.grad(out, x, create_graph=True)
+    (out + gx.pow(2).sum()).backward()
+    (got,) = collector.pop()
+    assert got.item() == pytest.approx(sum(p.grad.pow(2).sum() for p in net.parameters()).item(), rel=1e-5)
+
+
+def test_pop_into_scales_each_pass_by_the_loss_divisor():
+    """Each pass's loss was divided by 2: the unit is the micro-batch mean gradient ``2·ĝ``, weighted by its size."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 1, bias=False)
+    collector = MicroBatchCollector(net)
+    collector.attach()
+    xs = [torch.randn(5, 3), torch.randn(5, 3)]
+    for x in xs:
+        (net(x).mean() / 2).backward()
+    window = AccumulationWindow()
+    assert collector.pop_into(window, batch_sizes=[5], loss_divisor=2, loss_reduction="mean") == 2
+    expected = sum(5 * x.mean(0).pow(2).sum() for x in xs)
+    assert window.packed()[0].item() == pytest.approx(expected.item(), rel=1e-5)
+    with pytest.raises(RuntimeError, match="micro_batch_size"):
+        (net(xs[0]).mean()).backward()
+        collector.pop_into(AccumulationWindow(), batch_sizes=None, loss_divisor=1, loss_reduction="mean")

@@ -247,7 +247,7 @@ def test_module_registered_under_two_names_is_covered_once() -> None:
     assert len(tracker.covered_parameters()) == 2
 
 
-def test_double_invocation_raises() -> None:
+def test_double_invocation_is_reported_at_pop() -> None:
     class Twice(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -259,9 +259,9 @@ def test_double_invocation_raises() -> None:
     model = nn.Sequential(nn.Linear(3, 3), Twice()).double()
     with PerExampleNormTracker(model) as tracker:
         out = model(torch.randn(BATCH, 3, dtype=torch.float64))
+        out.sum().backward()  # never raises inside the user's backward: the failure is reported at pop
         with pytest.raises(RuntimeError, match=r"'1\.inner'.*micro_batch"):
-            out.sum().backward()
-        tracker.pop()
+            tracker.pop()
         # Calling a module once per backward pass (e.g. gradient accumulation) is fine.
         model[0](torch.randn(BATCH, 3, dtype=torch.float64)).sum().backward()
         model[0](torch.randn(BATCH, 3, dtype=torch.float64)).sum().backward()
@@ -283,7 +283,7 @@ def test_second_call_without_gradient_is_fine() -> None:
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=0)
 
 
-def test_functional_use_of_covered_weight_raises() -> None:
+def test_functional_use_of_covered_weight_is_reported_at_pop() -> None:
     class Functional(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -294,10 +294,11 @@ def test_functional_use_of_covered_weight_raises() -> None:
             return F.linear(self.body(x), self.head.weight, self.head.bias)  # never calls self.head
 
     model = nn.Sequential(nn.Linear(3, 3), Functional()).double()
-    with PerExampleNormTracker(model):
+    with PerExampleNormTracker(model) as tracker:
         out = model(torch.randn(BATCH, 3, dtype=torch.float64))
+        out.sum().backward()
         with pytest.raises(RuntimeError, match=r"'1\.head\.(weight|bias)'.*outside"):
-            out.sum().backward()
+            tracker.pop()
 
 
 @pytest.mark.filterwarnings("ignore:There is a performance drop")
@@ -345,7 +346,7 @@ def test_non_reentrant_activation_checkpointing() -> None:
     torch.testing.assert_close(got, expected_sq_norms(model, tracker, inputs, weights), rtol=1e-4, atol=0)
 
 
-def test_batch_size_mismatch_raises() -> None:
+def test_batch_size_mismatch_is_reported_at_pop() -> None:
     class Flattening(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -356,10 +357,11 @@ def test_batch_size_mismatch_raises() -> None:
             return self.second(self.first(x).reshape(-1, 3))  # tokens become "examples"
 
     model = Flattening().double()
-    with PerExampleNormTracker(model):
+    with PerExampleNormTracker(model) as tracker:
         out = model(torch.randn(BATCH, 5, 3, dtype=torch.float64))
+        out.sum().backward()
         with pytest.raises(RuntimeError, match="batch size"):
-            out.sum().backward()
+            tracker.pop()
 
 
 def test_has_batchnorm_in_training() -> None:

@@ -1,0 +1,88 @@
+"""``method="per_example"``: exact per-example gradient norms inside each batch (torch, no Lightning).
+
+The layer hooks live in :mod:`gns_callback.per_example`; here each backward pass's per-example squared norms
+``|ĝ_i|²`` become units of size 1 of the small-batch term. Hook-level per-example gradients carry the loss
+divisor and, for a mean loss, ``1/b``: ``g_i = divisor·b·ĝ_i`` (mean) or ``divisor·ĝ_i`` (sum).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from torch import nn
+
+from gns_callback.accumulation import AccumulationWindow, LossReduction
+from gns_callback.collectors.coverage import Coverage
+from gns_callback.per_example import PerExampleNormTracker
+
+
+class PerExampleCollector:
+    """Per-example squared gradient norms of the supported layers of ``model`` (see :data:`SUPPORTED_MODULES`)."""
+
+    method = "per_example"
+    needs_batch_sizes = False
+
+    def __init__(self, model: nn.Module, max_examples: Optional[int] = None) -> None:
+        self.tracker = PerExampleNormTracker(model, max_examples=max_examples)
+
+    @property
+    def enabled(self) -> bool:
+        return self.tracker.enabled
+
+    @enabled.setter
+    def enabled(self, value: bool) -> None:
+        self.tracker.enabled = value
+
+    def attach(self) -> None:
+        self.tracker.attach()
+
+    def detach(self) -> None:
+        self.tracker.detach()
+
+    def discard(self) -> None:
+        """Drop every pass recorded since the last pop (and a failure the hooks found in them)."""
+        self.tracker.discard()
+
+    def measured_parameters(self) -> list[nn.Parameter]:
+        return self.tracker.covered_parameters()
+
+    def coverage(self) -> Coverage:
+        measured = sum(p.numel() for p in self.tracker.covered_parameters())
+        unmeasured = sum(p.numel() for _, p in self.tracker.uncovered_parameters())
+        return Coverage(measured, measured + unmeasured, dict(self.tracker.excluded_reasons))
+
+    def pop_into(
+        self,
+        window: AccumulationWindow,
+        *,
+        batch_sizes: Optional[Sequence[int]],
+        loss_divisor: Optional[float],
+        loss_reduction: LossReduction,
+    ) -> int:
+        """Add each committed pass's per-example norms to ``window``; returns the pass count.
+
+        Raises ``RuntimeError`` when the hooks found the model unmeasurable, or when the batch size they saw
+        differs from ``batch_sizes`` (the batch is not dim 0 of the layers' inputs)."""
+        passes = self.tracker.pop_passes()
+        if not passes:
+            return 0
+        divisor = float(loss_divisor or len(passes))
+        for j, record in enumerate(passes):
+            b = record.batch_size
+            _check_size(b, batch_sizes, j)
+            measured = record.sq_norms.shape[0]
+            factor = float(divisor * b if loss_reduction == "mean" else divisor) ** 2
+            window.add_micro_batch(record.sq_norms.sum(), float(measured), float(measured), b, weight=factor)
+        return len(passes)
+
+
+def _check_size(seen: int, batch_sizes: Optional[Sequence[int]], index: int) -> None:
+    if not batch_sizes:
+        return
+    expected = batch_sizes[0] if len(batch_sizes) == 1 else batch_sizes[index]
+    if seen != expected:
+        raise RuntimeError(
+            f"the measured layers saw {seen} examples per batch in dim 0 but the micro-batch holds {expected}: "
+            "the batch is not the first dimension of the layers' inputs (a sequence-first model, e.g. "
+            "nn.TransformerEncoderLayer(batch_first=False)?). Use batch_first=True or method='micro_batch'."
+        )

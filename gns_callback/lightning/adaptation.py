@@ -1,0 +1,88 @@
+"""``adapt=True``: apply the recommendation to a running Trainer (accumulation and the LR, with a warmup ramp).
+
+The decision is pure (:class:`gns_callback.recommendation.AdaptPolicy`); here it is applied: the Trainer's
+``accumulate_grad_batches`` changes at an epoch start (as ``GradientAccumulationScheduler`` does), and the LR moves
+by the rule's factor along a linear warmup, scaling the param groups and the schedulers' ``base_lrs`` together
+(:mod:`gns_callback.lr_multiplier`) so the user's schedule keeps working.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+from gns_callback.json_values import json_safe
+from gns_callback.lr_multiplier import rescale_learning_rates
+from gns_callback.recommendation import AdaptPolicy, Recommendation, warmup_epochs_for, warmup_lr
+
+
+class Adapter:
+    """Applies :class:`AdaptPolicy` decisions to a Trainer; checkpointable (plain types)."""
+
+    def __init__(self, factor: float, patience: int) -> None:
+        self.policy = AdaptPolicy(factor=factor, patience=patience)
+        self.lr_multiplier = 1.0  # what has been applied on top of the user's LR
+        self.ramp: Optional[dict[str, float]] = None
+        self.events: list[dict[str, Any]] = []
+
+    def resume(self, trainer: Any) -> None:
+        """After a restore the Trainer starts from its constructor's accumulation: re-apply the last change."""
+        if self.events:
+            trainer.accumulate_grad_batches = int(self.events[-1]["accumulate_grad_batches"][1])
+
+    def consider(self, trainer: Any, rec: Recommendation, micro_batch_size: int, steps_per_epoch: Optional[int]
+                 ) -> Optional[dict[str, Any]]:
+        """Change accumulation now if the policy says so; the event (also kept in :attr:`events`), or None."""
+        current = trainer.accumulate_grad_batches
+        decision = self.policy.decide(current, rec, micro_batch_size=micro_batch_size, num_devices=trainer.world_size)
+        if not decision.change:
+            return None
+        rule = rec.lr_rule or "none"
+        factor = decision.new_lr(1.0, rule)
+        trainer.accumulate_grad_batches = decision.accumulate_grad_batches
+        warmup = math.ceil(warmup_epochs_for(factor) * (steps_per_epoch or 0))
+        self.ramp = {"start": self.lr_multiplier, "target": self.lr_multiplier * factor, "step": 0,
+                     "warmup_steps": warmup}
+        event = {
+            "epoch": trainer.current_epoch,
+            "global_step": trainer.global_step,
+            "accumulate_grad_batches": [current, decision.accumulate_grad_batches],
+            "batch_size": decision.batch_size,
+            "lr_factor": factor,
+            "lr_rule": rule,
+            "warmup_steps": warmup,
+            "b_simple": json_safe(rec.b_noise),
+            "reason": decision.reason,
+        }
+        self.events.append(event)
+        return event
+
+    def advance(self, trainer: Any) -> None:
+        """One optimizer step along the LR ramp: step k after the change runs at start + (target − start)·k/warmup."""
+        ramp = self.ramp
+        if ramp is None:
+            return
+        wanted = warmup_lr(int(ramp["step"]) + 1, start_lr=ramp["start"], target_lr=ramp["target"],
+                           warmup_steps=int(ramp["warmup_steps"]))
+        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+        for optimizer in trainer.optimizers:
+            rescale_learning_rates(optimizer, schedulers, wanted / self.lr_multiplier)
+        self.lr_multiplier = wanted
+        ramp["step"] += 1
+        if wanted == ramp["target"]:
+            self.ramp = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "lr_multiplier": self.lr_multiplier,
+            "lr_ramp": dict(self.ramp) if self.ramp else None,
+            "adaptations": list(self.events),
+            "policy": self.policy.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.lr_multiplier = float(state.get("lr_multiplier", 1.0))
+        self.ramp = state.get("lr_ramp")
+        self.events = list(state.get("adaptations", []))
+        if state.get("policy"):
+            self.policy.load_state_dict(state["policy"])

@@ -1,0 +1,70 @@
+"""What the callback reads off a Lightning ``Trainer`` (read-only; each function one fact)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Callable, Optional
+
+import torch
+
+from gns_callback.lightning.compat import callback_types, namespace_of
+
+
+def loss_scale(trainer: Any) -> Optional[torch.Tensor]:
+    """The AMP GradScaler's current scale as a tensor (no host sync), or None without a scaler."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is None or not scaler.is_enabled():
+        return None
+    scale = getattr(scaler, "_scale", None)
+    return scale if isinstance(scale, torch.Tensor) else torch.tensor(scaler.get_scale())
+
+
+def sum_across_ranks(trainer: Any) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    """The strategy's sum over data-parallel ranks, or None on one process."""
+    if trainer.world_size <= 1:
+        return None
+    return lambda tensor: trainer.strategy.reduce(tensor, reduce_op="sum")
+
+
+def accumulation_schedule(trainer: Any) -> Optional[dict[int, int]]:
+    """``{epoch: accumulate}`` of a ``GradientAccumulationScheduler`` (either Lightning namespace), or None."""
+    types = callback_types(trainer, "GradientAccumulationScheduler")
+    for callback in trainer.callbacks:
+        if types and isinstance(callback, types):
+            return dict(callback.scheduling)
+    return None
+
+
+def several_micro_batches(trainer: Any) -> bool:
+    """Whether optimizer steps have more than one backward pass anywhere (accumulation or several ranks)."""
+    schedule = accumulation_schedule(trainer) or {}
+    return trainer.world_size * trainer.accumulate_grad_batches > 1 or any(v > 1 for v in schedule.values())
+
+
+def dataset_size(trainer: Any) -> Optional[int]:
+    try:
+        return len(trainer.train_dataloader.dataset)
+    except (AttributeError, TypeError):
+        return None
+
+
+def steps_per_epoch(trainer: Any) -> Optional[int]:
+    batches = trainer.num_training_batches
+    if not isinstance(batches, int) or batches <= 0:
+        return None
+    return math.ceil(batches / trainer.accumulate_grad_batches)
+
+
+def base_lr(trainer: Any) -> Optional[float]:
+    """The first optimizer's first group's LR before any schedule (``initial_lr`` when a scheduler set one)."""
+    if not trainer.optimizers:
+        return None
+    group = trainer.optimizers[0].param_groups[0]
+    return float(group.get("initial_lr", group["lr"]))
+
+
+def say(trainer: Any, message: str) -> None:
+    """Print ``message`` on rank zero through the Lightning namespace's own console logger."""
+    if trainer.is_global_zero:
+        logging.getLogger(f"{namespace_of(trainer).__name__}.callbacks.gns").info(message)

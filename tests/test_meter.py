@@ -1,0 +1,169 @@
+"""GradientNoiseScaleMeter in plain PyTorch loops (no Trainer), against the exact value by brute force."""
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gns_callback.meter import GradientNoiseScaleMeter
+from tests.helpers import mlp
+
+PLAIN_LOOP = textwrap.dedent(
+    """
+    import json, sys
+    sys.modules["pytorch_lightning"] = None   # any import of Lightning now fails
+    sys.modules["lightning"] = None
+    import torch, torch.nn.functional as F
+    from sklearn.datasets import load_digits
+    from gns_callback import GradientNoiseScaleMeter
+    from gns_callback.exact import exact_b_simple
+
+    torch.manual_seed(0)
+    data = load_digits()
+    x, y = torch.tensor(data.data, dtype=torch.float32) / 16, torch.tensor(data.target)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 10))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.0)   # fixed parameters: one distribution to sample
+    g = torch.Generator().manual_seed(0)
+    draw = lambda b: torch.randint(0, len(x), (b,), generator=g)
+    out = {"exact": exact_b_simple(net, F.cross_entropy, x, y)[0]}
+    with GradientNoiseScaleMeter(net, method="per_example") as meter:
+        for _ in range(300):
+            i = draw(32)
+            F.cross_entropy(net(x[i]), y[i]).backward()
+            meter.step()
+            optimizer.step(); optimizer.zero_grad()
+    out["per_example"] = meter.run_estimate.to_dict()
+    with GradientNoiseScaleMeter(net, method="micro_batch") as meter:
+        for _ in range(300):
+            for _ in range(4):
+                i = draw(8)
+                (F.cross_entropy(net(x[i]), y[i]) / 4).backward()
+            meter.step(micro_batch_size=8)
+            optimizer.step(); optimizer.zero_grad()
+    out["micro_batch"] = meter.run_estimate.to_dict()
+    out["lightning_loaded"] = [m for m in sys.modules if m.startswith(("pytorch_lightning", "lightning")) and sys.modules[m]]
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def plain_loop_results():
+    done = subprocess.run([sys.executable, "-c", PLAIN_LOOP], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("method", ["per_example", "micro_batch"])
+def test_plain_loop_without_lightning_matches_exact(plain_loop_results, method):
+    exact, est = plain_loop_results["exact"], plain_loop_results[method]
+    assert plain_loop_results["lightning_loaded"] == []
+    assert est["steps"] == 300 and est["method"] == method
+    assert est["ci_low"] <= exact <= est["ci_high"], (est, exact)
+    assert abs(est["b_simple"] / exact - 1) < 0.25, (est, exact)
+
+
+def _steps(meter, net, x, y, steps, seed, per_step=lambda loss: loss.backward()):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        i = torch.randint(0, len(x), (16,), generator=g)
+        per_step(F.cross_entropy(net(x[i]), y[i]))
+        meter.step()
+        net.zero_grad()
+
+
+def test_hooks_come_off_at_exit(digits):
+    net = mlp()
+    with GradientNoiseScaleMeter(net) as meter:
+        _steps(meter, net, *digits, steps=3, seed=0)
+    before = meter.run_estimate
+    _steps(meter, net, *digits, steps=3, seed=1)  # detached: nothing is measured
+    assert meter.run_estimate == before and before.steps == 3
+
+
+def test_state_dict_resumes_exactly(digits):
+    net = mlp()
+    with GradientNoiseScaleMeter(net) as whole:
+        _steps(whole, net, *digits, steps=40, seed=0)
+        _steps(whole, net, *digits, steps=40, seed=1)
+    with GradientNoiseScaleMeter(net) as first:
+        _steps(first, net, *digits, steps=40, seed=0)
+    state = json.loads(json.dumps(first.state_dict()))  # plain types only
+    with GradientNoiseScaleMeter(net) as resumed:
+        resumed.load_state_dict(state)
+        _steps(resumed, net, *digits, steps=40, seed=1)
+    assert resumed.estimate == whole.estimate and resumed.run_estimate == whole.run_estimate
+
+
+def test_loss_scale_is_removed(digits):
+    """Backward passes on a loss scaled by 2^10 with .grad unscaled before step(): same numbers as unscaled."""
+    net = mlp()
+    scale = 2.0**10
+
+    def scaled(loss):
+        (loss * scale).backward()
+        for p in net.parameters():
+            p.grad /= scale
+
+    with GradientNoiseScaleMeter(net) as plain:
+        _steps(plain, net, *digits, steps=30, seed=0)
+    with GradientNoiseScaleMeter(net) as amp:
+        g = torch.Generator().manual_seed(0)
+        x, y = digits
+        for _ in range(30):
+            i = torch.randint(0, len(x), (16,), generator=g)
+            scaled(F.cross_entropy(net(x[i]), y[i]))
+            amp.step(loss_scale=torch.tensor(scale))
+            net.zero_grad()
+    assert amp.run_estimate.b_simple == pytest.approx(plain.run_estimate.b_simple, rel=1e-4)
+
+
+def test_reduce_joins_once_per_step_even_with_nothing_measured(digits):
+    calls = []
+
+    def reduce(tensor):
+        calls.append(tensor.clone())
+        return tensor  # one rank: the sum over ranks is itself
+
+    net = mlp()
+    with GradientNoiseScaleMeter(net, reduce=reduce) as meter:
+        _steps(meter, net, *digits, steps=5, seed=0)
+        meter.step()  # a step where this rank ran no backward pass still joins the collective
+    assert len(calls) == 6 and calls[-1][0].item() == 0.0
+
+
+class Twice(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = torch.nn.Linear(64, 64), torch.nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(torch.tanh(self.body(x)))))  # body applied twice
+
+
+def test_unmeasurable_model_stops_measuring_and_warns_once(digits):
+    net = Twice()
+    with GradientNoiseScaleMeter(net) as meter, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _steps(meter, net, *digits, steps=5, seed=0)  # training itself carries on
+    stopped = [w for w in caught if "stopped measuring" in str(w.message)]
+    assert len(stopped) == 1 and "micro_batch" in str(stopped[0].message)
+    est = meter.estimate
+    assert est.failure and math.isnan(est.b_simple) and not est.measured
+    assert est.to_dict()["b_simple"] is None and "not measured" in str(est)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [({"method": "auto"}, "method"), ({"ema_decay": 1.0}, "ema_decay"), ({"confidence": 95}, "confidence"),
+     ({"loss_reduction": "avg"}, "loss_reduction"), ({"per_example_max_examples": 1}, "per_example_max_examples")],
+)
+def test_bad_arguments_name_themselves(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GradientNoiseScaleMeter(mlp(), **kwargs)
