@@ -7,7 +7,7 @@ pytest.importorskip("matplotlib")
 from matplotlib.figure import Figure  # noqa: E402
 
 from gns_callback.plots import plot_history  # noqa: E402
-from tests.plots.conftest import make_history  # noqa: E402
+from tests.report_sections import history as make_history  # noqa: E402
 from tests.plots.figure_checks import (  # noqa: E402
     data_points,
     labelled_line,

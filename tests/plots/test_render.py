@@ -7,12 +7,7 @@ import matplotlib.image as mpimg  # noqa: E402
 from gns_callback import plots  # noqa: E402
 from gns_callback.recommendation import recommend  # noqa: E402
 from tests.plots.figure_checks import PNG_SIGNATURE  # noqa: E402
-
-
-def estimate(b=76.4, lo=62.5, hi=98.0, steps=1000, averaging="run") -> dict:
-    return {"b_simple": b, "grad_sq_norm": 0.09, "trace_sigma": 0.09 * b if b else 0.0, "ci_low": lo, "ci_high": hi,
-            "confidence": 0.95, "steps": steps, "skipped_steps": 0, "effective_steps": float(steps),
-            "method": "per_example", "averaging": averaging}
+from tests.report_sections import estimate  # noqa: E402
 
 
 @pytest.fixture
