@@ -32,6 +32,7 @@ RECOMPUTE_FLAGS = (
     "power_of_two", "price_per_device_hour", "estimate",
 )
 _UNNAMED_OPTIMIZERS = ("", "optimizer", "unknown")  # what a recommendation records when no optimizer was known
+_SAVED = "the report's recommendation"
 
 EPILOG = """\
 how the flags depend on each other:
@@ -182,8 +183,7 @@ def read_setup(report: Mapping[str, Any], args: argparse.Namespace, saved: Optio
     run = report.get("run") or {}
     cur = saved.current if saved is not None else None
     src: dict[str, str] = {}
-    batch = _pick(src, "batch size", (args.batch_size, "--batch-size"),
-                  (cur and cur.batch_size, "the report's recommendation"))
+    batch = _pick(src, "batch size", (args.batch_size, "--batch-size"), (cur and cur.batch_size, _SAVED))
     if batch is None:
         raise FlagError(
             "the current batch size is unknown: the report has no recommendation section to read it from "
@@ -194,13 +194,13 @@ def read_setup(report: Mapping[str, Any], args: argparse.Namespace, saved: Optio
     setup = Setup(
         estimate_section=_estimate_section(report, args, src),
         batch_size=batch,
-        lr=_pick(src, "learning rate", (args.lr, "--lr"), (cur.learning_rate if same_batch else None, "the report's recommendation")),
-        optimizer=_pick(src, "optimizer", (args.optimizer, "--optimizer"), (_saved_optimizer(saved), "the report's recommendation")),
+        lr=_pick(src, "learning rate", (args.lr, "--lr"), (cur.learning_rate if same_batch else None, _SAVED)),
+        optimizer=_pick(src, "optimizer", (args.optimizer, "--optimizer"), (_saved_optimizer(saved), _SAVED)),
         devices=_pick(src, "devices", (args.devices, "--devices"), (run.get("world_size"), "run.world_size"),
-                      (cur and cur.num_devices, "the report's recommendation"), (1, "default")),
+                      (cur and cur.num_devices, _SAVED), (1, "default")),
         accumulate=_pick(src, "accumulate", (args.accumulate, "--accumulate"),
                          (run.get("accumulate_grad_batches"), "run.accumulate_grad_batches"),
-                         (cur and cur.accumulate_grad_batches, "the report's recommendation")),
+                         (cur and cur.accumulate_grad_batches, _SAVED)),
         micro_batch_size=None if split_given or cur is None else cur.micro_batch_size,
         dataset_size=_pick(src, "dataset size", (args.dataset_size, "--dataset-size"),
                            (run.get("dataset_size"), "run.dataset_size")),
@@ -210,7 +210,7 @@ def read_setup(report: Mapping[str, Any], args: argparse.Namespace, saved: Optio
     )
     if setup.dataset_size is None and same_batch:
         setup.steps_per_epoch = _pick(src, "steps per epoch", (run.get("steps_per_epoch"), "run.steps_per_epoch"),
-                                      (cur.steps_per_epoch, "the report's recommendation"))
+                                      (cur.steps_per_epoch, _SAVED))
     _explain_missing(setup, cur, same_batch)
     return setup
 

@@ -51,8 +51,8 @@ def positive(v: Optional[float]) -> bool:
 
 
 def plain_number(v: float) -> str:
-    """A tick label without scientific notation: ``30``, ``1.5``, ``0.02``, ``20,000``."""
-    if v >= 1e4 and float(v).is_integer():
+    """A tick label without scientific notation: ``30``, ``1.5``, ``0.02``, ``8,192``."""
+    if v >= 1e3 and float(v).is_integer():
         return f"{v:,.0f}"
     return f"{v:g}"
 

@@ -23,7 +23,7 @@ def test_log_ticks_fall_back_to_plain_values_on_a_very_narrow_range():
     assert len(ticks) >= 2 and all(50.2 <= t <= 51.8 for t in ticks)
 
 
-@pytest.mark.parametrize("value, text", [(30, "30"), (1.5, "1.5"), (0.02, "0.02"), (1000, "1000"),
+@pytest.mark.parametrize("value, text", [(30, "30"), (1.5, "1.5"), (0.02, "0.02"), (1000, "1,000"), (8192, "8,192"),
                                          (20000, "20,000"), (65536, "65,536"), (1.2e6, "1,200,000")])
 def test_plain_number_never_uses_scientific_notation(value, text):
     assert axes.plain_number(value) == text

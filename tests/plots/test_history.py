@@ -7,7 +7,6 @@ pytest.importorskip("matplotlib")
 from matplotlib.figure import Figure  # noqa: E402
 
 from gns_callback.plots import plot_history  # noqa: E402
-from tests.report_sections import history as make_history  # noqa: E402
 from tests.plots.figure_checks import (  # noqa: E402
     data_points,
     labelled_line,
@@ -15,6 +14,7 @@ from tests.plots.figure_checks import (  # noqa: E402
     points_under_legend,
     tick_labels,
 )
+from tests.report_sections import history as make_history  # noqa: E402
 
 
 def test_legend_covers_no_data_point_and_least_of_all_the_last_ones(history):

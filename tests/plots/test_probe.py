@@ -103,7 +103,8 @@ def test_partial_probes_and_old_formats(gpu_probe):
     mem_only = {**gpu_probe, "throughput": [], "trials": [{**t, "samples_per_s": None} for t in gpu_probe["trials"]]}
     assert plot_probe(mem_only).axes[1].texts[0].get_text() == "no throughput measured"
     # Trials as [size, ok, bytes, samples/s] lists and no fit: points still drawn, throughput from the trials.
-    old = {"max_micro_batch": 64, "budget_bytes": 8 * 2**30, "trials": [[16, True, 2e9, 900.0], [64, True, 4e9, 1500.0]]}
+    trials = [[16, True, 2e9, 900.0], [64, True, 4e9, 1500.0]]
+    old = {"max_micro_batch": 64, "budget_bytes": 8 * 2**30, "trials": trials}
     ax, bx = plot_probe(old).axes
     (points,) = [ln for ln in ax.get_lines() if ln.get_label() == "measured (fits)"]
     assert list(points.get_xdata()) == [16, 64] and list(bx.get_lines()[0].get_xdata()) == [16, 64]
