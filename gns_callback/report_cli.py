@@ -285,7 +285,9 @@ def recompute(report: Mapping[str, Any], setup: Setup) -> "Recommendation":
     allowed = getattr(rules, "LR_RULES", ())
     rule = setup.options.get("lr_rule")
     if rule is not None and allowed and rule not in allowed:
-        raise FlagError(f"--lr-rule {rule}: not a rule; use one of {', '.join(allowed)}")
+        source = setup.sources.get("lr_rule", "--lr-rule")
+        where = f"--lr-rule {rule}" if source == "--lr-rule" else f"LR rule {rule!r} ({source})"
+        raise FlagError(f"{where}: not a rule; use one of {', '.join(allowed)}")
     try:
         return recommend(
             report[setup.estimate_section],
