@@ -208,11 +208,25 @@ def read_setup(report: Mapping[str, Any], args: argparse.Namespace, saved: Optio
         options=_options(report, args, saved, src),
         sources=src,
     )
+    _check_split(setup)
     if setup.dataset_size is None and same_batch:
         setup.steps_per_epoch = _pick(src, "steps per epoch", (run.get("steps_per_epoch"), "run.steps_per_epoch"),
                                       (cur.steps_per_epoch, _SAVED))
     _explain_missing(setup, cur, same_batch)
     return setup
+
+
+def _check_split(setup: Setup) -> None:
+    """``batch = micro × accumulate × devices`` must be possible for the current setup."""
+    per_micro = setup.devices * (setup.accumulate or 1)
+    if setup.batch_size % per_micro:
+        given = ", ".join(f"{name} {getattr(setup, attr)} ({setup.sources[name]})"
+                          for name, attr in (("batch size", "batch_size"), ("accumulate", "accumulate"),
+                                             ("devices", "devices")) if name in setup.sources)
+        raise FlagError(
+            f"the current batch does not split: {given}; the batch must be a multiple of accumulate × devices "
+            f"= {per_micro}. Pass a consistent --batch-size, --accumulate and --devices"
+        )
 
 
 def _estimate_section(report: Mapping[str, Any], args: argparse.Namespace, sources: dict[str, str]) -> str:

@@ -141,6 +141,9 @@ def test_accumulate_flag(report, report_path, capsys):
     text = run(capsys, report_path, "--no-plots", "--accumulate", "4")
     assert expected(report, current_accumulate=4, current_micro_batch_size=None) in text
     assert row(text, "micro × accumulate × devices")[0] == "4 × 4 × 1"
+    code, err = fails(capsys, report_path, "--accumulate", "3")
+    assert code == 2 and "the current batch does not split: batch size 16 (the report's recommendation), " \
+        "accumulate 3 (--accumulate), devices 1 (run.world_size)" in err
 
 
 def test_dataset_size_flag(report, report_path, capsys):
