@@ -8,7 +8,8 @@ COMMANDS = {"demo": "gns_callback.demo", "report": "gns_callback.report_cli"}
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in COMMANDS:
-        print("usage: python -m gns_callback {" + ",".join(COMMANDS) + "} [options]   (demo --help for options)")
+        commands = ",".join(COMMANDS)
+        print(f"usage: python -m gns_callback {{{commands}}} [options]   (python -m gns_callback <command> --help)")
         raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
     import importlib
 
