@@ -156,28 +156,6 @@ def preserved_state(module: nn.Module, optimizers: Sequence[torch.optim.Optimize
         state.restore()
 
 
-def _no_log(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
-@contextmanager
-def silenced_logging(pl_module: Any) -> Iterator[None]:
-    """``pl_module.log``/``log_dict`` become no-ops, so no value from a probe step reaches a logger or
-    ``trainer.callback_metrics`` (and ``self.log`` cannot fail outside the training loop)."""
-    names = ("log", "log_dict")
-    previous = {name: pl_module.__dict__.get(name, _MISSING) for name in names}
-    try:
-        for name in names:
-            setattr(pl_module, name, _no_log)
-        yield
-    finally:
-        for name, value in previous.items():
-            if value is _MISSING:
-                pl_module.__dict__.pop(name, None)
-            else:
-                setattr(pl_module, name, value)
-
-
 @contextmanager
 def local_batch_norm(module: nn.Module) -> Iterator[None]:
     """SyncBatchNorm runs as a local BatchNorm: its forward all-gathers statistics, a collective inside a trial
