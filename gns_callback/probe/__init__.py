@@ -14,7 +14,8 @@ Layout. Pure (no Lightning; the first five not even torch): :mod:`~gns_callback.
 (cross-rank agreement through a MIN reduce passed in), :mod:`~gns_callback.probe.split` (split-factor and
 accumulation search), :mod:`~gns_callback.probe.result` (``ProbeResult``, ``Trial``),
 :mod:`~gns_callback.probe.batches` (tiling), :mod:`~gns_callback.probe.oom` (``is_oom``),
-:mod:`~gns_callback.probe.accounting` (bytes of a step), :mod:`~gns_callback.probe.state` (snapshot/restore),
+:mod:`~gns_callback.probe.accounting` (bytes of a step), :mod:`~gns_callback.probe.state` (snapshot/restore;
+module attributes such as metric states and lists in :mod:`~gns_callback.probe.attributes`),
 :mod:`~gns_callback.probe.trial` (one trial), :mod:`~gns_callback.probe.search` (the search and its
 agreements), :mod:`~gns_callback.probe.session` (budget, patches, state around a search),
 :mod:`~gns_callback.probe.standalone` (``probe_micro_batch``). Lightning: :mod:`~gns_callback.probe.lightning`

@@ -38,6 +38,8 @@ class ProbeConfig:
         timed_steps: timed steps per size, at least.
         min_timed_seconds: keep timing (up to ``MAX_TIMED_STEPS``) until this much time is measured per size.
         max_trials: cap on memory-search trials.
+        max_copy_bytes: module attributes holding more tensor/array bytes than this are not copied for the
+            restore (:mod:`gns_callback.probe.attributes`); if a probe step changes one, it is reported.
         progress_bar: a tqdm bar on rank zero while probing.
         verbose: log :meth:`ProbeResult.summary` on rank zero.
     """
@@ -54,6 +56,7 @@ class ProbeConfig:
     timed_steps: int = 3
     min_timed_seconds: float = 0.25
     max_trials: int = 40
+    max_copy_bytes: int = 2**29
     progress_bar: bool = True
     verbose: bool = False
 
@@ -73,7 +76,7 @@ class ProbeConfig:
             raise ValueError(f"rel_tol={self.rel_tol!r}: the bisection's relative tolerance, in [0, 1).")
         if self.measure not in MEASURES:
             raise ValueError(f"measure={self.measure!r}: one of {', '.join(MEASURES)}.")
-        for name in ("warmup_steps", "timed_steps", "max_trials"):
+        for name in ("warmup_steps", "timed_steps", "max_trials", "max_copy_bytes"):
             _positive_int(name, getattr(self, name))
         if not self.min_timed_seconds >= 0:
             raise ValueError(f"min_timed_seconds={self.min_timed_seconds!r}: seconds, 0 or more.")

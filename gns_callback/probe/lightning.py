@@ -5,20 +5,23 @@ and ``batch_split_factor`` read from an attribute or ``hparams``.
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Mapping, MutableMapping
 from contextlib import contextmanager, nullcontext
 from typing import Any, Iterator, Optional
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.utilities.rank_zero import rank_zero_info
+from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from pytorch_lightning.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor
 
-from gns_callback.probe.agreement import Agree, single_process
+from gns_callback.probe.agreement import Agree, ProbeFailedOnOtherRank, single_process
 from gns_callback.probe.batches import batch_size_of, move_batch
 from gns_callback.probe.config import ProbeConfig, make_config
 from gns_callback.probe.result import ProbeResult
+from gns_callback.probe.oom import short_message
 from gns_callback.probe.search import SplitRequest
 from gns_callback.probe.session import Ranks, Session, run_probe
 from gns_callback.probe.split import per_device_batch
@@ -30,13 +33,16 @@ _MISSING = object()
 
 
 # ---------------------------------------------------------------------------------------------- the step
-def lightning_step(pl_module: "pl.LightningModule", trainer: Optional["pl.Trainer"] = None) -> StepFn:
-    """``training_step(batch, 0)`` (``batch_idx`` only if its signature has one; inside the precision plugin's
-    autocast context when a Trainer is given); with manual optimization the module steps itself and ``None``
-    is returned."""
+def lightning_step(
+    pl_module: "pl.LightningModule", trainer: Optional["pl.Trainer"] = None, batch_idx: int = 0
+) -> StepFn:
+    """``training_step(batch, batch_idx)`` (``batch_idx`` only if its signature has one; inside the precision
+    plugin's autocast context when a Trainer is given); with manual optimization the module steps itself and
+    ``None`` is returned. A step that returns ``None`` under automatic optimization (Lightning's way to skip
+    a batch) raises ``TypeError``: there is nothing to measure."""
     context = trainer.precision_plugin.train_step_context if trainer is not None else nullcontext
     # as Lightning's loop does: pass batch_idx only where the signature takes it
-    extra = (0,) if is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2) else ()
+    extra = (batch_idx,) if is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2) else ()
 
     def step(batch: Any) -> Optional[Tensor]:
         with context():
@@ -46,6 +52,13 @@ def lightning_step(pl_module: "pl.LightningModule", trainer: Optional["pl.Traine
         return loss_from(output)
 
     return step
+
+
+@functools.lru_cache(maxsize=1)
+def module_internals() -> frozenset[str]:
+    """A bare LightningModule's own ``__dict__`` names (the Trainer reference, flags, caches): the state
+    snapshot leaves them alone (:mod:`gns_callback.probe.attributes`)."""
+    return frozenset(vars(pl.LightningModule()))
 
 
 def _no_log(*args: Any, **kwargs: Any) -> None:
@@ -195,6 +208,19 @@ def _split_request(
     return SplitRequest(global_batch, devices, handle.get() if handle is not None else None)
 
 
+def _stepped_aside(error: Exception, trainer: "pl.Trainer", config: ProbeConfig) -> ProbeResult:
+    """The probe's answer when it failed for a reason other than memory: warn, and measure nothing."""
+    reason = short_message(error)
+    message = (f"the micro-batch probe stepped aside ({reason}); training continues unchanged and the probe "
+               "result is 'not measured'.")
+    if isinstance(error, ProbeFailedOnOtherRank):
+        rank_zero_warn(message, category=RuntimeWarning)
+    else:
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+    return ProbeResult.not_measured(reason, device=str(trainer.strategy.root_device), headroom=config.headroom,
+                                    world_size=trainer.world_size)
+
+
 def probe_trainer(
     trainer: "pl.Trainer",
     pl_module: "pl.LightningModule",
@@ -203,6 +229,7 @@ def probe_trainer(
     config: Optional[ProbeConfig] = None,
     search_split: bool = False,
     global_batch_size: Optional[int] = None,
+    batch_idx: int = 0,
     **settings: Any,
 ) -> ProbeResult:
     """Probe from inside a fit (a callback hook), with a real ``batch`` from the train dataloader.
@@ -210,32 +237,50 @@ def probe_trainer(
     Call it on every rank at the same point (e.g. ``on_train_batch_start`` of the first batch): the ranks
     agree through ``trainer.strategy.reduce(..., reduce_op="min")``. Runs ``pl_module.training_step`` (inside
     the precision plugin's autocast context), ``backward`` and ``trainer.optimizers``' ``step`` directly, so no
-    Lightning hook, logger, progress bar or step counter sees a probe step; ``self.log`` calls are dropped.
-    Manual optimization works (the module steps itself), but its ``manual_backward`` still calls the
-    ``on_before_backward``/``on_after_backward`` hooks. Supports single-device and DDP strategies.
+    Lightning hook, logger, progress bar or step counter sees a probe step; ``self.log`` calls are dropped, and
+    whatever the steps change in the module (weights, optimizer and metric states, lists and counters in its
+    attributes, RNG) is put back. Manual optimization works (the module steps itself), but its
+    ``manual_backward`` still calls the ``on_before_backward``/``on_after_backward`` hooks. Supports
+    single-device and DDP strategies.
+
+    It never ends the run: an error other than running out of memory (another strategy, a ``training_step``
+    that returns ``None`` on this batch, a bug in the step) restores the state, warns once, and returns a
+    result that says "not measured" (``.measured`` is False, ``.error`` the reason). Settings that make no sense
+    raise ``ValueError`` before anything runs.
 
     Args:
         config, **settings: as :func:`~gns_callback.probe.standalone.probe_micro_batch`.
         search_split: also run the split-factor/accumulation search (:mod:`gns_callback.probe.split`) for
             ``global_batch_size`` (default: the current one, ``len(batch) × accumulate_grad_batches × world_size``),
             result in ``.split``.
+        batch_idx: passed to ``training_step`` (the hook's own ``batch_idx``).
 
     Returns:
         :class:`ProbeResult`, identical on every rank except ``.trials`` (each rank's own).
     """
     config = make_config(config, settings)
-    _check_strategy(trainer)
-    device = trainer.strategy.root_device
-    batch = move_batch(batch, device)
     split_request = _split_request(trainer, pl_module, batch, global_batch_size) if search_split else None
-    session = Session(
-        pl_module, list(trainer.optimizers), batch, lightning_step(pl_module, trainer), device,
-        contexts=[silenced_logging(pl_module), _lightning_optimizers_quiet(trainer), _scaler_preserved(trainer),
-                  _ddp_no_sync(trainer)],
-        split_handle=SplitFactor.find(pl_module) if search_split else None,
-    )
-    ranks = Ranks(strategy_agree(trainer), trainer.world_size, trainer.is_global_zero)
-    result = run_probe(session, config, ranks, split_request)
+    try:
+        result = run_probe(_session(trainer, pl_module, batch, search_split, batch_idx), config,
+                           Ranks(strategy_agree(trainer), trainer.world_size, trainer.is_global_zero), split_request)
+    except Exception as exc:  # noqa: BLE001 - the probe must not end the user's run
+        return _stepped_aside(exc, trainer, config)
     if config.verbose:
         rank_zero_info(result.summary())
     return result
+
+
+def _session(
+    trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, search_split: bool, batch_idx: int
+) -> Session:
+    _check_strategy(trainer)
+    device = trainer.strategy.root_device
+    return Session(
+        pl_module, list(trainer.optimizers), move_batch(batch, device), lightning_step(pl_module, trainer, batch_idx),
+        device,
+        contexts=[silenced_logging(pl_module), _lightning_optimizers_quiet(trainer), _scaler_preserved(trainer),
+                  _ddp_no_sync(trainer)],
+        split_handle=SplitFactor.find(pl_module) if search_split else None,
+        keep=[trainer],
+        skip_attributes=module_internals(),
+    )

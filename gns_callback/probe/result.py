@@ -61,22 +61,25 @@ class ProbeResult:
 
     Attributes:
         max_micro_batch: largest size that ran within ``headroom × budget_bytes`` (0: not even one sample);
-            always a size that was actually tried. Under DDP the minimum over ranks.
+            always a size that was actually tried. Under DDP the minimum over ranks. ``None``: not measured.
         fixed_bytes, bytes_per_sample: the fitted ``bytes(b) = fixed + per_sample·b`` (DDP: the largest over
             ranks); ``None`` when nothing could be fitted.
-        budget_bytes: the memory budget (DDP: the smallest over ranks); ``headroom``: the usable fraction.
+        budget_bytes: the memory budget (DDP: the smallest over ranks; ``None``: not measured);
+            ``headroom``: the usable fraction.
         device: e.g. ``"cuda:0"``; ``measure``: ``"cuda"`` (allocator peak) or ``"accounting"``.
         trials: this rank's trials in order (they may differ between ranks; the fields above do not).
         throughput: samples/s per micro-batch size (DDP: the slowest rank's), ``{size: samples_per_s}``.
         capped: ``max_micro_batch`` was limited by ``max_batch_size``, not by memory.
         world_size: number of ranks that agreed on the result.
         split: the split-factor/accumulation search, when requested.
+        error: why the probe measured nothing (it stepped aside and left the run as it was), else ``None``.
+        not_restored: module attributes a probe step changed that could not be put back (named, and warned).
     """
 
-    max_micro_batch: int
+    max_micro_batch: Optional[int]
     fixed_bytes: Optional[float]
     bytes_per_sample: Optional[float]
-    budget_bytes: int
+    budget_bytes: Optional[int]
     headroom: float
     device: str
     measure: str
@@ -85,11 +88,23 @@ class ProbeResult:
     capped: bool = False
     world_size: int = 1
     split: Optional[SplitResult] = None
+    error: Optional[str] = None
+    not_restored: list[str] = field(default_factory=list)
+
+    @classmethod
+    def not_measured(cls, reason: str, *, device: str, headroom: float, world_size: int = 1) -> "ProbeResult":
+        """A probe that stepped aside: no size, no budget, no throughput; ``reason`` says why."""
+        return cls(None, None, None, None, headroom, device, "none", world_size=world_size, error=reason)
 
     @property
-    def limit_bytes(self) -> float:
+    def measured(self) -> bool:
+        """False when the probe stepped aside (see ``error``)."""
+        return self.max_micro_batch is not None
+
+    @property
+    def limit_bytes(self) -> Optional[float]:
         """``headroom × budget_bytes``: what a step may use."""
-        return self.headroom * self.budget_bytes
+        return None if self.budget_bytes is None else self.headroom * self.budget_bytes
 
     @property
     def fastest_micro_batch(self) -> Optional[int]:
@@ -98,6 +113,8 @@ class ProbeResult:
 
     def summary(self) -> str:
         """One line for the log (print it on rank zero)."""
+        if not self.measured:
+            return f"probe on {self.device}: not measured ({self.error})"
         line = (
             f"probe on {self.device} ({self.measure}): max micro-batch {self.max_micro_batch}"
             f"{' (capped)' if self.capped else ''} within {self.headroom:g} × {_bytes(self.budget_bytes)}"
@@ -111,11 +128,15 @@ class ProbeResult:
         if self.split is not None and self.split.best is not None:
             b = self.split.best
             line += f"; split search: micro {b.micro_batch} × accumulate {b.accumulate} × split {b.split}"
+        if self.not_restored:
+            line += f"; not restored: {', '.join(self.not_restored)}"
         return line
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe (non-finite floats become ``None``; throughput as a list of pairs)."""
         return {
+            "measured": self.measured,
+            "error": self.error,
             "max_micro_batch": self.max_micro_batch,
             "fixed_bytes": json_safe(self.fixed_bytes),
             "bytes_per_sample": json_safe(self.bytes_per_sample),
@@ -128,15 +149,16 @@ class ProbeResult:
             "throughput": [{"size": s, "samples_per_s": json_safe(v)} for s, v in sorted(self.throughput.items())],
             "trials": [t.to_dict() for t in self.trials],
             "split": None if self.split is None else self.split.to_dict(),
+            "not_restored": list(self.not_restored),
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ProbeResult":
         return cls(
-            max_micro_batch=int(data["max_micro_batch"]),
+            max_micro_batch=_int_or_none(data.get("max_micro_batch")),
             fixed_bytes=data.get("fixed_bytes"),
             bytes_per_sample=data.get("bytes_per_sample"),
-            budget_bytes=int(data["budget_bytes"]),
+            budget_bytes=_int_or_none(data.get("budget_bytes")),
             headroom=float(data["headroom"]),
             device=data["device"],
             measure=data["measure"],
@@ -145,4 +167,10 @@ class ProbeResult:
             capped=bool(data.get("capped", False)),
             world_size=int(data.get("world_size", 1)),
             split=None if data.get("split") is None else SplitResult.from_dict(data["split"]),
+            error=data.get("error"),
+            not_restored=list(data.get("not_restored", [])),
         )
+
+
+def _int_or_none(value: Any) -> Optional[int]:
+    return None if value is None else int(value)

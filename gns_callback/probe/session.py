@@ -9,6 +9,7 @@ not through the DDP wrapper, inside ``no_sync``; SyncBatchNorm runs locally here
 from __future__ import annotations
 
 import sys
+import warnings
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -18,6 +19,7 @@ from torch import Tensor, nn
 
 from gns_callback.probe.accounting import device_budget_bytes, static_bytes
 from gns_callback.probe.agreement import Agree
+from gns_callback.probe.attributes import describe
 from gns_callback.probe.config import ProbeConfig
 from gns_callback.probe.result import ProbeResult
 from gns_callback.probe.search import SplitRequest, search
@@ -47,6 +49,10 @@ class Session:
     device: torch.device
     contexts: Sequence[AbstractContextManager[Any]] = field(default_factory=list)
     split_handle: Optional[SplitHandle] = None
+    #: objects the module's attributes refer to that are shared, never copied (e.g. the Trainer)
+    keep: Sequence[Any] = ()
+    #: module ``__dict__`` names the state snapshot leaves alone (a framework's internals)
+    skip_attributes: frozenset[str] = frozenset()
 
 
 def resolve_measure(measure: str, device: torch.device) -> str:
@@ -81,6 +87,15 @@ def _progress_bar(enabled: bool) -> Any:
     return tqdm(desc="Probing micro-batch", unit="trial", leave=False, dynamic_ncols=True, file=sys.stderr)
 
 
+def _warn_not_restored(names: list[str]) -> None:
+    if names:
+        warnings.warn(
+            f"the micro-batch probe changed module attribute(s) {describe(names)} and could not put them back "
+            "(too large to copy, or not copyable); raise ProbeConfig.max_copy_bytes, or keep that state elsewhere.",
+            RuntimeWarning, stacklevel=3,
+        )
+
+
 def run_probe(
     session: Session, config: ProbeConfig, ranks: Ranks, split_request: Optional[SplitRequest] = None
 ) -> ProbeResult:
@@ -95,14 +110,20 @@ def run_probe(
                 stack.enter_context(context)
             if ranks.world_size > 1:
                 stack.enter_context(local_batch_norm(session.module))
-            state = stack.enter_context(preserved_state(session.module, session.optimizers))
+            state = stack.enter_context(preserved_state(
+                session.module, session.optimizers, keep=session.keep, skip=session.skip_attributes,
+                max_copy_bytes=config.max_copy_bytes,
+            ))
             runner = TrialRunner(
                 session.module, session.optimizers, session.batch, session.step, device=session.device,
                 measure=measure, limit_bytes=config.headroom * budget, config=config, state=state,
                 split_handle=session.split_handle, bar=bar,
             )
-            return search(runner, config, agree=ranks.agree, world_size=ranks.world_size, budget=budget,
-                          split_request=split_request)
+            result = search(runner, config, agree=ranks.agree, world_size=ranks.world_size, budget=budget,
+                            split_request=split_request)
     finally:
         if bar is not None:
             bar.close()
+    result.not_restored = state.not_restored  # read after the final restore
+    _warn_not_restored(result.not_restored)
+    return result

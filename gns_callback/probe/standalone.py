@@ -38,9 +38,11 @@ def loss_from(output: Any, *, reduce: bool = False) -> Tensor:
         return output.loss
     if isinstance(output, (tuple, list)) and output and reduce:
         return loss_from(output[0], reduce=True)
+    if output is None:
+        raise TypeError("the step returned None (Lightning's way to skip a batch): no loss to measure on this batch.")
     raise TypeError(
         f"the probe needs a loss from the step, got {type(output).__name__}; return a scalar tensor or a dict with "
-        "'loss' (a step returning None is skipped by Lightning and cannot be measured)."
+        "'loss'."
     )
 
 
@@ -64,13 +66,14 @@ def default_step(model: nn.Module) -> StepFn:
     return step
 
 
-def _patches(model: nn.Module) -> list[AbstractContextManager[Any]]:
-    """A LightningModule's ``self.log`` is silenced (without a Trainer it would raise)."""
+def _lightning_parts(model: nn.Module) -> tuple[list[AbstractContextManager[Any]], frozenset[str]]:
+    """For a LightningModule: ``self.log`` silenced (without a Trainer it would raise), and its internal
+    attributes left out of the state snapshot."""
     if not _is_lightning_module(model):
-        return []
-    from gns_callback.probe.lightning import silenced_logging
+        return [], frozenset()
+    from gns_callback.probe.lightning import module_internals, silenced_logging
 
-    return [silenced_logging(model)]
+    return [silenced_logging(model)], module_internals()
 
 
 def _optimizer_list(optimizer: Optimizers) -> list[torch.optim.Optimizer]:
@@ -138,8 +141,9 @@ def probe_micro_batch(
     """
     config = make_config(config, settings)
     device = _device_of(model)
+    contexts, internals = _lightning_parts(model)
     session = Session(model, _optimizer_list(optimizer), move_batch(batch, device), step_fn or default_step(model),
-                      device, contexts=_patches(model))
+                      device, contexts=contexts, skip_attributes=internals)
     ranks = distributed_ranks(reduce_min)
     result = run_probe(session, config, ranks)
     if config.verbose and ranks.rank_zero:
@@ -161,10 +165,11 @@ def measure_micro_batch(
     optimizers = _optimizer_list(optimizer)
     device = _device_of(model)
     config = make_config(None, {"measure": measure, "progress_bar": False})
+    contexts, internals = _lightning_parts(model)
     with ExitStack() as stack:
-        for context in _patches(model):
+        for context in contexts:
             stack.enter_context(context)
-        state = stack.enter_context(preserved_state(model, optimizers))
+        state = stack.enter_context(preserved_state(model, optimizers, skip=internals))
         runner = TrialRunner(model, optimizers, move_batch(batch, device), step_fn or default_step(model),
                              device=device, measure=resolve_measure(measure, device), limit_bytes=math.inf,
                              config=config, state=state)

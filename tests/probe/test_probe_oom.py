@@ -52,7 +52,10 @@ def test_typed_out_of_memory_error_is_caught_too(digits):
 
 
 class BuggyClassifier(ThresholdClassifier):
+    calls: list = []  # on the class: the probe puts the instance's attributes (sizes_seen) back
+
     def training_step(self, batch):  # no batch_idx: Lightning allows it, and so does the probe
+        BuggyClassifier.calls.append(batch[0].shape[0])
         if batch[0].shape[0] >= 8:
             raise ValueError("a bug, not a memory problem")
         return super().training_step(batch, 0)
@@ -63,4 +66,5 @@ def test_a_non_oom_error_propagates(digits):
     module = BuggyClassifier(mlp(), thresholds=[10**9])
     with pytest.raises(ValueError, match="a bug"):
         probe_micro_batch(module, None, (x[:8], y[:8]), progress_bar=False)
-    assert module.sizes_seen == [2]  # the trial at 2 ran, the one at 8 raised
+    assert BuggyClassifier.calls == [2, 8]  # the trial at 2 ran, the one at 8 raised
+    assert module.sizes_seen == []  # and the list the steps filled is as it was
