@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol, Sequence
 
+from gns_callback.probe.timing import Timing
+
 #: ``agree(values) -> values``: element-wise minimum over ranks (identity on one process); every rank calls it
 #: in step, with vectors of the same length.
 Agree = Callable[[list[float]], list[float]]
@@ -65,7 +67,8 @@ def _slowest(encoded: float) -> Optional[float]:
 
 
 class TimedOutcome(Protocol):
-    """What one rank knows about one candidate: did it fit, and how long did it take."""
+    """What one rank knows about one candidate: did it fit, and how long did it take (``timing``, or at least
+    ``step_seconds`` and ``optimizer_seconds``)."""
 
     ok: bool
     step_seconds: Optional[float]
@@ -74,32 +77,46 @@ class TimedOutcome(Protocol):
 
 @dataclass(frozen=True)
 class AgreedOutcome:
-    """A candidate as all ranks see it: it fits only if it fitted everywhere; the slowest rank's times
-    (``None`` where any rank has none)."""
+    """A candidate as all ranks see it: it fits only if it fitted everywhere; its timing is the slowest rank's
+    (field by field: medians, interval ends and spread the largest, repeats the fewest; ``None`` where any rank
+    has none)."""
 
     ok: bool
-    step_seconds: Optional[float] = None
-    optimizer_seconds: Optional[float] = None
+    timing: Optional[Timing] = None
 
 
-_FIELDS = 3  # status, −step seconds, −optimizer seconds
+#: status, then −seconds, −low, −high, −spread, −step, −optimizer (largest over ranks), repeats (smallest)
+_FIELDS = 8
+
+
+def _timing_of(outcome: TimedOutcome) -> Optional[Timing]:
+    timing = getattr(outcome, "timing", None)
+    if timing is None and outcome.step_seconds is not None:
+        timing = Timing.single(outcome.step_seconds, outcome.optimizer_seconds or 0.0)
+    return timing
 
 
 def _encode(outcome: Optional[TimedOutcome]) -> list[float]:
     if outcome is None:
-        return [NOT_TRIED, 0.0, 0.0]
-    if not outcome.ok:
-        return [FAILED, 0.0, 0.0]
-    return [FITS, _as_slowest(outcome.step_seconds), _as_slowest(outcome.optimizer_seconds)]
+        return [NOT_TRIED] + [0.0] * (_FIELDS - 1)
+    timing = _timing_of(outcome) if outcome.ok else None
+    if timing is None:
+        return [FITS if outcome.ok else FAILED] + [NOTHING] * 6 + [0.0]
+    slowest = [timing.seconds, timing.seconds_low, timing.seconds_high, timing.spread, timing.step_seconds,
+               timing.optimizer_seconds]
+    return [FITS] + [_as_slowest(v) for v in slowest] + [float(timing.repeats)]
 
 
 def _decode(values: Sequence[float]) -> Optional[AgreedOutcome]:
-    status, step, optimizer = values
+    status, *slowest, repeats = values
     if status < FAILED - 0.5:
         return None
     if status < FITS - 0.5:
         return AgreedOutcome(False)
-    return AgreedOutcome(True, _slowest(step), _slowest(optimizer))
+    seconds, low, high, spread, step, optimizer = (_slowest(v) for v in slowest)
+    if seconds is None or step is None or optimizer is None:
+        return AgreedOutcome(True)
+    return AgreedOutcome(True, Timing(int(repeats), seconds, low, high, spread, step, optimizer))
 
 
 def agree_outcomes(

@@ -69,7 +69,8 @@ class _Walk:
         if isinstance(value, (set, frozenset)):
             return (type(value), id(value), frozenset(self(v, depth + 1, in_object) for v in value))
         if isinstance(value, dict):
-            return (type(value), id(value), tuple((self(k, depth + 1), self(v, depth + 1, in_object)) for k, v in value.items()))
+            items = tuple((self(k, depth + 1), self(v, depth + 1, in_object)) for k, v in value.items())
+            return (type(value), id(value), items)
         if isinstance(value, (nn.Module, type)) or inspect.isroutine(value) or not hasattr(value, "__dict__"):
             return ("object", id(value))  # modules are covered entry by entry; functions don't change
         return (type(value), id(value), self(vars(value), depth + 1, in_object=True))
@@ -170,7 +171,9 @@ class AttributeState:
         self._memo = {id(obj): obj for obj in shared}
         self._skip = TORCH_INTERNALS | set(skip)
         self.max_copy_bytes = max_copy_bytes
-        self.entries = [self._entry(sub, prefix, key) for prefix, sub in module.named_modules() for key in self._keys(sub)]
+        self.entries = [
+            self._entry(sub, prefix, key) for prefix, sub in module.named_modules() for key in self._keys(sub)
+        ]
         self._present = {id(sub): set(self._keys(sub)) for sub in module.modules()}
         self._modules = list(module.modules())
         self.not_restored: set[str] = set()

@@ -15,8 +15,6 @@ from typing import Any, Mapping, Optional
 DEFAULT_FIT_SIZES = (2, 8, 32)
 DEFAULT_MAX_BATCH_SIZE = 65536
 MEASURES = ("auto", "cuda", "accounting")
-#: Keep timing (up to this many steps per size) until ``min_timed_seconds`` are measured.
-MAX_TIMED_STEPS = 50
 
 
 @dataclass(frozen=True)
@@ -35,8 +33,17 @@ class ProbeConfig:
         throughput: time micro-batches at ``throughput_sizes`` (default: the maximum and the largest powers of
             two below it, 4 sizes); off, the agreed maximum is only confirmed.
         warmup_steps: untimed steps per size before timing (the memory-measured step is the first).
-        timed_steps: timed steps per size, at least.
-        min_timed_seconds: keep timing (up to ``MAX_TIMED_STEPS``) until this much time is measured per size.
+        timed_steps: timed steps per size, at least (6 give a 95% interval for the median step time).
+        max_timed_steps: timed steps per size, at most (a bound for near-instant steps; the budget binds first).
+        timing_precision: timing stops early, once half the budget is spent, for a size whose median step time
+            is known to this relative precision (95% interval half-width over the median). Strict, and not
+            checked earlier, on purpose: on a shared machine an interval over a short window can look tight
+            between two bursts of load, and runs then disagree (benchmarks/RESULTS.md, "Probe repeatability").
+        timing_budget_s: seconds of timing for all throughput sizes together, once each has ``timed_steps``
+            (sizes are timed round-robin, so a burst of load on a shared machine hits them alike); each setting
+            the split search measures gets a quarter of it. The timing costs between half the budget and
+            ``max(timing_budget_s, (warmup_steps − 1 + timed_steps) × Σ step time)`` plus one round; the
+            memory search adds one step per trial (at most ``max_trials``, typically 4–8).
         max_trials: cap on memory-search trials.
         max_copy_bytes: module attributes holding more tensor/array bytes than this are not copied for the
             restore (:mod:`gns_callback.probe.attributes`); if a probe step changes one, it is reported.
@@ -53,8 +60,10 @@ class ProbeConfig:
     throughput: bool = True
     throughput_sizes: Optional[tuple[int, ...]] = None
     warmup_steps: int = 1
-    timed_steps: int = 3
-    min_timed_seconds: float = 0.25
+    timed_steps: int = 6
+    max_timed_steps: int = 10_000
+    timing_precision: float = 0.01
+    timing_budget_s: float = 2.0
     max_trials: int = 40
     max_copy_bytes: int = 2**29
     progress_bar: bool = True
@@ -76,10 +85,14 @@ class ProbeConfig:
             raise ValueError(f"rel_tol={self.rel_tol!r}: the bisection's relative tolerance, in [0, 1).")
         if self.measure not in MEASURES:
             raise ValueError(f"measure={self.measure!r}: one of {', '.join(MEASURES)}.")
-        for name in ("warmup_steps", "timed_steps", "max_trials", "max_copy_bytes"):
+        for name in ("warmup_steps", "timed_steps", "max_timed_steps", "max_trials", "max_copy_bytes"):
             _positive_int(name, getattr(self, name))
-        if not self.min_timed_seconds >= 0:
-            raise ValueError(f"min_timed_seconds={self.min_timed_seconds!r}: seconds, 0 or more.")
+        if self.max_timed_steps < self.timed_steps:
+            raise ValueError(f"max_timed_steps={self.max_timed_steps!r}: at least timed_steps={self.timed_steps}.")
+        if not self.timing_budget_s >= 0:
+            raise ValueError(f"timing_budget_s={self.timing_budget_s!r}: seconds, 0 or more.")
+        if not 0.0 < self.timing_precision < 1.0:
+            raise ValueError(f"timing_precision={self.timing_precision!r}: a relative precision in (0, 1), e.g. 0.03.")
 
 
 def _positive_int(name: str, value: Any) -> int:

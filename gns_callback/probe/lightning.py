@@ -256,7 +256,8 @@ def probe_trainer(
         batch_idx: passed to ``training_step`` (the hook's own ``batch_idx``).
 
     Returns:
-        :class:`ProbeResult`, identical on every rank except ``.trials`` (each rank's own).
+        :class:`ProbeResult`, identical on every rank except ``.trials``, ``.wall_seconds`` and
+        ``.timing_seconds`` (each rank's own).
     """
     config = make_config(config, settings)
     split_request = _split_request(trainer, pl_module, batch, global_batch_size) if search_split else None

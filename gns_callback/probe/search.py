@@ -4,17 +4,19 @@
    off, bisect), with no collective inside a trial.
 2. The ranks agree (:mod:`gns_callback.probe.agreement`): the smallest maximum and budget, the largest memory
    model.
-3. Every rank runs the agreed maximum (and the throughput sizes below it), and the ranks agree again: a size
-   fits only if it fitted everywhere; times are the slowest rank's.
+3. Every rank runs the agreed maximum (and the throughput sizes below it) once, times them round-robin
+   (:meth:`~gns_callback.probe.trial.TrialRunner.time_sizes`), and the ranks agree again: a size fits only if it
+   fitted everywhere; timings are the slowest rank's.
 4. Optionally, the split-factor / accumulation search (:mod:`gns_callback.probe.split`) for a global batch.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Optional
 
-from gns_callback.probe.agreement import Agree, AgreedOutcome, agree_or_raise, agree_outcomes, as_largest, largest
+from gns_callback.probe.agreement import Agree, agree_or_raise, agree_outcomes, as_largest, largest
 from gns_callback.probe.config import ProbeConfig
 from gns_callback.probe.memory_model import LinearMemoryModel, bracket, fit_linear, next_trial, throughput_ladder
 from gns_callback.probe.result import ProbeResult, Trial
@@ -42,7 +44,9 @@ class AgreedMemory:
     bytes_per_sample: Optional[float]
 
 
-def local_memory_search(runner: TrialRunner, config: ProbeConfig, limit: float) -> tuple[list[Trial], Optional[Exception]]:
+def local_memory_search(
+    runner: TrialRunner, config: ProbeConfig, limit: float
+) -> tuple[list[Trial], Optional[Exception]]:
     """This rank's trials (fit, verify, back off, bisect) until the planner is done; an error stops it and is
     returned, to be raised at the next agreement."""
     trials: list[Trial] = []
@@ -94,37 +98,45 @@ def candidate_sizes(config: ProbeConfig, agreed_max: int) -> list[int]:
 def confirm_sizes(
     runner: TrialRunner, config: ProbeConfig, sizes: list[int]
 ) -> tuple[list[Optional[Trial]], Optional[Exception]]:
-    """Run (and time, if asked) each size on this rank; after an error the rest are not tried."""
+    """Run each size once on this rank (a size the memory search already ran is reused when nothing is timed);
+    after an error the rest are not tried."""
     outcomes: list[Optional[Trial]] = []
     error: Optional[Exception] = None
     for size in sizes:
+        done = next((t for t in runner.trials if t.size == size and t.ok and t.split is None), None)
         if error is not None:
             outcomes.append(None)
-            continue
-        done = next((t for t in runner.trials if t.size == size and t.ok and t.split is None), None)
-        if not config.throughput and done is not None:
-            outcomes.append(done)  # already ran here: no need to run it again
-            continue
-        try:
-            outcomes.append(runner.run(size, "throughput" if config.throughput else "confirm", timed=config.throughput))
-        except Exception as exc:
-            outcomes.append(None)
-            error = exc
+        elif not config.throughput and done is not None:
+            outcomes.append(done)
+        else:
+            try:
+                outcomes.append(runner.run(size, "throughput" if config.throughput else "confirm"))
+            except Exception as exc:
+                outcomes.append(None)
+                error = exc
     return outcomes, error
 
 
-def _throughput(sizes: list[int], agreed: list[Optional[AgreedOutcome]]) -> dict[int, float]:
-    table = {}
-    for size, outcome in zip(sizes, agreed):
-        if outcome is None or not outcome.ok or outcome.step_seconds is None:
-            continue
-        seconds = outcome.step_seconds + (outcome.optimizer_seconds or 0.0)
-        if seconds > 0:
-            table[size] = size / seconds
-    return table
+def time_confirmed(runner: TrialRunner, config: ProbeConfig, trials: list[Optional[Trial]]) -> Optional[Exception]:
+    """Repeated, interleaved timing of the trials that fitted (:meth:`TrialRunner.time_sizes`), into their
+    ``timing``; a size that runs out of memory while timed no longer fits. Returns an error to agree on."""
+    confirmed = [t for t in trials if t is not None and t.ok]
+    if not confirmed:
+        return None
+    try:
+        timings = runner.time_sizes([t.size for t in confirmed], config.timing_budget_s)
+    except Exception as exc:
+        return exc
+    for trial in confirmed:
+        trial.timing = timings[trial.size]
+        if trial.timing is None:
+            trial.ok, trial.error = False, "out of memory while timed"
+    return None
 
 
-def _result(runner: TrialRunner, config: ProbeConfig, memory: AgreedMemory, final_max: int, world_size: int) -> ProbeResult:
+def _result(
+    runner: TrialRunner, config: ProbeConfig, memory: AgreedMemory, final_max: int, world_size: int
+) -> ProbeResult:
     return ProbeResult(
         max_micro_batch=final_max,
         fixed_bytes=memory.fixed_bytes,
@@ -153,11 +165,15 @@ def search(
     memory = agree_memory(agree, trials, budget, config.max_batch_size, error)
     sizes = candidate_sizes(config, memory.max_micro_batch)
     outcomes, error = confirm_sizes(runner, config, sizes)
+    started = time.perf_counter()
+    if config.throughput and error is None:
+        error = time_confirmed(runner, config, outcomes)
+    timing_seconds = time.perf_counter() - started
     agreed = agree_outcomes(agree, outcomes, error)
     final_max = max((s for s, a in zip(sizes, agreed) if a is not None and a.ok), default=0)
     result = _result(runner, config, memory, final_max, world_size)
-    if config.throughput:
-        result.throughput = _throughput(sizes, agreed)
+    result.timings = {s: a.timing for s, a in zip(sizes, agreed) if a is not None and a.ok and a.timing is not None}
+    result.timing_seconds = timing_seconds if config.throughput else None
     if split_request is not None:
         result.split = run_split_search(
             lambda micro, split: runner.run(micro, "split", timed=True, split=split),

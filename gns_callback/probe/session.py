@@ -9,6 +9,7 @@ not through the DDP wrapper, inside ``no_sync``; SyncBatchNorm runs locally here
 from __future__ import annotations
 
 import sys
+import time
 import warnings
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
@@ -100,6 +101,7 @@ def run_probe(
     session: Session, config: ProbeConfig, ranks: Ranks, split_request: Optional[SplitRequest] = None
 ) -> ProbeResult:
     """Search with every piece of state restored on exit (also on errors and Ctrl-C)."""
+    started = time.perf_counter()
     measure = resolve_measure(config.measure, session.device)
     params = list({id(p): p for p in session.module.parameters()}.values())
     budget = resolve_budget(config, session.device, params, session.optimizers)
@@ -125,5 +127,6 @@ def run_probe(
         if bar is not None:
             bar.close()
     result.not_restored = state.not_restored  # read after the final restore
+    result.wall_seconds = time.perf_counter() - started
     _warn_not_restored(result.not_restored)
     return result

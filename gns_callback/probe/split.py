@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from gns_callback.probe.agreement import NOTHING, Agree, TimedOutcome, agree_or_raise, agree_outcomes
+from gns_callback.probe.agreement import NOTHING, Agree, AgreedOutcome, TimedOutcome, agree_or_raise, agree_outcomes
 
 
 @dataclass(frozen=True)
@@ -39,12 +39,15 @@ class SplitSetting:
 
 @dataclass(frozen=True)
 class SplitMeasurement:
-    """A setting and what was measured for it (slowest rank's times under DDP)."""
+    """A setting and what was measured for it (slowest rank's times under DDP): median forward+backward and
+    optimizer seconds, and ``rel_noise``, the relative half-width of the 95% interval of the median step time
+    (``None``: unknown)."""
 
     setting: SplitSetting
     ok: bool
     step_seconds: Optional[float] = None
     optimizer_seconds: Optional[float] = None
+    rel_noise: Optional[float] = None
 
     def samples_per_s(self, devices: int = 1) -> Optional[float]:
         """``D·micro·accumulate / (accumulate·t_fb + t_opt)``; ``None`` if not (successfully) timed."""
@@ -75,7 +78,7 @@ class SplitResult:
             "samples_per_s": self.samples_per_s,
             "measurements": [
                 {**asdict(m.setting), "ok": m.ok, "step_seconds": m.step_seconds,
-                 "optimizer_seconds": m.optimizer_seconds}
+                 "optimizer_seconds": m.optimizer_seconds, "rel_noise": m.rel_noise}
                 for m in self.measurements
             ],
         }
@@ -84,7 +87,7 @@ class SplitResult:
     def from_dict(cls, data: dict[str, Any]) -> "SplitResult":
         measurements = [
             SplitMeasurement(SplitSetting(m["micro_batch"], m["accumulate"], m["split"]), m["ok"],
-                             m.get("step_seconds"), m.get("optimizer_seconds"))
+                             m.get("step_seconds"), m.get("optimizer_seconds"), m.get("rel_noise"))
             for m in data.get("measurements", [])
         ]
         best = data.get("best")
@@ -137,12 +140,21 @@ def split_settings(global_batch: int, devices: int, product: int) -> list[SplitS
     return settings
 
 
+def _interval(m: SplitMeasurement, devices: int) -> tuple[float, float]:
+    rate, noise = m.samples_per_s(devices) or 0.0, min(m.rel_noise or 0.0, 0.99)
+    return rate / (1 + noise), rate / (1 - noise)
+
+
 def choose_fastest(measurements: Sequence[SplitMeasurement], devices: int = 1) -> Optional[SplitMeasurement]:
-    """The fitting measurement with the highest samples/s; ties go to fewer accumulation steps, then more split."""
+    """The fitting measurement with the highest samples/s, or one that cannot be told apart from it within the
+    measured noise (``rel_noise``) with fewer accumulation steps (then more split, then more samples/s)."""
     timed = [m for m in measurements if m.samples_per_s(devices) is not None]
     if not timed:
         return None
-    return max(timed, key=lambda m: (m.samples_per_s(devices), -m.setting.accumulate, m.setting.split))
+    top = max(timed, key=lambda m: (m.samples_per_s(devices), -m.setting.accumulate, m.setting.split))
+    floor = _interval(top, devices)[0]
+    tied = [m for m in timed if _interval(m, devices)[1] >= floor]
+    return max(tied, key=lambda m: (-m.setting.accumulate, m.setting.split, m.samples_per_s(devices)))
 
 
 # ---------------------------------------------------------------------------------------------- measured
@@ -170,11 +182,14 @@ def _measure_agreed(
                 stopped = stop_after_failure and setting.split > 1 and not outcome.ok
         outcomes.append(outcome)
     agreed = agree_outcomes(agree, outcomes, error)
-    return [
-        SplitMeasurement(setting, a.ok, a.step_seconds, a.optimizer_seconds) if a.ok else SplitMeasurement(setting, False)
-        for setting, a in zip(settings, agreed)
-        if a is not None
-    ]
+    return [_measurement(setting, a) for setting, a in zip(settings, agreed) if a is not None]
+
+
+def _measurement(setting: SplitSetting, agreed: AgreedOutcome) -> SplitMeasurement:
+    timing = agreed.timing
+    if not agreed.ok or timing is None:
+        return SplitMeasurement(setting, agreed.ok)
+    return SplitMeasurement(setting, True, timing.step_seconds, timing.optimizer_seconds, timing.rel_halfwidth)
 
 
 def _agreed_base_accumulation(

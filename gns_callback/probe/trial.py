@@ -1,7 +1,8 @@
 """One trial at micro-batch size ``b``: tile the real batch to ``b`` samples, run forward, backward and an
 optimizer step (Adam allocates its state on the first step, so it is part of the measurement), measure the
-bytes (CUDA allocator peak, or :mod:`gns_callback.probe.accounting`), optionally time a few more steps, then
-restore every piece of state (:mod:`gns_callback.probe.state`).
+bytes (CUDA allocator peak, or :mod:`gns_callback.probe.accounting`), optionally time repeated steps
+(:mod:`gns_callback.probe.timing`), then restore every piece of state (:mod:`gns_callback.probe.state`).
+:meth:`TrialRunner.time_sizes` times several confirmed sizes round-robin in one restored session.
 
 An OOM (:func:`gns_callback.probe.oom.is_oom`) or exceeding ``headroom × budget`` marks the trial failed;
 anything else is re-raised once the state is back.
@@ -10,7 +11,6 @@ anything else is re-raised once the state is back.
 from __future__ import annotations
 
 import gc
-import statistics
 import time
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Optional, Protocol, Sequence
@@ -18,16 +18,39 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import torch
 from torch import Tensor, nn
 
-from gns_callback.probe.accounting import OverBudget, SavedTensorsMeter, cuda_peak_bytes, cuda_peak_start, static_bytes, storage_of
+from gns_callback.probe.accounting import (
+    OverBudget,
+    SavedTensorsMeter,
+    cuda_peak_bytes,
+    cuda_peak_start,
+    static_bytes,
+    storage_of,
+)
 from gns_callback.probe.batches import batch_size_of, resize_batch
-from gns_callback.probe.config import MAX_TIMED_STEPS, ProbeConfig
+from gns_callback.probe.config import ProbeConfig
 from gns_callback.probe.oom import is_oom, short_message
 from gns_callback.probe.result import Trial
 from gns_callback.probe.state import ProbeState
+from gns_callback.probe.timing import Timing, precise_enough, summarize
 
 #: A step function: ``step(batch) -> loss`` (the probe runs backward and the optimizer step), or ``None`` when
 #: it did both itself (manual optimization).
 StepFn = Callable[[Any], Optional[Tensor]]
+
+
+class _Samples:
+    """Per-repeat forward+backward and optimizer seconds of one size."""
+
+    def __init__(self) -> None:
+        self.step: list[float] = []
+        self.optimizer: list[float] = []
+
+    def add(self, step: float, optimizer: float) -> None:
+        self.step.append(step)
+        self.optimizer.append(optimizer)
+
+    def timing(self) -> Timing:
+        return summarize(self.step, self.optimizer)
 
 
 class SplitHandle(Protocol):
@@ -118,36 +141,72 @@ class TrialRunner:
             self._optimizer_step()
         return static_bytes(self.params, self.optimizers) + meter.saved_bytes
 
-    # timing -----------------------------------------------------------------------------------
-    def _timed(self, action: Callable[[], Any], seconds: list[float]) -> Any:
-        start = time.perf_counter()
-        out = action()
-        self._sync()
-        seconds.append(time.perf_counter() - start)
-        return out
-
-    def _timed_steps(self, batch: Any) -> tuple[float, float]:
-        """``(forward+backward seconds per micro-batch, optimizer step seconds)``: medians over ``timed_steps``
-        micro-batches (gradients accumulating) and as many optimizer steps, after ``warmup_steps`` untimed
-        steps (the measured step was the first). Medians: robust to a stray slow step on a shared machine."""
-        for _ in range(self.config.warmup_steps - 1):
-            self._full_step(batch)
+    # timing ---------------------------------------------------------------------------------
+    def _timed_repeat(self, batch: Any, samples: _Samples) -> None:
+        """One timed step: forward+backward, then the optimizer step (0 s when the step stepped itself); on
+        CUDA its peak must fit too."""
         self._zero_grad()
+        if self.measure == "cuda":
+            cuda_peak_start(self.device)
+        start = time.perf_counter()
+        stepped = self._forward_backward(batch)
         self._sync()
-        seconds: list[float] = []
-        stepped = True
-        while self._keep_timing(seconds):
-            stepped = self._timed(lambda: self._forward_backward(batch), seconds)
-        optimizer_seconds: list[float] = []
-        while stepped and self._keep_timing(optimizer_seconds):  # repeated steps on the same gradients
-            self._timed(self._optimizer_step, optimizer_seconds)
-        return statistics.median(seconds), statistics.median(optimizer_seconds) if optimizer_seconds else 0.0
+        middle = time.perf_counter()
+        if stepped:
+            self._optimizer_step()
+            self._sync()
+        samples.add(middle - start, time.perf_counter() - middle if stepped else 0.0)
+        if self.measure == "cuda" and cuda_peak_bytes(self.device) > self.limit_bytes:
+            raise OverBudget("a timed step went over the budget")
 
-    def _keep_timing(self, seconds: list[float]) -> bool:
-        """At least ``timed_steps`` steps, and more until ``min_timed_seconds`` are measured (capped)."""
-        if len(seconds) < self.config.timed_steps:
+    def _enough(self, samples: _Samples, elapsed: float, budget_s: float) -> bool:
+        """At least ``timed_steps``; then stop at ``max_timed_steps``, at the end of the budget, or once precise
+        after half of it (a shorter window can look precise between two bursts of load; see timing.py)."""
+        config = self.config
+        n = len(samples.step)
+        if n < config.timed_steps:
+            return False
+        if n >= config.max_timed_steps or elapsed >= budget_s:
             return True
-        return len(seconds) < MAX_TIMED_STEPS and sum(seconds) < self.config.min_timed_seconds
+        return elapsed >= budget_s / 2 and precise_enough(samples.timing(), config.timing_precision)
+
+    def _timing_rounds(self, batches: dict[int, Any], budget_s: float) -> dict[int, Optional[Timing]]:
+        """Rounds of one timed step per size (``batches``: ``{size: batch}``) until every size has enough
+        (:meth:`_enough`). All sizes stay in every round, so all are timed over the same window: a size that
+        stopped early would be compared with others timed later, under another load. A size that runs out of
+        memory drops out with ``None`` (alone, it raises)."""
+        for batch in batches.values():
+            for _ in range(self.config.warmup_steps - 1):
+                self._full_step(batch)
+        samples = {size: _Samples() for size in batches}
+        failed: set[int] = set()
+        start = time.perf_counter()
+
+        def running() -> list[int]:
+            elapsed = time.perf_counter() - start
+            sizes = [s for s in batches if s not in failed]
+            return sizes if any(not self._enough(samples[s], elapsed, budget_s) for s in sizes) else []
+
+        while sizes := running():
+            for size in sizes:
+                try:
+                    self._timed_repeat(batches[size], samples[size])
+                except Exception as exc:
+                    if len(batches) == 1 or not (isinstance(exc, OverBudget) or is_oom(exc)):
+                        raise
+                    failed.add(size)
+        return {size: None if size in failed else samples[size].timing() for size in batches}
+
+    def time_sizes(self, sizes: Sequence[int], budget_s: float) -> dict[int, Optional[Timing]]:
+        """Repeated timing of ``sizes`` that already ran (confirmed), interleaved so that a burst of load on a
+        shared machine hits every size alike, in one session restored afterwards. ``None``: that size ran out
+        of memory while timed."""
+        try:
+            batches = {size: resize_batch(self.batch, size, self.batch_size) for size in sizes}
+            return self._timing_rounds(batches, budget_s)
+        finally:
+            self.state.restore()
+            free_memory(self.device, after_failure=True)
 
     # one trial --------------------------------------------------------------------------------
     def _announce(self, size: int, phase: str, split: Optional[int]) -> None:
@@ -161,17 +220,10 @@ class TrialRunner:
         trial.error = None if trial.ok else "over budget"
 
     def _attempt(self, trial: Trial, batch: Any, timed: bool) -> None:
-        """The measured step, then (if it fits and ``timed``) the timed steps, which must fit too on CUDA."""
+        """The measured step, then (if it fits and ``timed``) repeated timing for a quarter of the budget."""
         self._fits(trial, self._measured_step(batch))
-        if not (trial.ok and timed):
-            return
-        if self.measure == "cuda":
-            cuda_peak_start(self.device)
-        trial.step_seconds, trial.optimizer_seconds = self._timed_steps(batch)
-        total = trial.step_seconds + trial.optimizer_seconds
-        trial.samples_per_s = trial.size / total if total > 0 else None
-        if self.measure == "cuda" and cuda_peak_bytes(self.device) > self.limit_bytes:
-            trial.ok, trial.error = False, "over budget"
+        if trial.ok and timed:
+            trial.timing = self._timing_rounds({trial.size: batch}, self.config.timing_budget_s / 4)[trial.size]
 
     def run(self, size: int, phase: str, *, timed: bool = False, split: Optional[int] = None) -> Trial:
         """One trial at ``size`` (with ``batch_split_factor = split`` if given); state restored afterwards.

@@ -32,7 +32,8 @@ def test_plain_function_on_a_lightning_module_without_a_trainer(digits):
     x, y = digits
     module = ThresholdClassifier(mlp(), thresholds=[100])
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
-    result = probe_micro_batch(module, opt, (x[:8], y[:8]), throughput_sizes=[16], progress_bar=False)
+    result = probe_micro_batch(module, opt, (x[:8], y[:8]), throughput_sizes=[16], timing_budget_s=0.1,
+                               progress_bar=False)
     assert 96 <= result.max_micro_batch <= 100
     assert any(t.size == result.max_micro_batch and t.ok for t in result.trials)
     assert "log" not in module.__dict__ and "log_dict" not in module.__dict__  # patches removed

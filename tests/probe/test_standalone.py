@@ -45,7 +45,7 @@ SCRIPT = textwrap.dedent(
     batch = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
     result = probe_micro_batch(net, torch.optim.SGD(net.parameters(), lr=0.1), batch,
                                lambda b: F.cross_entropy(net(b[0]), b[1]), memory_budget_bytes=200_000,
-                               throughput_sizes=[4], timed_steps=1, min_timed_seconds=0.0, progress_bar=False)
+                               throughput_sizes=[4], timed_steps=1, timing_budget_s=0.0, progress_bar=False)
     loaded = sorted(m for m in sys.modules if m.split(".")[0] in blocked and sys.modules[m] is not None)
     print(json.dumps({"adapter": adapter, "loaded": loaded, "result": result.to_dict()}))
     """
