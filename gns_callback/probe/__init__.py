@@ -9,8 +9,9 @@ changing the run.
     # inside a callback hook, on every rank, with the batch Lightning passed in:
     result = probe_trainer(trainer, pl_module, batch, config=ProbeConfig(headroom=0.8))
 
-Layout. Pure (no Lightning; the first five not even torch): :mod:`~gns_callback.probe.config` (``ProbeConfig``),
-:mod:`~gns_callback.probe.memory_model` (linear fit, bisection plan), :mod:`~gns_callback.probe.agreement`
+Layout. Pure (no Lightning; the first six not even torch): :mod:`~gns_callback.probe.config` (``ProbeConfig``),
+:mod:`~gns_callback.probe.memory_model` (linear fit, bisection plan), :mod:`~gns_callback.probe.timing` (median
+step time, its interval, ``faster``), :mod:`~gns_callback.probe.agreement`
 (cross-rank agreement through a MIN reduce passed in), :mod:`~gns_callback.probe.split` (split-factor and
 accumulation search), :mod:`~gns_callback.probe.result` (``ProbeResult``, ``Trial``),
 :mod:`~gns_callback.probe.batches` (tiling), :mod:`~gns_callback.probe.oom` (``is_oom``),
@@ -43,6 +44,7 @@ from gns_callback.probe.split import (
 )
 from gns_callback.probe.standalone import default_step, measure_micro_batch, probe_micro_batch
 from gns_callback.probe.state import preserved_state
+from gns_callback.probe.timing import Timing, faster
 
 _LIGHTNING_NAMES = ("SplitFactor", "lightning_step", "probe_trainer")
 
@@ -66,11 +68,13 @@ __all__ = [
     "SplitMeasurement",
     "SplitResult",
     "SplitSetting",
+    "Timing",
     "Trial",
     "accumulation_settings",
     "choose_fastest",
     "default_step",
     "divisors",
+    "faster",
     "fit_linear",
     "is_oom",
     "lightning_step",

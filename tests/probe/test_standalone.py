@@ -101,3 +101,20 @@ def test_bad_settings_name_the_argument(bad, match):
 def test_an_unknown_setting_is_refused_with_the_known_ones():
     with pytest.raises(TypeError, match="headroomm.*headroom"):
         tiny_probe(headroomm=0.5)
+
+
+def test_the_settings_search_plan_timing_agreement_and_result_need_not_even_torch():
+    script = textwrap.dedent(
+        """
+        import importlib, sys, types
+        sys.modules["torch"] = None
+        for name, path in (("gns_callback", "gns_callback"), ("gns_callback.probe", "gns_callback/probe")):
+            package = types.ModuleType(name)  # their __init__ files import the rest
+            package.__path__ = [sys.argv[1] + "/" + path]
+            sys.modules[name] = package
+        for module in ("config", "memory_model", "timing", "agreement", "split", "result"):
+            importlib.import_module("gns_callback.probe." + module)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script, str(ROOT)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
