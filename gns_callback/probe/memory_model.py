@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Protocol, Sequence
 
 #: Phases of a memory trial, in the order the planner uses them.
 FIT, VERIFY, BACKOFF, BISECT = "fit", "verify", "backoff", "bisect"
@@ -67,17 +67,16 @@ def fit_linear(sizes: Sequence[int], measured_bytes: Sequence[float]) -> LinearM
     return LinearMemoryModel(intercept, slope)
 
 
-@dataclass(frozen=True)
-class PlannedTrial:
-    """What the planner knows about a finished trial: its size, phase, outcome and measured bytes."""
+class MemoryTrial(Protocol):
+    """What the planner reads from a finished trial (:class:`gns_callback.probe.result.Trial` has it)."""
 
     size: int
     phase: str
     ok: bool
-    measured_bytes: Optional[float] = None
+    measured_bytes: Optional[float]
 
 
-def bracket(trials: Sequence[PlannedTrial], cap: int) -> tuple[int, int]:
+def bracket(trials: Sequence[MemoryTrial], cap: int) -> tuple[int, int]:
     """``(lo, hi)``: the largest size that worked (0 if none) and the smallest that failed (``cap + 1`` if none).
 
     Memory is assumed monotone in ``b``, so every size in ``(lo, hi)`` is still undecided.
@@ -93,7 +92,7 @@ def converged(lo: int, hi: int, rel_tol: float) -> bool:
 
 
 def next_trial(
-    trials: Sequence[PlannedTrial],
+    trials: Sequence[MemoryTrial],
     *,
     fit_sizes: Sequence[int],
     limit_bytes: float,

@@ -48,8 +48,3 @@ def short_message(exc: BaseException, limit: int = 160) -> str:
     """``"RuntimeError: CUDA out of memory. Tried to ..."`` cut to ``limit`` characters (for the trial log)."""
     text = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
     return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-class ProbeFailedOnOtherRank(RuntimeError):
-    """Another rank hit a non-OOM error during the probe. Every rank raises (that rank its own error) once all
-    have reached the same collective, so none is left waiting for the others."""

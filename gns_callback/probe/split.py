@@ -1,4 +1,4 @@
-"""Split-factor / accumulation search for a fixed global batch (pure search + a small runner).
+"""Split-factor / accumulation search for a fixed global batch (pure: trials come in through ``measure``).
 
 For a fixed global batch ``G`` on ``D`` devices (seed: ``PER_GPU_BATCH_SIZE × grad_accumulation_batches ×
 num_gpus = global_batch_size``)::
@@ -18,14 +18,10 @@ Throughput of a setting from its measured times (forward+backward per micro-batc
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Sequence
 
-from gns_callback.probe.oom import ProbeFailedOnOtherRank
-
-SPLIT_ATTRIBUTE = "batch_split_factor"
+from gns_callback.probe.agreement import NOTHING, Agree, AgreedOutcome, TimedOutcome, agree_or_raise, agree_outcomes
 
 
 @dataclass(frozen=True)
@@ -43,12 +39,15 @@ class SplitSetting:
 
 @dataclass(frozen=True)
 class SplitMeasurement:
-    """A setting and what was measured for it (slowest rank's times under DDP)."""
+    """A setting and what was measured for it (slowest rank's times under DDP): median forward+backward and
+    optimizer seconds, and ``rel_noise``, the relative half-width of the 95% interval of the median step time
+    (``None``: unknown)."""
 
     setting: SplitSetting
     ok: bool
     step_seconds: Optional[float] = None
     optimizer_seconds: Optional[float] = None
+    rel_noise: Optional[float] = None
 
     def samples_per_s(self, devices: int = 1) -> Optional[float]:
         """``D·micro·accumulate / (accumulate·t_fb + t_opt)``; ``None`` if not (successfully) timed."""
@@ -79,7 +78,7 @@ class SplitResult:
             "samples_per_s": self.samples_per_s,
             "measurements": [
                 {**asdict(m.setting), "ok": m.ok, "step_seconds": m.step_seconds,
-                 "optimizer_seconds": m.optimizer_seconds}
+                 "optimizer_seconds": m.optimizer_seconds, "rel_noise": m.rel_noise}
                 for m in self.measurements
             ],
         }
@@ -88,7 +87,7 @@ class SplitResult:
     def from_dict(cls, data: dict[str, Any]) -> "SplitResult":
         measurements = [
             SplitMeasurement(SplitSetting(m["micro_batch"], m["accumulate"], m["split"]), m["ok"],
-                             m.get("step_seconds"), m.get("optimizer_seconds"))
+                             m.get("step_seconds"), m.get("optimizer_seconds"), m.get("rel_noise"))
             for m in data.get("measurements", [])
         ]
         best = data.get("best")
@@ -141,78 +140,26 @@ def split_settings(global_batch: int, devices: int, product: int) -> list[SplitS
     return settings
 
 
+def _interval(m: SplitMeasurement, devices: int) -> tuple[float, float]:
+    rate, noise = m.samples_per_s(devices) or 0.0, min(m.rel_noise or 0.0, 0.99)
+    return rate / (1 + noise), rate / (1 - noise)
+
+
 def choose_fastest(measurements: Sequence[SplitMeasurement], devices: int = 1) -> Optional[SplitMeasurement]:
-    """The fitting measurement with the highest samples/s; ties go to fewer accumulation steps, then more split."""
+    """The fitting measurement with the highest samples/s, or one that cannot be told apart from it within the
+    measured noise (``rel_noise``) with fewer accumulation steps (then more split, then more samples/s)."""
     timed = [m for m in measurements if m.samples_per_s(devices) is not None]
     if not timed:
         return None
-    return max(timed, key=lambda m: (m.samples_per_s(devices), -m.setting.accumulate, m.setting.split))
+    top = max(timed, key=lambda m: (m.samples_per_s(devices), -m.setting.accumulate, m.setting.split))
+    floor = _interval(top, devices)[0]
+    tied = [m for m in timed if _interval(m, devices)[1] >= floor]
+    return max(tied, key=lambda m: (-m.setting.accumulate, m.setting.split, m.samples_per_s(devices)))
 
 
-# ---------------------------------------------------------------------------------------------- runner
-class TimedTrial(Protocol):
-    ok: bool
-    step_seconds: Optional[float]
-    optimizer_seconds: Optional[float]
-
-
+# ---------------------------------------------------------------------------------------------- measured
 #: ``measure(micro_batch, split)`` runs one timed trial (``split`` is ``None`` when the model has no split factor).
-Measure = Callable[[int, Optional[int]], TimedTrial]
-#: ``agree(values)``: element-wise minimum over ranks (identity on one process); every rank calls it in step.
-Agree = Callable[[list[float]], list[float]]
-
-
-class SplitFactor:
-    """Reads and temporarily sets a LightningModule's ``batch_split_factor`` (attribute, else ``hparams`` entry)."""
-
-    def __init__(self, owner: Any, in_hparams: bool) -> None:
-        self.owner = owner
-        self.in_hparams = in_hparams
-
-    @classmethod
-    def find(cls, module: Any) -> Optional["SplitFactor"]:
-        """The module's own attribute (instance, class or a settable property), else its ``hparams`` entry."""
-        hparams = getattr(module, "hparams", None)
-        in_hparams = isinstance(hparams, Mapping) and SPLIT_ATTRIBUTE in hparams
-        prop = getattr(type(module), SPLIT_ATTRIBUTE, None)
-        read_only = isinstance(prop, property) and prop.fset is None
-        if hasattr(module, SPLIT_ATTRIBUTE) and not (read_only and in_hparams):
-            return cls(module, in_hparams=False)
-        return cls(hparams, in_hparams=True) if in_hparams else None
-
-    def get(self) -> int:
-        value = self.owner[SPLIT_ATTRIBUTE] if self.in_hparams else getattr(self.owner, SPLIT_ATTRIBUTE)
-        return int(value)
-
-    def set(self, value: int) -> None:
-        if self.in_hparams:
-            assert isinstance(self.owner, MutableMapping)
-            self.owner[SPLIT_ATTRIBUTE] = value
-        else:
-            setattr(self.owner, SPLIT_ATTRIBUTE, value)
-
-    @contextmanager
-    def applied(self, value: Optional[int]) -> Iterator[None]:
-        """``value`` while inside (``None``: unchanged); the previous value (or its absence) after."""
-        if value is None:
-            yield
-            return
-        previous = self.owner[SPLIT_ATTRIBUTE] if self.in_hparams else getattr(self.owner, SPLIT_ATTRIBUTE)
-        own = self.in_hparams or SPLIT_ATTRIBUTE in vars(self.owner) or isinstance(
-            getattr(type(self.owner), SPLIT_ATTRIBUTE, None), property)
-        try:
-            self.set(value)
-            yield
-        finally:
-            if self.in_hparams:
-                self.owner[SPLIT_ATTRIBUTE] = previous
-            elif own:
-                setattr(self.owner, SPLIT_ATTRIBUTE, previous)
-            else:  # a class attribute: drop the instance's shadowing copy
-                delattr(self.owner, SPLIT_ATTRIBUTE)
-
-
-_NOTHING = -1e18  # finite stand-in for −∞ in collectives
+Measure = Callable[[int, Optional[int]], TimedOutcome]
 
 
 def _measure_agreed(
@@ -221,36 +168,28 @@ def _measure_agreed(
     """Measure ``settings`` in order (locally stopping at the first failing ``split > 1`` if asked), then agree
     over ranks: a setting fits only if it fitted everywhere, and takes the slowest rank's times. Settings some
     rank did not try are left out."""
-    values: list[float] = []  # per setting: status (1 fits, 0 failed, −1 not tried), −t_fb, −t_opt
+    outcomes: list[Optional[TimedOutcome]] = []
     error: Optional[BaseException] = None
     stopped = False
     for setting in settings:
-        trial = None
+        outcome = None
         if not stopped and error is None:
             try:
-                trial = measure(setting.micro_batch, setting.split if with_split else None)
-            except Exception as exc:  # re-raised below, after every rank has reached the same collective
+                outcome = measure(setting.micro_batch, setting.split if with_split else None)
+            except Exception as exc:  # re-raised by the agreement, once every rank has reached it
                 error = exc
-        if trial is None:
-            values += [-1.0, 0.0, 0.0]
-        elif not trial.ok or trial.step_seconds is None or trial.optimizer_seconds is None:
-            values += [0.0, 0.0, 0.0]
-            stopped = stop_after_failure and setting.split > 1
-        else:
-            values += [1.0, -trial.step_seconds, -trial.optimizer_seconds]
-    agreed = agree(values + [-1.0 if error is not None else 0.0])
-    if agreed[-1] < 0:
-        if error is not None:
-            raise error
-        raise ProbeFailedOnOtherRank("the split search failed on another rank")
-    measurements = []
-    for i, setting in enumerate(settings):
-        status, step, optimizer = agreed[3 * i: 3 * i + 3]
-        if status > 0.5:
-            measurements.append(SplitMeasurement(setting, True, -step, -optimizer))
-        elif status > -0.5:
-            measurements.append(SplitMeasurement(setting, False))
-    return measurements
+            else:
+                stopped = stop_after_failure and setting.split > 1 and not outcome.ok
+        outcomes.append(outcome)
+    agreed = agree_outcomes(agree, outcomes, error)
+    return [_measurement(setting, a) for setting, a in zip(settings, agreed) if a is not None]
+
+
+def _measurement(setting: SplitSetting, agreed: AgreedOutcome) -> SplitMeasurement:
+    timing = agreed.timing
+    if not agreed.ok or timing is None:
+        return SplitMeasurement(setting, agreed.ok)
+    return SplitMeasurement(setting, True, timing.step_seconds, timing.optimizer_seconds, timing.rel_halfwidth)
 
 
 def _agreed_base_accumulation(
@@ -265,15 +204,30 @@ def _agreed_base_accumulation(
             if measure(setting.micro_batch, 1).ok:
                 local = setting.accumulate
                 break
-    except Exception as exc:  # re-raised after the ranks agreed
+    except Exception as exc:  # re-raised by the agreement
         error = exc
-    # min over ranks of −accumulate is the largest accumulate any rank needs; "nothing fits" is −∞ (dominates).
-    value, failed = agree([-float(local) if local else _NOTHING, -1.0 if error is not None else 0.0])
-    if failed < 0:
-        if error is not None:
-            raise error
-        raise ProbeFailedOnOtherRank("the split search failed on another rank")
-    return None if value <= _NOTHING else int(-value)
+    # min over ranks of −accumulate is the largest accumulate any rank needs; "nothing fits" dominates.
+    (value,) = agree_or_raise(agree, [-float(local) if local else NOTHING], error)
+    return None if value <= NOTHING / 2 else int(-value)
+
+
+def _trade_accumulation_for_split(
+    measure: Measure, agree: Agree, global_batch: int, devices: int, base: Optional[int]
+) -> list[SplitMeasurement]:
+    """Seed step 3 from ``accumulate × split = base``: by increasing split until one runs out of memory; if no
+    ``split > 1`` fits, double the product once and retry."""
+    measurements: list[SplitMeasurement] = []
+    product, rounds = base, 0
+    while product is not None:
+        settings = split_settings(global_batch, devices, product)
+        measured = _measure_agreed(settings, measure, agree, with_split=True, stop_after_failure=True)
+        measurements += measured
+        if rounds == 1 or all(s.split == 1 for s in settings) or any(m.ok and m.setting.split > 1 for m in measured):
+            break
+        product, rounds = 2 * product, rounds + 1
+        if per_device_batch(global_batch, devices) % product:
+            break
+    return measurements
 
 
 def run_split_search(
@@ -302,17 +256,7 @@ def run_split_search(
             base = smallest_fitting_accumulation(global_batch, devices, max_micro_batch)
         else:
             base = _agreed_base_accumulation(global_batch, devices, max_micro_batch, measure, agree)
-        product, rounds = base, 0
-        while product is not None:
-            settings = split_settings(global_batch, devices, product)
-            measured = _measure_agreed(settings, measure, agree, with_split=True, stop_after_failure=True)
-            result.measurements += measured
-            if rounds == 1 or all(s.split == 1 for s in settings) or any(m.ok and m.setting.split > 1 for m in measured):
-                break
-            # Special case: every split > 1 ran out of memory; double the accumulation once and retry.
-            product, rounds = 2 * product, rounds + 1
-            if per_device_batch(global_batch, devices) % product:
-                break
+        result.measurements = _trade_accumulation_for_split(measure, agree, global_batch, devices, base)
     best = choose_fastest(result.measurements, devices)
     if best is not None:
         result.best, result.samples_per_s = best.setting, best.samples_per_s(devices)

@@ -3,8 +3,9 @@
 Restored in place (the same tensor objects, so optimizers, DDP buckets and user references stay valid):
 parameters and buffers (BatchNorm running statistics and ``num_batches_tracked`` included), optimizer state
 (Adam's moments and step counters; state the probe created lazily is removed again) and ``param_groups``,
-``.grad`` (``None`` stays ``None``), ``requires_grad``, every submodule's ``training`` flag and the RNG states
-(torch CPU and CUDA, numpy, ``random``). Copies live in host memory, not on the accelerator being probed, and
+``.grad`` (``None`` stays ``None``), ``requires_grad``, every submodule's ``training`` flag, the RNG states
+(torch CPU and CUDA, numpy, ``random``) and what a step keeps in module attributes (torchmetrics states, lists,
+counters: :mod:`gns_callback.probe.attributes`). Copies live in host memory, not on the accelerator being probed, and
 nothing goes to disk (an interrupted probe leaves no temporary checkpoint behind; Lightning's BatchSizeFinder
 did).
 """
@@ -19,6 +20,8 @@ from typing import Any, Iterator, Optional, Sequence
 import numpy as np
 import torch
 from torch import Tensor, nn
+
+from gns_callback.probe.attributes import AttributeState
 
 _MISSING = object()
 
@@ -132,50 +135,39 @@ class ModuleState:
 
 
 class ProbeState:
-    """Everything above, captured at construction; :meth:`restore` may be called any number of times."""
+    """Everything above and the modules' attributes (:class:`~gns_callback.probe.attributes.AttributeState`,
+    which takes ``**attributes``), captured at construction; :meth:`restore` may be called any number of times.
+    """
 
-    def __init__(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    def __init__(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], **attributes: Any) -> None:
         self.rng = RNGState()
         self.module = ModuleState(module)
+        self.attributes = AttributeState(module, keep=[*attributes.pop("keep", ()), *optimizers], **attributes)
         self.optimizers = [OptimizerState(opt) for opt in optimizers]
+
+    @property
+    def not_restored(self) -> list[str]:
+        """Attributes a step changed that could not be put back (too large or refused by ``deepcopy``)."""
+        return sorted(self.attributes.not_restored)
 
     def restore(self) -> None:
         self.module.restore()
+        self.attributes.restore()
         for opt in self.optimizers:
             opt.restore()
         self.rng.restore()
 
 
 @contextmanager
-def preserved_state(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> Iterator[ProbeState]:
+def preserved_state(
+    module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], **attributes: Any
+) -> Iterator[ProbeState]:
     """``with preserved_state(model, [opt]) as state: ...``: restored on exit, also on errors and Ctrl-C."""
-    state = ProbeState(module, optimizers)
+    state = ProbeState(module, optimizers, **attributes)
     try:
         yield state
     finally:
         state.restore()
-
-
-def _no_log(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
-@contextmanager
-def silenced_logging(pl_module: Any) -> Iterator[None]:
-    """``pl_module.log``/``log_dict`` become no-ops, so no value from a probe step reaches a logger or
-    ``trainer.callback_metrics`` (and ``self.log`` cannot fail outside the training loop)."""
-    names = ("log", "log_dict")
-    previous = {name: pl_module.__dict__.get(name, _MISSING) for name in names}
-    try:
-        for name in names:
-            setattr(pl_module, name, _no_log)
-        yield
-    finally:
-        for name, value in previous.items():
-            if value is _MISSING:
-                pl_module.__dict__.pop(name, None)
-            else:
-                setattr(pl_module, name, value)
 
 
 @contextmanager

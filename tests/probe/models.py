@@ -50,7 +50,7 @@ class ProbeAtBatch(pl.Callback):
         self.directory = directory
         self.setup_fn = setup
         self.check = check
-        self.kwargs = kwargs
+        self.kwargs = {"timing_budget_s": 0.1, **kwargs}  # timing is not what these tests look at
         self.results: dict[int, Any] = {}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):

@@ -40,7 +40,7 @@ def run_ranks(make_step, reduce_min):
         batch = (torch.randn(8, 64), torch.randint(0, 10, (8,)))
         try:
             results[r] = probe_micro_batch(net, None, batch, make_step(r, net), reduce_min=reduce_min,
-                                           throughput_sizes=[4], timed_steps=1, progress_bar=False,
+                                           throughput_sizes=[4], timed_steps=1, timing_budget_s=0.05, progress_bar=False,
                                            memory_budget_bytes=10**8, max_batch_size=512)
         except BaseException as exc:  # noqa: BLE001 - collected for the assertions
             errors[r] = exc

@@ -11,12 +11,12 @@ from gns_callback.probe.memory_model import (
     FIT,
     VERIFY,
     LinearMemoryModel,
-    PlannedTrial,
     bracket,
     fit_linear,
     next_trial,
     throughput_ladder,
 )
+from gns_callback.probe.result import Trial
 
 MEMORY_PHASES = {FIT, VERIFY, BACKOFF, BISECT}
 
@@ -29,7 +29,7 @@ def run_search(measure, *, limit, cap=65536, fit_sizes=(2, 8, 32), rel_tol=0.05)
         assert 1 <= size <= cap and size not in {t.size for t in trials}, (size, trials)
         measured = measure(size)
         ok = measured is not None and measured <= limit
-        trials.append(PlannedTrial(size, phase, ok, measured if ok else None))
+        trials.append(Trial(size, ok, measured if ok else None, phase=phase))
         assert len(trials) < 60
     return bracket(trials, cap)[0], trials
 

@@ -32,7 +32,8 @@ def test_plain_function_on_a_lightning_module_without_a_trainer(digits):
     x, y = digits
     module = ThresholdClassifier(mlp(), thresholds=[100])
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
-    result = probe_micro_batch(module, opt, (x[:8], y[:8]), throughput_sizes=[16], progress_bar=False)
+    result = probe_micro_batch(module, opt, (x[:8], y[:8]), throughput_sizes=[16], timing_budget_s=0.1,
+                               progress_bar=False)
     assert 96 <= result.max_micro_batch <= 100
     assert any(t.size == result.max_micro_batch and t.ok for t in result.trials)
     assert "log" not in module.__dict__ and "log_dict" not in module.__dict__  # patches removed
@@ -52,7 +53,10 @@ def test_typed_out_of_memory_error_is_caught_too(digits):
 
 
 class BuggyClassifier(ThresholdClassifier):
+    calls: list = []  # on the class: the probe puts the instance's attributes (sizes_seen) back
+
     def training_step(self, batch):  # no batch_idx: Lightning allows it, and so does the probe
+        BuggyClassifier.calls.append(batch[0].shape[0])
         if batch[0].shape[0] >= 8:
             raise ValueError("a bug, not a memory problem")
         return super().training_step(batch, 0)
@@ -63,4 +67,5 @@ def test_a_non_oom_error_propagates(digits):
     module = BuggyClassifier(mlp(), thresholds=[10**9])
     with pytest.raises(ValueError, match="a bug"):
         probe_micro_batch(module, None, (x[:8], y[:8]), progress_bar=False)
-    assert module.sizes_seen == [2]  # the trial at 2 ran, the one at 8 raised
+    assert BuggyClassifier.calls == [2, 8]  # the trial at 2 ran, the one at 8 raised
+    assert module.sizes_seen == []  # and the list the steps filled is as it was

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from gns_callback.probe import ProbeResult, Trial, probe_micro_batch
+from gns_callback.probe.timing import Timing
 from tests.helpers import mlp
 
 
@@ -15,7 +16,7 @@ def probe(**kwargs):
     batch = (torch.randn(8, 64), torch.randint(0, 10, (8,)))
     return probe_micro_batch(net, torch.optim.SGD(net.parameters(), lr=0.1), batch,
                              lambda b: F.cross_entropy(net(b[0]), b[1]), memory_budget_bytes=100_000,
-                             timed_steps=2, **kwargs)
+                             timed_steps=2, timing_budget_s=0.1, **kwargs)
 
 
 def test_to_dict_is_json_safe_and_round_trips():
@@ -30,7 +31,7 @@ def test_to_dict_is_json_safe_and_round_trips():
 def test_non_finite_values_become_null():
     result = ProbeResult(max_micro_batch=0, fixed_bytes=math.nan, bytes_per_sample=None, budget_bytes=10,
                          headroom=0.85, device="cpu", measure="accounting",
-                         trials=[Trial(4, False, samples_per_s=math.inf, error="over budget")])
+                         trials=[Trial(4, False, error="over budget", timing=Timing.single(0.0))])  # 4 / 0 s
     text = json.dumps(result.to_dict(), allow_nan=False)
     assert '"fixed_bytes": null' in text and '"samples_per_s": null' in text
 

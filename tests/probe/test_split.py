@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from gns_callback.probe import measure_micro_batch
+from gns_callback.probe.lightning import SplitFactor
 from gns_callback.probe.split import (
-    SplitFactor,
     SplitMeasurement,
     SplitResult,
     SplitSetting,

@@ -143,7 +143,7 @@ def test_plain_function_restores_everything_before_adam_has_state():
     batch = (torch.randn(8, 64), torch.randint(0, 10, (8,)))
     before = snapshot(net, [opt])
     result = probe_micro_batch(net, opt, batch, lambda b: F.cross_entropy(net(b[0]), b[1]),
-                               memory_budget_bytes=200_000, timed_steps=2, progress_bar=False)
+                               memory_budget_bytes=200_000, timed_steps=2, timing_budget_s=0.1, progress_bar=False)
     assert result.max_micro_batch > 8
     assert len(opt.state) == 0  # no lazily created state left behind
     assert_same(before, snapshot(net, [opt]))
@@ -161,7 +161,8 @@ def test_trials_are_training_steps_and_eval_mode_comes_back():
 
     batch = (torch.randn(8, 64), torch.randint(0, 10, (8,)))
     before = snapshot(net, [opt])
-    probe_micro_batch(net, opt, batch, step, memory_budget_bytes=200_000, timed_steps=2, progress_bar=False)
+    probe_micro_batch(net, opt, batch, step, memory_budget_bytes=200_000, timed_steps=2, timing_budget_s=0.1,
+                      progress_bar=False)
     assert modes == {(True, True)}
     assert_same(before, snapshot(net, [opt]))
     assert not any(m.training for m in net.modules())
@@ -180,7 +181,8 @@ def test_plain_function_restores_adam_state_gradients_and_scheduler_flag():
         scheduler.step()
     step(batch).backward()  # gradients present, not yet stepped
     before = snapshot(net, [opt])
-    probe_micro_batch(net, opt, batch, step, memory_budget_bytes=200_000, timed_steps=2, progress_bar=False)
+    probe_micro_batch(net, opt, batch, step, memory_budget_bytes=200_000, timed_steps=2, timing_budget_s=0.1,
+                      progress_bar=False)
     assert_same(before, snapshot(net, [opt]))
     assert all(int(s["step"]) == 3 for s in opt.state.values())
     assert scheduler.last_epoch == 3 and opt.param_groups[0]["lr"] == pytest.approx(0.1 / 8)

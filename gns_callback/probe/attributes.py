@@ -1,0 +1,224 @@
+"""Snapshot and restore of the state a ``training_step`` keeps in module attributes, outside parameters and
+buffers: torchmetrics ``Metric`` states (their tensors, lists, update counts and cached ``compute``), and plain
+Python values the user mutates (lists of outputs, dicts, counters).
+
+Every entry of every submodule's ``__dict__`` is covered, except torch's own (``_parameters``, hooks,
+``training``; restored elsewhere or never changed by a step) and ``skip`` names given by the caller (a
+framework's internals). An entry is restored only if it changed: a fingerprint (identity, length, tensor
+version counters, recursively) is compared, so unchanged values keep their identity. A changed entry gets its
+original object back, its contents restored in place where it is a tensor, list, dict, set or plain object (so
+other references to it see the restored value), else a fresh copy.
+
+Copies live in host memory (tensors, also inside lists, tuples and dicts); objects holding device tensors and
+entries larger than ``max_copy_bytes`` are not copied, only fingerprinted. Such an entry, or one ``deepcopy``
+refuses, is reported by name in :attr:`AttributeState.not_restored` if (and only if) a step changed it.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+#: ``nn.Module``'s own ``__dict__`` entries (registries, hooks, ``training``).
+TORCH_INTERNALS = frozenset(vars(nn.Module()))
+_ATOMS = (type(None), bool, int, float, complex, str, bytes, range, torch.device, torch.dtype)
+_MAX_DEPTH = 6
+_MAX_NODES = 100_000
+
+
+class _Walk:
+    """One pass over a value: its fingerprint, the bytes of the arrays in it, and whether an object (not a
+    plain container) holds a non-CPU tensor (a deep copy would put it on the device being probed)."""
+
+    def __init__(self) -> None:
+        self.nodes = 0
+        self.nbytes = 0
+        self.device_tensor_in_object = False
+        self.complete = True
+
+    def __call__(self, value: Any, depth: int = 0, in_object: bool = False) -> Hashable:
+        self.nodes += 1
+        if isinstance(value, _ATOMS):
+            return ("value", value)
+        if depth > _MAX_DEPTH or self.nodes > _MAX_NODES:
+            self.complete = False
+            return ("opaque", id(value))
+        if isinstance(value, Tensor):
+            return self._tensor(value, in_object)
+        if isinstance(value, np.ndarray):
+            self.nbytes += value.nbytes
+            return ("array", id(value), value.shape, value.tobytes() if value.nbytes <= 4096 else value.nbytes)
+        return self._composite(value, depth, in_object)
+
+    def _tensor(self, tensor: Tensor, in_object: bool) -> Hashable:
+        self.nbytes += tensor.numel() * tensor.element_size()
+        self.device_tensor_in_object |= in_object and tensor.device.type != "cpu"
+        return ("tensor", id(tensor), tensor._version, tuple(tensor.shape), tensor.dtype)
+
+    def _composite(self, value: Any, depth: int, in_object: bool) -> Hashable:
+        if isinstance(value, (list, tuple, deque)):
+            return (type(value), id(value), tuple(self(v, depth + 1, in_object) for v in value))
+        if isinstance(value, (set, frozenset)):
+            return (type(value), id(value), frozenset(self(v, depth + 1, in_object) for v in value))
+        if isinstance(value, dict):
+            items = tuple((self(k, depth + 1), self(v, depth + 1, in_object)) for k, v in value.items())
+            return (type(value), id(value), items)
+        if isinstance(value, (nn.Module, type)) or inspect.isroutine(value) or not hasattr(value, "__dict__"):
+            return ("object", id(value))  # modules are covered entry by entry; functions don't change
+        return (type(value), id(value), self(vars(value), depth + 1, in_object=True))
+
+
+class _HostTensor:
+    """A tensor's host copy, and where it came from."""
+
+    __slots__ = ("data", "device", "requires_grad")
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.data = tensor.detach().to("cpu", copy=True)
+        self.device = tensor.device
+        self.requires_grad = tensor.requires_grad
+
+    def back(self) -> Tensor:
+        tensor = self.data.to(self.device, copy=True)
+        return tensor.requires_grad_() if self.requires_grad else tensor
+
+
+def _plain(value: Any) -> bool:
+    return type(value) in (list, tuple, dict, set, frozenset)
+
+
+def _save(value: Any, memo: dict[int, Any]) -> Any:
+    """A host copy: tensors (also inside plain lists, tuples, dicts, sets) to host memory, the rest ``deepcopy``."""
+    if isinstance(value, Tensor):
+        return _HostTensor(value)
+    if type(value) is dict:
+        return {k: _save(v, memo) for k, v in value.items()}
+    if _plain(value):
+        return type(value)(_save(v, memo) for v in value)
+    return copy.deepcopy(value, dict(memo))
+
+
+def _load(saved: Any, memo: dict[int, Any]) -> Any:
+    """A fresh value from :func:`_save`'s copy (the copy itself stays untouched for the next restore)."""
+    if isinstance(saved, _HostTensor):
+        return saved.back()
+    if type(saved) is dict:
+        return {k: _load(v, memo) for k, v in saved.items()}
+    if _plain(saved):
+        return type(saved)(_load(v, memo) for v in saved)
+    return copy.deepcopy(saved, dict(memo))
+
+
+def _restore_into(original: Any, fresh: Any) -> bool:
+    """Put ``fresh``'s contents into ``original`` in place; False where that is not possible."""
+    if isinstance(original, Tensor):
+        if not isinstance(fresh, Tensor) or fresh.shape != original.shape or fresh.dtype != original.dtype:
+            return False
+        with torch.no_grad():
+            original.copy_(fresh)
+    elif isinstance(original, list):
+        original[:] = fresh
+    elif isinstance(original, deque):
+        original.clear()
+        original.extend(fresh)
+    elif isinstance(original, (dict, set)):
+        original.clear()
+        original.update(fresh)
+    elif type(original) is type(fresh) and hasattr(original, "__dict__") and not isinstance(original, nn.Module):
+        vars(original).clear()
+        vars(original).update(vars(fresh))
+    else:
+        return False
+    return True
+
+
+_MISSING = object()
+
+
+@dataclass
+class _Entry:
+    """One ``__dict__`` entry at snapshot time."""
+
+    owner: nn.Module
+    name: str  # for messages: "net.metric.tp"
+    key: str
+    original: Any
+    fingerprint: Hashable
+    saved: Any = _MISSING  # _MISSING: not copied (too large, on a device inside an object, or refused)
+
+
+class AttributeState:
+    """The attribute entries of ``module`` and its submodules (see the module docstring).
+
+    Args:
+        keep: objects referenced from the state that stay shared, never copied (e.g. a Trainer); the modules,
+            parameters and buffers of ``module`` always are.
+        skip: ``__dict__`` names left alone (a framework's internals).
+        max_copy_bytes: entries holding more tensor/array bytes than this are fingerprinted, not copied.
+    """
+
+    def __init__(self, module: nn.Module, *, keep: Iterable[Any] = (), skip: Iterable[str] = (),
+                 max_copy_bytes: float = 2**29) -> None:
+        shared = [*module.modules(), *module.parameters(), *module.buffers(), *keep]
+        self._memo = {id(obj): obj for obj in shared}
+        self._skip = TORCH_INTERNALS | set(skip)
+        self.max_copy_bytes = max_copy_bytes
+        self.entries = [
+            self._entry(sub, prefix, key) for prefix, sub in module.named_modules() for key in self._keys(sub)
+        ]
+        self._present = {id(sub): set(self._keys(sub)) for sub in module.modules()}
+        self._modules = list(module.modules())
+        self.not_restored: set[str] = set()
+
+    def _keys(self, module: nn.Module) -> list[str]:
+        return [key for key in vars(module) if key not in self._skip]
+
+    def _entry(self, owner: nn.Module, prefix: str, key: str) -> _Entry:
+        value = vars(owner)[key]
+        walk = _Walk()
+        entry = _Entry(owner, f"{prefix}.{key}" if prefix else key, key, value, walk(value))
+        if walk.nbytes <= self.max_copy_bytes and not walk.device_tensor_in_object:
+            try:
+                entry.saved = _save(value, self._memo)
+            except Exception:  # noqa: BLE001 - anything deepcopy refuses: fingerprint only
+                pass
+        return entry
+
+    def restore(self) -> None:
+        """Changed entries back, entries a step added removed; unrestorable changes go to ``not_restored``."""
+        for entry in self.entries:
+            self._restore_entry(entry)
+        for module in self._modules:
+            for key in set(self._keys(module)) - self._present[id(module)]:
+                del vars(module)[key]
+
+    def _restore_entry(self, entry: _Entry) -> None:
+        attributes = vars(entry.owner)
+        current = attributes.get(entry.key, _MISSING)
+        if current is entry.original and _Walk()(entry.original) == entry.fingerprint:
+            return
+        attributes[entry.key] = entry.original  # the original object: other references to it stay valid
+        if _Walk()(entry.original) == entry.fingerprint:
+            return  # the step replaced it, the original itself is unchanged
+        if entry.saved is _MISSING:
+            self.not_restored.add(entry.name)
+            return
+        fresh = _load(entry.saved, self._memo)
+        if not _restore_into(entry.original, fresh):
+            attributes[entry.key] = fresh
+            entry.original = fresh
+        entry.fingerprint = _Walk()(entry.original)  # equal in value to the snapshot again
+
+
+def describe(names: Optional[Iterable[str]]) -> str:
+    """``"a, b and 3 more"`` for a warning."""
+    names = sorted(names or ())
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
