@@ -25,6 +25,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Optional, Union
 
+import torch
+
 LINEAR = "linear"
 SQRT = "sqrt"
 NONE = "none"
@@ -59,10 +61,22 @@ GOYAL_FACTOR = 32.0
 OptimizerLike = Union[str, type, Any]
 
 
+_MAX_WRAPPERS = 8
+
+
 def _unwrap(optimizer: OptimizerLike) -> OptimizerLike:
-    """Lightning's ``LightningOptimizer`` wraps the torch optimizer in ``_optimizer``."""
-    if any(c.__name__ == "LightningOptimizer" for c in type(optimizer).__mro__):  # a dynamic subclass
-        return getattr(optimizer, "_optimizer", optimizer)
+    """The innermost torch optimizer of a wrapper that exposes it as ``.optimizer`` (training frameworks wrap
+    optimizers this way, some in a dynamic subclass of the wrapped class); anything else is returned as is."""
+    for _ in range(_MAX_WRAPPERS):
+        if isinstance(optimizer, (str, type)):
+            return optimizer
+        try:
+            inner = getattr(optimizer, "optimizer", None)
+        except Exception:  # a property that raises: not a wrapper we can see through
+            return optimizer
+        if not isinstance(inner, torch.optim.Optimizer) or inner is optimizer:
+            return optimizer
+        optimizer = inner
     return optimizer
 
 

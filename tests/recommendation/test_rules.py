@@ -100,3 +100,17 @@ def test_warmup_lr_ramp_matches_torch_linear_lr():
     assert warmup_lr(0, start_lr=start, target_lr=target, warmup_steps=0) == target
     factor = warmup_lambda(0.25, 4)
     assert [factor(s) for s in (0, 2, 4, 100)] == pytest.approx([0.25, 0.625, 1.0, 1.0])
+
+
+def test_any_wrapper_exposing_optimizer_is_unwrapped_generically():
+    class Wrapper:  # no framework class name involved: only an ``.optimizer`` that is a torch optimizer
+        def __init__(self, inner):
+            self.optimizer = inner
+
+    inner = torch.optim.SGD(_params(), lr=0.1)
+    assert optimizer_name(Wrapper(inner)) == "SGD" and lr_rule_for(Wrapper(inner))[0] == "linear"
+
+    class NotAWrapper:
+        optimizer = "adam"  # not a torch optimizer: not followed
+
+    assert optimizer_name(NotAWrapper()) == "NotAWrapper"
