@@ -14,12 +14,13 @@ and :func:`.learning_rate.plan_warmup` → :func:`.operating_point.operating_poi
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping, Optional
 
 from gns_callback.recommendation import result as R
 from gns_callback.recommendation.batch import BatchChoice, Bounds, Grid, aim, batch_bounds, keep
 from gns_callback.recommendation.current import CurrentSetup, read_current
-from gns_callback.recommendation.hardware import read_hardware
+from gns_callback.recommendation.hardware import fit_advice, read_hardware
 from gns_callback.recommendation.learning_rate import LRChoice, Warmup, choose_lr, plan_warmup
 from gns_callback.recommendation.operating_point import (
     Economics,
@@ -63,10 +64,11 @@ def recommend(
     max_ci_ratio: float = DEFAULT_MAX_CI_RATIO,
     min_steps: int = DEFAULT_MIN_STEPS,
     keep_within_interval: bool = True,
-    warmup_threshold: float = 2.0,
+    warmup_threshold: float = 1.0,
     warmup_epochs: float = 5.0,
     price_per_device_hour: Optional[float] = None,
     target_epochs: Optional[float] = None,
+    sharpness: Optional[float] = None,
 ) -> Recommendation:
     """Recommend a global batch size ≈ ``B_simple``, its ``micro × accumulate × devices`` split, LR and warmup.
 
@@ -75,10 +77,12 @@ def recommend(
             object with ``b_simple``, ``ci_low``, ``ci_high``, ``steps``.
         current_batch_size: the global batch now (``micro × accumulate × devices``).
         current_lr: the LR tuned for the current batch (the base LR, not a decayed one); ``None``: no LR advice.
-        optimizer: class, instance or name; picks the LR rule (SGD family → linear, Adam family → sqrt).
+        optimizer: class, instance or name; picks the LR rule (SGD family → ``"noise_linear"``, Adam family →
+            ``"noise_sqrt"``; see :mod:`.rules`). An instance also gives SGD's momentum for the stability limit.
         num_devices: data-parallel devices (``trainer.world_size``); kept as is.
         current_micro_batch_size, current_accumulate: the current split (the micro-batch is derived from them,
-            else ``current_batch_size/num_devices``); the fallback micro-batch cap without a probe.
+            else ``current_batch_size/num_devices``). Without a probe the recommended batch is one micro-batch
+            per device, unless the current setup already accumulates (then its micro-batch is the cap).
         probe: a memory/throughput probe result (``max_micro_batch``, ``trials``), duck-typed or a dict.
         max_micro_batch, throughput: the same given directly (``{micro: samples/s per device}``); they override
             the probe's.
@@ -86,28 +90,35 @@ def recommend(
             warmup steps, time and cost per epoch; the batch is also clipped to ``dataset_size``.
         min_batch_size, max_batch_size: bounds on the global batch.
         multiple_of, power_of_two: the size grid (global batch a multiple of 8 by default; powers of two).
-        lr_rule: ``"linear"``, ``"sqrt"`` or ``"none"`` to override the optimizer's family.
+        lr_rule: ``"noise_linear"``, ``"noise_sqrt"``, ``"linear"``, ``"sqrt"`` or ``"none"`` to override the
+            optimizer's family. The noise-aware rules move the LR along ``ε(B) = ε_max/(1 + B_noise/B)^p`` with
+            ``B_noise`` = the estimate's ``B_simple``; ``"linear"``/``"sqrt"`` are their small-batch limits.
         max_ci_ratio: largest ``ci_high/ci_low`` trusted; min_steps: fewest measured steps trusted.
         keep_within_interval: keep the current batch when it already lies inside ``[ci_low, ci_high]``.
-        warmup_threshold, warmup_epochs: no warmup up to this LR factor; Goyal's epochs at a 32× LR factor.
+        warmup_threshold, warmup_epochs: no warmup up to this LR factor (default 1: any increase gets one);
+            Goyal's epochs at a 32× LR factor.
         price_per_device_hour: for cost per epoch/to target. target_epochs: epochs the *current* configuration
             needs to reach its target loss (for time/cost to target at both configurations).
+        sharpness: ``λ_max``, the top Hessian eigenvalue of the loss (:func:`gns_callback.curvature.sharpness`);
+            caps an SGD-family LR increase at the stability limit ``2(1+β)/λ_max`` (:mod:`.stability`).
     """
     _check_arguments(current_batch_size, num_devices, multiple_of)
     est = read_estimate(estimate)
     current = read_current(current_batch_size, num_devices, current_micro_batch_size, current_accumulate)
     status, reason = verdict(est, current_batch_size, max_ci_ratio=max_ci_ratio, min_steps=min_steps,
                              keep_within_interval=keep_within_interval)
-    hardware = read_hardware(probe, max_micro_batch, throughput, current.micro_batch_size)
+    hardware = read_hardware(probe, max_micro_batch, throughput, current)
     bounds = batch_bounds(min_batch_size, max_batch_size, dataset_size)
     choice = _choose_batch(status, est, bounds, Grid(multiple_of, power_of_two), current, hardware.micro_cap)
-    lr = choose_lr(current_lr, current_batch_size, choice.batch_size, optimizer, lr_rule)
+    lr = choose_lr(current_lr, current_batch_size, choice.batch_size, optimizer, lr_rule, b_noise=est.b_simple,
+                   sharpness=sharpness)
     econ = Economics(hardware.throughput, _examples_per_epoch(dataset_size, steps_per_epoch, current_batch_size),
                      price_per_device_hour)
     warmup = plan_warmup(current_lr, lr.learning_rate, choice.batch_size, econ.examples_per_epoch,
                          threshold=warmup_threshold, warmup_epochs=warmup_epochs)
     scaling_note = ("throughput assumed to scale linearly with devices (communication not measured)",)
-    notes = hardware.notes + choice.notes + lr.notes + warmup.notes
+    notes = hardware.notes + choice.notes
+    notes += fit_advice(hardware, current, choice.batch_size, choice.micro_batch_size) + lr.notes + warmup.notes
     notes += scaling_note if (hardware.throughput and num_devices > 1) else ()
     return _assemble(status, reason, est, current, current_lr, choice, lr, warmup, econ, optimizer, target_epochs,
                      notes)
@@ -188,4 +199,6 @@ def _assemble(
         recommended=rec,
         time_to_target_ratio=ratio,
         notes=notes,
+        sharpness=lr.sharpness,
+        lr_stability_limit=lr.stability_limit if lr.stability_limit != math.inf else None,
     )

@@ -1,8 +1,10 @@
 """The learning rate for the recommended batch and the warmup to reach it (the policy around :mod:`.rules`).
 
 The rule comes from ``lr_rule=`` when given (a user override), else from the optimizer's family
-(:func:`~gns_callback.recommendation.rules.lr_rule_for`). A warmup ramps linearly from the current LR to the new
-one when the LR factor is above ``warmup_threshold`` (Goyal et al. 2017; see
+(:func:`~gns_callback.recommendation.rules.lr_rule_for`): noise-aware by default, using the one ``B_noise``
+passed in (the recommendation's estimate). Given the sharpness ``λ_max``, an SGD-family LR increase stops at the
+curvature stability limit (:mod:`.stability`). A warmup ramps linearly from the current LR to the new one
+whenever the LR factor is above ``warmup_threshold`` (Goyal et al. 2017; see
 :func:`~gns_callback.recommendation.rules.warmup_epochs_for`).
 """
 
@@ -14,18 +16,22 @@ from typing import Optional
 
 from gns_callback.recommendation.rules import (
     CITATIONS,
-    LR_RULES,
+    NOISE_RULES,
     NONE,
-    SQRT,
+    SGD_RULES,
+    SMALL_BATCH_LIMIT,
+    SQRT_RULES,
     OptimizerLike,
+    check_rule,
+    lr_factor,
     lr_rule_for,
     optimizer_name,
-    scale_lr,
     warmup_epochs_for,
 )
+from gns_callback.recommendation.stability import Momentum, cap_increase, momentum_of, stability_limit
 
 USER_OVERRIDE = "user override"
-_FAMILIES = {"linear": "SGD family", "sqrt": "adaptive (Adam) family", "none": "no rule"}
+_FAMILIES = {"noise_linear": "SGD family", "noise_sqrt": "adaptive (Adam) family", "none": "no rule"}
 _MALLADI_NOTE = (
     "Malladi et al.'s square-root rule also scales 1−β₁, 1−β₂ by κ = B_new/B_old and ε by 1/√κ; only the LR is "
     "changed here"
@@ -34,13 +40,16 @@ _MALLADI_NOTE = (
 
 @dataclass(frozen=True)
 class LRChoice:
-    """The rule applied, why (``source``), its ``citation``, the new LR (``None``: no current LR given)."""
+    """The rule applied, why (``source``), its ``citation``, the new LR (``None``: no current LR given), and,
+    when a ``sharpness`` (λ_max) was used, the SGD stability limit ``2(1+β)/λ_max`` (``None`` otherwise)."""
 
     rule: str
     source: str
     citation: str
     learning_rate: Optional[float]
     notes: tuple[str, ...]
+    stability_limit: Optional[float] = None
+    sharpness: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -60,15 +69,13 @@ NO_WARMUP = Warmup(0.0, 0, None)
 def pick_rule(optimizer: OptimizerLike, lr_rule: Optional[str]) -> tuple[str, str, tuple[str, ...]]:
     """``(rule, source, notes)``: the override when given (checked), else the optimizer family's rule."""
     if lr_rule is not None:
-        if lr_rule not in LR_RULES:
-            raise ValueError(f"lr_rule must be one of {LR_RULES}, got {lr_rule!r}")
-        return lr_rule, USER_OVERRIDE, ()
+        return check_rule(lr_rule), USER_OVERRIDE, ()
     rule, unknown = lr_rule_for(optimizer)
     if unknown:
         source = "unknown optimizer: default" if rule != NONE else optimizer_name(optimizer)
         return rule, source, (unknown,)
     source = f"{_FAMILIES[rule]}: {optimizer_name(optimizer)}"
-    return rule, source, ((_MALLADI_NOTE,) if rule == SQRT else ())
+    return rule, source, ((_MALLADI_NOTE,) if rule in SQRT_RULES else ())
 
 
 def choose_lr(
@@ -77,12 +84,66 @@ def choose_lr(
     batch_size: int,
     optimizer: OptimizerLike,
     lr_rule: Optional[str],
+    *,
+    b_noise: float,
+    sharpness: Optional[float] = None,
 ) -> LRChoice:
-    """The current LR scaled from ``current_batch_size`` to ``batch_size`` by the chosen rule."""
+    """The current LR moved from ``current_batch_size`` to ``batch_size`` by the chosen rule at ``b_noise``,
+    then capped at the stability limit when ``sharpness`` (λ_max) is given and the rule is an SGD one."""
     rule, source, notes = pick_rule(optimizer, lr_rule)
     citation = CITATIONS[rule] if source != USER_OVERRIDE else f"{USER_OVERRIDE} ({CITATIONS[rule]})"
-    new_lr = None if current_lr is None else scale_lr(current_lr, current_batch_size, batch_size, rule)
-    return LRChoice(rule, source, citation, new_lr, notes)
+    if current_lr is None:
+        return LRChoice(rule, source, citation, None, notes)
+    scaled, how = transfer(current_lr, current_batch_size, batch_size, rule, b_noise)
+    new_lr, limit, why = curvature_cap(scaled, current_lr, rule, sharpness, optimizer)
+    used = None if limit is None else sharpness
+    return LRChoice(rule, source, citation, new_lr, notes + how + why, limit, used)
+
+
+def transfer(
+    lr: float, old_batch_size: int, new_batch_size: int, rule: str, b_noise: float
+) -> tuple[float, tuple[str, ...]]:
+    """``(new_lr, notes)``: ``lr·lr_factor(...)``. A noise-aware rule without a usable ``B_noise`` (nan or
+    negative) falls back to its small-batch limit, with a note; a change of LR gets a note comparing the two."""
+    if old_batch_size == new_batch_size:
+        return lr, ()
+    if rule not in NOISE_RULES:
+        return lr * lr_factor(old_batch_size, new_batch_size, rule), ()
+    limit = SMALL_BATCH_LIMIT[rule]
+    small = lr_factor(old_batch_size, new_batch_size, limit)
+    if math.isnan(b_noise) or b_noise < 0:
+        return lr * small, (f"no usable B_noise ({b_noise:.4g}): {rule} taken at its small-batch limit, {limit}",)
+    factor = lr_factor(old_batch_size, new_batch_size, rule, b_noise)
+    note = (
+        f"LR ×{factor:.3g} = {rule} from batch {old_batch_size} to {new_batch_size} at B_noise = {b_noise:.4g}; "
+        f"{limit} scaling, its small-batch limit (B ≪ B_noise), would give ×{small:.3g}"
+    )
+    return lr * factor, (note,)
+
+
+def curvature_cap(
+    new_lr: float, current_lr: float, rule: str, sharpness: Optional[float], optimizer: OptimizerLike
+) -> tuple[float, Optional[float], tuple[str, ...]]:
+    """``(lr, stability limit, notes)``: an SGD-family increase stops at ``2(1+β)/λ_max`` (never below the
+    current LR); other rules, or no ``sharpness``, leave the LR as it is."""
+    if sharpness is None:
+        return new_lr, None, ()
+    if rule not in SGD_RULES:
+        return new_lr, None, (
+            f"sharpness λ_max = {sharpness:.4g} not used: the stability limit 2/λ_max holds for SGD; an adaptive "
+            "optimizer's limit is on the preconditioned Hessian",
+        )
+    momentum = momentum_of(optimizer)
+    limit = stability_limit(sharpness, momentum or Momentum())
+    notes = [] if momentum is not None else ["momentum unknown (pass the optimizer instance): the limit 2/λ_max "
+                                             "of plain SGD is assumed"]
+    capped = cap_increase(new_lr, current_lr, limit)
+    if capped < new_lr:
+        notes.append(
+            f"LR increase capped at the curvature stability limit {limit:.4g} (λ_max = {sharpness:.4g}; the "
+            f"{rule} rule gave {new_lr:.4g}); current lr·λ_max = {current_lr * sharpness:.3g}"
+        )
+    return capped, limit, tuple(notes)
 
 
 def plan_warmup(

@@ -3,13 +3,13 @@ import math
 import pytest
 import torch
 
-from gns_callback.recommendation.learning_rate import choose_lr, pick_rule, plan_warmup
+from gns_callback.recommendation.learning_rate import choose_lr, curvature_cap, pick_rule, plan_warmup, transfer
 
 
 def test_pick_rule_by_family_override_and_unknown():
-    assert pick_rule(torch.optim.SGD, None)[:2] == ("linear", "SGD family: SGD")
+    assert pick_rule(torch.optim.SGD, None)[:2] == ("noise_linear", "SGD family: SGD")
     rule, source, notes = pick_rule("AdamW", None)
-    assert (rule, source) == ("sqrt", "adaptive (Adam) family: AdamW") and "Malladi" in notes[0]
+    assert (rule, source) == ("noise_sqrt", "adaptive (Adam) family: AdamW") and "Malladi" in notes[0]
     assert pick_rule("AdamW", "linear") == ("linear", "user override", ())
     rule, source, notes = pick_rule("Lion", None)
     assert source == "unknown optimizer: default" and "Lion" in notes[0]
@@ -18,10 +18,32 @@ def test_pick_rule_by_family_override_and_unknown():
 
 
 def test_choose_lr_scales_and_cites():
-    lr = choose_lr(0.1, 64, 256, torch.optim.SGD, None)
-    assert lr.learning_rate == pytest.approx(0.4) and "Goyal" in lr.citation
-    assert choose_lr(None, 64, 256, "SGD", None).learning_rate is None
-    assert choose_lr(1e-3, 64, 256, "SGD", "sqrt").citation.startswith("user override (Malladi")
+    lr = choose_lr(0.1, 64, 256, torch.optim.SGD, None, b_noise=64.0)
+    assert lr.learning_rate == pytest.approx(0.1 * 2 / 1.25) and "McCandlish" in lr.citation
+    assert "small-batch limit" in lr.citation and "Goyal" in lr.citation
+    assert "×1.6 = noise_linear" in lr.notes[0] and "would give ×4" in lr.notes[0]
+    assert choose_lr(0.1, 64, 256, torch.optim.SGD, "linear", b_noise=64.0).learning_rate == pytest.approx(0.4)
+    assert choose_lr(None, 64, 256, "SGD", None, b_noise=64.0).learning_rate is None
+    assert choose_lr(1e-3, 64, 256, "SGD", "sqrt", b_noise=64.0).citation.startswith("user override (Malladi")
+
+
+def test_transfer_without_a_usable_noise_scale_falls_back_to_the_limit_with_a_note():
+    lr, notes = transfer(0.1, 64, 256, "noise_linear", float("nan"))
+    assert lr == pytest.approx(0.4) and "small-batch limit" in notes[0]
+    assert transfer(0.1, 64, 64, "noise_sqrt", float("nan")) == (0.1, ())
+    assert transfer(0.1, 64, 256, "noise_linear", float("inf"))[0] == pytest.approx(0.4)
+
+
+def test_curvature_cap_for_sgd_only():
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5, momentum=0.9)
+    lr, limit, notes = curvature_cap(3.0, 0.5, "noise_linear", 2.0, sgd)
+    assert limit == pytest.approx(1.9) and lr == pytest.approx(1.9) and "capped" in notes[0]
+    lr, limit, notes = curvature_cap(3.0, 0.5, "linear", 2.0, "SGD")  # momentum unknown: 2/λ
+    assert limit == pytest.approx(1.0) and lr == pytest.approx(1.0) and "momentum unknown" in notes[0]
+    assert curvature_cap(0.8, 0.5, "noise_linear", 2.0, "SGD")[0] == 0.8  # below the limit
+    assert curvature_cap(3.0, 0.5, "noise_linear", None, "SGD") == (3.0, None, ())
+    lr, limit, notes = curvature_cap(3.0, 0.5, "noise_sqrt", 2.0, "Adam")
+    assert (lr, limit) == (3.0, None) and "not used" in notes[0]
 
 
 def test_warmup_in_steps_epochs_only_or_none():
