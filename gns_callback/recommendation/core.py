@@ -99,8 +99,10 @@ def recommend(
             Goyal's epochs at a 32× LR factor.
         price_per_device_hour: for cost per epoch/to target. target_epochs: epochs the *current* configuration
             needs to reach its target loss (for time/cost to target at both configurations).
-        sharpness: ``λ_max``, the top Hessian eigenvalue of the loss (:func:`gns_callback.curvature.sharpness`);
-            caps an SGD-family LR increase at the stability limit ``2(1+β)/λ_max`` (:mod:`.stability`).
+        sharpness: ``λ_max``, the top Hessian eigenvalue of the loss (:func:`gns_callback.curvature.sharpness`),
+            best the largest seen early in training; caps an SGD-family LR increase at the stability limit
+            ``2(1+β)/λ_max`` (:mod:`.stability`). Without it the SGD family's default rule does not raise the LR
+            (see :mod:`.learning_rate`); an explicit ``lr_rule`` does.
     """
     _check_arguments(current_batch_size, num_devices, multiple_of)
     est = read_estimate(estimate)
@@ -140,6 +142,10 @@ def _choose_batch(
     if status == R.OK:
         return aim(est.b_simple, bounds, grid, current, micro_cap)
     return keep(bounds, current, micro_cap)
+
+
+def _finite_or_none(value: Optional[float]) -> Optional[float]:
+    return value if value is not None and math.isfinite(value) else None
 
 
 def _examples_per_epoch(
@@ -199,6 +205,7 @@ def _assemble(
         recommended=rec,
         time_to_target_ratio=ratio,
         notes=notes,
-        sharpness=lr.sharpness,
-        lr_stability_limit=lr.stability_limit if lr.stability_limit != math.inf else None,
+        sharpness=lr.ceiling.sharpness,
+        lr_stability_limit=_finite_or_none(lr.ceiling.stability_limit),
+        lr_ceiling=_finite_or_none(lr.ceiling.lr),
     )

@@ -2,10 +2,19 @@
 
 The rule comes from ``lr_rule=`` when given (a user override), else from the optimizer's family
 (:func:`~gns_callback.recommendation.rules.lr_rule_for`): noise-aware by default, using the one ``B_noise``
-passed in (the recommendation's estimate). Given the sharpness ``λ_max``, an SGD-family LR increase stops at the
-curvature stability limit (:mod:`.stability`). A warmup ramps linearly from the current LR to the new one
-whenever the LR factor is above ``warmup_threshold`` (Goyal et al. 2017; see
-:func:`~gns_callback.recommendation.rules.warmup_epochs_for`).
+passed in (the recommendation's estimate).
+
+An SGD-family LR *increase* is bounded by the curvature: given the sharpness ``λ_max``, it stops at the stability
+limit ``2(1+β)/λ_max`` (:mod:`.stability`; never below the current LR). Without it, the family's default keeps
+the current LR: a tuned SGD LR already sits at that limit. Measured on digits (``benchmarks/lr_transfer_digits.py``,
+MLP 64-64-10, LRs tuned at 8…512): from a tuned LR the noise-aware rule alone diverged in 12 of 15 batch
+increases; capped at ``2/λ_max`` with λ_max the largest seen along the run (it peaks early in training) none
+diverged and the median run took 1.2× the steps of the LR tuned at the new batch (worst 1.6×); λ_max at
+initialisation or at the end never bound. Keeping the LR never diverged either (median 1.25×, worst 2.2×).
+An explicit ``lr_rule=`` is applied as asked (capped only when ``sharpness`` is given).
+
+A warmup ramps linearly from the current LR to the new one whenever the LR factor is above
+``warmup_threshold`` (Goyal et al. 2017; see :func:`~gns_callback.recommendation.rules.warmup_epochs_for`).
 """
 
 from __future__ import annotations
@@ -39,17 +48,26 @@ _MALLADI_NOTE = (
 
 
 @dataclass(frozen=True)
+class Ceiling:
+    """The largest LR allowed at any batch (``None``: none), the SGD stability limit ``2(1+β)/λ_max`` and the
+    sharpness it came from (``None`` when no sharpness was used)."""
+
+    lr: Optional[float] = None
+    stability_limit: Optional[float] = None
+    sharpness: Optional[float] = None
+
+
+@dataclass(frozen=True)
 class LRChoice:
-    """The rule applied, why (``source``), its ``citation``, the new LR (``None``: no current LR given), and,
-    when a ``sharpness`` (λ_max) was used, the SGD stability limit ``2(1+β)/λ_max`` (``None`` otherwise)."""
+    """The rule applied, why (``source``), its ``citation``, the new LR (``None``: no current LR given), and the
+    :class:`Ceiling` that bounded it."""
 
     rule: str
     source: str
     citation: str
     learning_rate: Optional[float]
     notes: tuple[str, ...]
-    stability_limit: Optional[float] = None
-    sharpness: Optional[float] = None
+    ceiling: Ceiling = Ceiling()
 
 
 @dataclass(frozen=True)
@@ -89,15 +107,16 @@ def choose_lr(
     sharpness: Optional[float] = None,
 ) -> LRChoice:
     """The current LR moved from ``current_batch_size`` to ``batch_size`` by the chosen rule at ``b_noise``,
-    then capped at the stability limit when ``sharpness`` (λ_max) is given and the rule is an SGD one."""
+    then bounded by :func:`sgd_ceiling` (SGD rules only)."""
     rule, source, notes = pick_rule(optimizer, lr_rule)
     citation = CITATIONS[rule] if source != USER_OVERRIDE else f"{USER_OVERRIDE} ({CITATIONS[rule]})"
     if current_lr is None:
         return LRChoice(rule, source, citation, None, notes)
     scaled, how = transfer(current_lr, current_batch_size, batch_size, rule, b_noise)
-    new_lr, limit, why = curvature_cap(scaled, current_lr, rule, sharpness, optimizer)
-    used = None if limit is None else sharpness
-    return LRChoice(rule, source, citation, new_lr, notes + how + why, limit, used)
+    ceiling, why = sgd_ceiling(current_lr, rule, sharpness, optimizer, automatic=source != USER_OVERRIDE)
+    new_lr = scaled if ceiling.lr is None else cap_increase(scaled, current_lr, ceiling.lr)
+    held = _held_note(rule, scaled, new_lr, ceiling) if new_lr < scaled else ()
+    return LRChoice(rule, source, citation, new_lr, notes + how + why + held, ceiling)
 
 
 def transfer(
@@ -121,29 +140,42 @@ def transfer(
     return lr * factor, (note,)
 
 
-def curvature_cap(
-    new_lr: float, current_lr: float, rule: str, sharpness: Optional[float], optimizer: OptimizerLike
-) -> tuple[float, Optional[float], tuple[str, ...]]:
-    """``(lr, stability limit, notes)``: an SGD-family increase stops at ``2(1+β)/λ_max`` (never below the
-    current LR); other rules, or no ``sharpness``, leave the LR as it is."""
-    if sharpness is None:
-        return new_lr, None, ()
+def sgd_ceiling(
+    current_lr: float, rule: str, sharpness: Optional[float], optimizer: OptimizerLike, *, automatic: bool
+) -> tuple[Ceiling, tuple[str, ...]]:
+    """The largest LR allowed for an SGD rule: ``max(current, 2(1+β)/λ_max)`` given ``sharpness``; without it,
+    the current LR for the family's default rule (``automatic``), none for an explicit ``lr_rule``. Adaptive
+    rules: none (``sharpness`` not used, with a note)."""
     if rule not in SGD_RULES:
-        return new_lr, None, (
+        if sharpness is None:
+            return Ceiling(), ()
+        return Ceiling(), (
             f"sharpness λ_max = {sharpness:.4g} not used: the stability limit 2/λ_max holds for SGD; an adaptive "
             "optimizer's limit is on the preconditioned Hessian",
         )
+    if sharpness is None:
+        return Ceiling(current_lr if automatic else None), ()
     momentum = momentum_of(optimizer)
     limit = stability_limit(sharpness, momentum or Momentum())
-    notes = [] if momentum is not None else ["momentum unknown (pass the optimizer instance): the limit 2/λ_max "
-                                             "of plain SGD is assumed"]
-    capped = cap_increase(new_lr, current_lr, limit)
-    if capped < new_lr:
-        notes.append(
-            f"LR increase capped at the curvature stability limit {limit:.4g} (λ_max = {sharpness:.4g}; the "
-            f"{rule} rule gave {new_lr:.4g}); current lr·λ_max = {current_lr * sharpness:.3g}"
+    unknown = () if momentum is not None else (
+        "momentum unknown (pass the optimizer instance): the limit 2/λ_max of plain SGD is assumed",
+    )
+    return Ceiling(max(current_lr, limit), limit, sharpness), unknown
+
+
+def _held_note(rule: str, wanted: float, lr: float, ceiling: Ceiling) -> tuple[str, ...]:
+    if ceiling.stability_limit is not None:
+        return (
+            f"LR increase capped at the curvature stability limit {ceiling.stability_limit:.4g} (λ_max = "
+            f"{ceiling.sharpness:.4g}; the {rule} rule gave {wanted:.4g}); never below the current LR",
         )
-    return capped, limit, tuple(notes)
+    return (
+        f"SGD learning rate not raised (the {rule} rule gave {wanted:.4g}): the curvature stability limit is "
+        "unknown and a tuned SGD LR usually sits at it (on digits the rule alone diverged in 12 of 15 batch "
+        "increases from tuned LRs; benchmarks/RESULTS.md). Pass sharpness= (the largest λ_max seen early in training, from "
+        f"gns_callback.curvature.sharpness) to raise it up to 2(1+β)/λ_max, or lr_rule={rule!r} to apply the "
+        "rule as is",
+    )
 
 
 def plan_warmup(

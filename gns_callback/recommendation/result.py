@@ -105,8 +105,10 @@ class Recommendation:
             (``E/E_min`` over throughput; needs the throughput table).
         notes: adjustments made on the way (rounding, clipping, divisibility, assumptions).
         sharpness, lr_stability_limit: the top Hessian eigenvalue ``λ_max`` passed in and the SGD stability
-            limit ``2(1+β)/λ_max`` that capped an LR increase (``None`` when not given, not an SGD rule, or
+            limit ``2(1+β)/λ_max`` that bounds an LR increase (``None`` when not given, not an SGD rule, or
             no positive curvature).
+        lr_ceiling: the largest LR this recommendation allows at any batch: ``max(current LR, stability
+            limit)``, or the current LR for the SGD family's default rule without a sharpness; ``None``: no bound.
     """
 
     status: str
@@ -136,6 +138,7 @@ class Recommendation:
     notes: tuple[str, ...] = field(default_factory=tuple)
     sharpness: Optional[float] = None
     lr_stability_limit: Optional[float] = None
+    lr_ceiling: Optional[float] = None
 
     @property
     def trusted(self) -> bool:

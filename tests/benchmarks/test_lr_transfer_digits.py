@@ -55,3 +55,24 @@ def test_exact_parts_and_b_crit_fit(bench):
     assert (trace, grad_sq) == pytest.approx((tr, g2), rel=1e-9)
     tuned = {b: bench.Tuned(b, 1.0, 100.0 * (1 + 40.0 / b), {}) for b in (8, 16, 64, 512)}
     assert bench.fit_b_crit(tuned) == pytest.approx(40.0)
+
+
+def test_transfer_rows_follow_the_recommendation_policy_and_render(bench):
+    tuned = {8: bench.Tuned(8, 0.5, 1000.0, {}), 64: bench.Tuned(64, 1.2, 300.0, {})}
+    along = {b: bench.Along(40.0, 0.9, 0.5, 2.5, 1.0, [1.0]) for b in tuned}
+    rows = {(r["b0"], r["b1"], r["rule"]): r["lr"] for r in bench.transfers(tuned, along, "sgd")}
+    assert rows[(8, 64, "linear")] == pytest.approx(4.0)
+    assert rows[(8, 64, "noise_linear")] == pytest.approx(0.5 * (1 + 40 / 8) / (1 + 40 / 64))
+    assert rows[(8, 64, "default, no sharpness (holds increases)")] == 0.5
+    assert rows[(8, 64, "default, sharpness = largest λ_max along the run")] == pytest.approx(2 / 2.5)
+    assert rows[(64, 8, "default, no sharpness (holds increases)")] == pytest.approx(1.2 * (1 + 40 / 64) / (1 + 40 / 8))
+    # Rendering reads only what a run stores.
+    out = {"config": {"hidden": 64, "target": 0.05, "seeds": 3}}
+    for family in ("sgd", "adam"):
+        rows = bench.transfers(tuned, along, family)
+        for r in rows:
+            r.update(steps=500.0, diverged=0, ratio=500.0 / tuned[r["b1"]].steps)
+        out[family] = dict(tuned={b: vars(t) for b, t in tuned.items()}, along={b: vars(a) for b, a in along.items()},
+                           transfers=rows, b_crit=30.0)
+    text = bench.render(out, "python benchmarks/lr_transfer_digits.py", None)
+    assert "Reading (SGD)" in text and "| noise_linear | up | 1 |" in text and "**Adam:**" in text

@@ -191,10 +191,14 @@ def test_untrusted_but_probe_allows_fewer_accumulation_steps():
 # --- learning rate and warmup ---------------------------------------------------------------------------------
 def test_lr_rules_by_optimizer_and_override():
     # B_simple 256 (the estimate passed in) from batch 64: noise-aware factor (1 + 256/64)/(1 + 256/256) = 2.5.
-    r = rec_for(256.0, current_batch_size=64, current_lr=0.1, optimizer=torch.optim.SGD)
+    r = rec_for(256.0, current_batch_size=64, current_lr=0.1, optimizer=torch.optim.SGD, lr_rule="noise_linear")
     assert r.lr_rule == "noise_linear" and r.learning_rate == pytest.approx(0.25)
     assert "McCandlish" in r.citation and "small-batch limit" in r.citation
     assert any("would give ×4" in n for n in r.notes)  # the linear limit, for comparison
+    # The SGD family's default does not raise the LR without the curvature (see the next tests).
+    r = rec_for(256.0, current_batch_size=64, current_lr=0.1, optimizer=torch.optim.SGD)
+    assert r.lr_rule == "noise_linear" and r.learning_rate == 0.1 and r.lr_ceiling == 0.1
+    assert any("not raised (the noise_linear rule gave 0.25)" in n for n in r.notes)
     r = rec_for(256.0, current_batch_size=64, current_lr=1e-3, optimizer=torch.optim.AdamW)
     assert r.lr_rule == "noise_sqrt" and r.learning_rate == pytest.approx(1e-3 * math.sqrt(2.5))
     assert "Malladi" in r.citation and any("β" in n for n in r.notes)
@@ -215,9 +219,17 @@ def test_lr_rules_by_optimizer_and_override():
 
 def test_lr_follows_the_noise_scale_in_both_directions():
     """The issue's two failures of linear scaling, with the estimate's B_simple as B_noise."""
-    up = rec_for(32.0, lo=28.0, hi=38.0, current_batch_size=8, current_lr=0.531, dataset_size=1797)
+    kw = dict(lo=28.0, hi=38.0, current_batch_size=8, current_lr=0.531, dataset_size=1797)
+    up = rec_for(32.0, lr_rule="noise_linear", **kw)
     assert up.batch_size == 32 and up.learning_rate == pytest.approx(0.531 * (1 + 32 / 8) / (1 + 32 / 32))
     assert up.warmup_steps > 0  # the LR rises
+    # By default an SGD increase stops at the stability limit 2/λ_max, here λ_max = 2.38 (the peak measured along
+    # the tuned batch-8 run on digits) → 0.84; unknown curvature: kept, no warmup needed.
+    capped = rec_for(32.0, sharpness=2.38, **kw)
+    assert capped.learning_rate == pytest.approx(2 / 2.38) and capped.lr_stability_limit == pytest.approx(2 / 2.38)
+    kept = rec_for(32.0, **kw)
+    assert kept.learning_rate == 0.531 and kept.warmup_steps == 0
+    # A decrease follows the noise-aware rule by default (no curvature needed to lower an LR).
     down = rec_for(16.0, lo=14.0, hi=19.0, current_batch_size=512, current_lr=1.5, max_micro_batch=512)
     assert down.batch_size == 16 and down.learning_rate == pytest.approx(1.5 * (1 + 16 / 512) / (1 + 16 / 16))
     assert down.warmup_steps == 0
@@ -255,8 +267,8 @@ def test_warmup_whenever_the_lr_rises_in_steps():
     # Unknown epoch length: epochs only.
     r = rec_for(256.0, current_batch_size=32, lr_rule="linear")
     assert r.warmup_steps is None and r.warmup_epochs == pytest.approx(3.0)
-    # Any increase gets a warmup, in proportion to log2 of the factor: the default rule's ×(1 + 4)/2 = 2.5 here.
-    r = rec_for(256.0, current_batch_size=64, dataset_size=10_000)
+    # Any increase gets a warmup, in proportion to log2 of the factor: noise_linear's ×(1 + 4)/2 = 2.5 here.
+    r = rec_for(256.0, current_batch_size=64, dataset_size=10_000, lr_rule="noise_linear")
     assert r.learning_rate == pytest.approx(0.25) and r.warmup_epochs == pytest.approx(math.log2(2.5))
     r = rec_for(128.0, current_batch_size=64, dataset_size=10_000, lr_rule="sqrt")
     assert r.warmup_epochs == pytest.approx(0.5) and r.warmup_steps == math.ceil(0.5 * 10_000 / 128)
@@ -316,7 +328,7 @@ def test_round_trip_without_estimate():
 
 def test_summary_table_has_settings_to_paste():
     r = rec_for(256.0, current_batch_size=32, num_devices=2, max_micro_batch=32, dataset_size=10_000,
-                throughput={32: 900.0}, price_per_device_hour=2.0)
+                throughput={32: 900.0}, price_per_device_hour=2.0, lr_rule="noise_linear")
     table = r.summary_table()
     # noise_linear from 32 to 256 at B_noise 256: ×(1 + 8)/2 = 4.5 → 0.45, warmup from 0.1 (start factor 1/4.5).
     for s in ("current", "recommended", "95% CI", "S/S_min", "E/E_min", "noise_linear", "Goyal", "small-batch limit",
@@ -324,6 +336,8 @@ def test_summary_table_has_settings_to_paste():
               "SGD(params, lr=0.45)", "LinearLR(optimizer, start_factor=0.2222", "time per epoch", "cost per epoch"):
         assert s in table, s
     assert str(r) == table
+    kept = rec_for(256.0, current_batch_size=32, dataset_size=10_000).summary_table()
+    assert "SGD(params, lr=0.1)" in kept and "not raised" in kept and "Warmup: none needed" in kept
     untrusted = rec_for(256.0, hi=math.inf).summary_table()
     assert "unbounded" in untrusted and "∞" in untrusted
 
