@@ -30,6 +30,7 @@ from gns_callback.lightning.compat import CALLBACK_BASES, misconfiguration
 from gns_callback.meter import LOSS_REDUCTIONS, GradientNoiseScaleMeter
 from gns_callback.probe import ProbeResult
 from gns_callback.recommendation import Recommendation, recommend
+from gns_callback.recommendation.rules import LR_RULES
 from gns_callback.report import DEFAULT_REPORT_NAME, write_report
 
 STATE_VERSION = 2
@@ -140,10 +141,10 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
                 f"GradientNoiseScaleCallback(memory_budget_bytes={memory_budget_bytes!r}): a positive number of "
                 "bytes, or None for the device's memory."
             )
-        if lr_rule not in (None, "linear", "sqrt", "none"):
+        if lr_rule is not None and lr_rule not in LR_RULES:
             raise ValueError(
-                f"GradientNoiseScaleCallback(lr_rule={lr_rule!r}): 'linear' (SGD), 'sqrt' (Adam), 'none', or None "
-                "to choose by optimizer."
+                f"GradientNoiseScaleCallback(lr_rule={lr_rule!r}): one of {', '.join(map(repr, LR_RULES))}, or None "
+                "to choose by optimizer family (noise_linear for SGD, noise_sqrt for Adam)."
             )
         if adapt and not recommend:
             raise ValueError("GradientNoiseScaleCallback(adapt=True) needs recommend=True: it applies the recommendation.")
