@@ -232,14 +232,14 @@ def test_help_documents_how_the_flags_depend_on_each_other(capsys):
 def test_warmup_steps_come_from_the_dataset_size(tmp_path, capsys):
     """No epoch length in the report (an IterableDataset): the command says how to get warmup steps."""
     big = estimate(600.0, 500.0, 700.0)
-    report = report_sections.report(big, dataset_size=None)
+    report = report_sections.report(big, dataset_size=None, optimizer="Adam")  # Adam: the LR rises with the batch
     saved = Recommendation.from_dict(report["recommendation"])
     assert saved.warmup_steps is None and saved.warmup_epochs > 0  # the LR grows enough to need a warmup
     path = write(tmp_path / "r.json", report)
     text = run(capsys, path, "--no-plots")
     assert "Rerun this command with --dataset-size N" in text
     text = run(capsys, path, "--no-plots", "--dataset-size", "60000")
-    rec = recommend(big, probe=report["probe"], **{**CALLBACK_INPUTS, "dataset_size": 60000})
+    rec = recommend(big, probe=report["probe"], **{**CALLBACK_INPUTS, "optimizer": "Adam", "dataset_size": 60000})
     assert rec.warmup_steps and f"Warmup: {rec.warmup_steps} steps" in text and "Rerun this command" not in text
 
 
