@@ -43,6 +43,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from gns_callback.json_values import json_safe
@@ -169,6 +170,16 @@ def _run_average_reason(loss_start: float, loss_end: float, loss_positive: bool)
 
 
 # ------------------------------------------------------------------------------------------- online accumulator
+def _check_options(windows: int, trim: float, loss_decay: float) -> None:
+    if not (isinstance(windows, int) and windows >= 1):
+        raise ValueError(f"windows must be an integer >= 1 (the number of log-loss windows), got {windows!r}")
+    if not 0.0 <= trim < 0.5:
+        raise ValueError(f"trim must be in [0, 0.5) (the fraction of the log-loss range left out at each end), "
+                         f"got {trim!r}")
+    if not 0.0 <= loss_decay < 1.0:
+        raise ValueError(f"loss_decay must be in [0, 1) (EMA decay of the training loss), got {loss_decay!r}")
+
+
 class CriticalBatchAccumulator:
     """Per-step ``(tr Σ̂, |Ĝ|², loss)`` binned by log-loss depth, kept on the device (no host sync per update).
 
@@ -180,12 +191,7 @@ class CriticalBatchAccumulator:
 
     def __init__(self, windows: int = 2, trim: float = 0.25, loss_decay: float = 0.9, bins: int = BINS,
                  bin_width: float = BIN_WIDTH) -> None:
-        if windows < 1:
-            raise ValueError(f"windows must be >= 1, got {windows}")
-        if not 0.0 <= trim < 0.5:
-            raise ValueError(f"trim must be in [0, 0.5), got {trim}")
-        if not 0.0 <= loss_decay < 1.0:
-            raise ValueError(f"loss_decay must be in [0, 1), got {loss_decay}")
+        _check_options(windows, trim, loss_decay)
         self.windows, self.trim, self.loss_decay = int(windows), float(trim), float(loss_decay)
         self.bin_width = float(bin_width)
         self.bin_sums = torch.zeros(bins, len(SUM_FIELDS), dtype=torch.float64)
@@ -200,7 +206,7 @@ class CriticalBatchAccumulator:
         valid = valid & torch.isfinite(loss)
         new_state = self._next_loss_state(loss)
         self.loss_state = torch.where(valid, new_state, self.loss_state)
-        depth = (self.loss_state[2] - self.loss_state[3]).clamp_min(0.0)
+        depth = torch.nan_to_num(self.loss_state[2] - self.loss_state[3], nan=0.0).clamp_min(0.0)  # nan: no loss yet
         index = torch.floor(depth / self.bin_width).clamp(0, self.bin_sums.shape[0] - 1).long()
         row = torch.where(valid, step, torch.zeros_like(step))  # where() picks: a non-finite step never leaks
         self.bin_sums.index_add_(0, index.view(1), row.view(1, -1))
@@ -238,17 +244,46 @@ class CriticalBatchAccumulator:
         self.loss_state = torch.tensor(state["loss_state"], dtype=torch.float64, device=device)
 
 
-def critical_batch_size(trace: Sequence[float] | torch.Tensor, grad_sq: Sequence[float] | torch.Tensor,
-                        loss: Sequence[float] | torch.Tensor, *, confidence: float = 0.95,
-                        **options: Any) -> CriticalBatchEstimate:
+def critical_batch_size(trace: Sequence[float] | torch.Tensor | np.ndarray,
+                        grad_sq: Sequence[float] | torch.Tensor | np.ndarray,
+                        loss: Sequence[float] | torch.Tensor | np.ndarray, *, confidence: float = 0.95,
+                        windows: int = 2, trim: float = 0.25, loss_decay: float = 0.9, bins: int = BINS,
+                        bin_width: float = BIN_WIDTH) -> CriticalBatchEstimate:
     """The estimate from per-step arrays of equal length: unbiased ``tr Σ̂_t`` and ``|Ĝ_t|²`` estimates and the
-    step's mean training loss (non-finite entries are skipped). ``options`` go to :class:`CriticalBatchAccumulator`.
-    """
-    trace, grad_sq, loss = (torch.as_tensor(v, dtype=torch.float64).reshape(-1) for v in (trace, grad_sq, loss))
-    if not len(trace) == len(grad_sq) == len(loss):
-        raise ValueError(f"trace, grad_sq and loss must have the same length, got {len(trace)}, {len(grad_sq)}, "
-                         f"{len(loss)}")
-    acc = CriticalBatchAccumulator(**options)
-    for x, y, l in zip(trace, grad_sq, loss):
-        acc.update(x, y, l, torch.isfinite(x) & torch.isfinite(y))
-    return acc.summary(confidence)
+    step's mean training loss. Steps with a non-finite entry are skipped. Same result as feeding the steps to
+    :class:`CriticalBatchAccumulator` one by one (vectorised here)."""
+    _check_options(windows, trim, loss_decay)
+    x, y, l = (np.asarray(torch.as_tensor(v, dtype=torch.float64).cpu(), dtype=np.float64).reshape(-1)
+               for v in (trace, grad_sq, loss))
+    if not len(x) == len(y) == len(l):
+        raise ValueError(f"trace, grad_sq and loss must have the same length, got {len(x)}, {len(y)}, {len(l)}")
+    ok = np.isfinite(x) & np.isfinite(y) & np.isfinite(l)
+    x, y, l = x[ok], y[ok], l[ok]
+    smoothed = _bias_corrected_ema(l, loss_decay)
+    if len(l) == 0 or (smoothed <= 0).any():
+        bin_sums = torch.zeros(bins, len(SUM_FIELDS), dtype=torch.float64)
+        bin_sums[0] = torch.tensor(_column_sums(x, y))
+        start = end = float(smoothed[0]) if len(l) else math.nan
+        return summarize_bins(bin_sums, start, end, windows=windows, trim=trim, bin_width=bin_width,
+                              confidence=confidence, loss_positive=len(l) == 0 or bool((smoothed > 0).all()))
+    log_loss = np.log(smoothed)
+    depth = log_loss[0] - np.minimum.accumulate(log_loss)
+    index = np.clip(np.floor(depth / bin_width), 0, bins - 1).astype(np.int64)
+    rows = np.stack([np.ones_like(x), np.ones_like(x), x, y, x * x, y * y, x * y], axis=1)
+    bin_sums = np.zeros((bins, len(SUM_FIELDS)))
+    np.add.at(bin_sums, index, rows)
+    return summarize_bins(torch.from_numpy(bin_sums), float(smoothed[0]), float(np.exp(log_loss.min())),
+                          windows=windows, trim=trim, bin_width=bin_width, confidence=confidence)
+
+
+def _bias_corrected_ema(values: np.ndarray, decay: float) -> np.ndarray:
+    out, num, weight = np.empty_like(values), 0.0, 0.0
+    for i, v in enumerate(values):
+        num, weight = decay * num + v, decay * weight + 1.0
+        out[i] = num / weight
+    return out
+
+
+def _column_sums(x: np.ndarray, y: np.ndarray) -> list[float]:
+    n = float(len(x))
+    return [n, n, x.sum(), y.sum(), (x * x).sum(), (y * y).sum(), (x * y).sum()]
