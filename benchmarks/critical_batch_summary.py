@@ -69,19 +69,21 @@ def _chosen_estimate(trace, batch_size: int):
 
 
 def run_problem(problem: Problem, cfg: SweepConfig, log: Callable[[str], None]) -> dict[str, Any]:
-    t0 = time.time()
+    t0, cpu0 = time.time(), time.process_time()
     data = problem.data()
     results = sweep(problem, data, cfg, log)
     fit = fit_critical_batch(results)
     log(f"{problem.name}: B_crit = {fit['b_crit']:.1f} (bootstrap {fit['bootstrap'][0]:.1f} – "
         f"{fit['bootstrap'][1]:.1f}), S_min = {fit['s_min']:.0f}")
     rows = evaluate_runs(results, fit["b_crit"])
-    return dict(problem=problem, results=results, fit=fit, rows=rows, seconds=time.time() - t0)
+    return dict(problem=problem, results=results, fit=fit, rows=rows, seconds=time.time() - t0,
+                cpu_seconds=time.process_time() - cpu0)
 
 
-def run(problems: tuple[str, ...], quick: bool, seeds: int | None, log: Callable[[str], None] = print) -> dict:
+def run(problems: tuple[str, ...], quick: bool, seeds: int | None, first_seed: int = 0,
+        log: Callable[[str], None] = print) -> dict:
     torch.set_num_threads(1)
-    cfg = QUICK if quick else SweepConfig()
+    cfg = replace(QUICK if quick else SweepConfig(), first_seed=first_seed)
     if seeds:
         cfg = replace(cfg, seeds=seeds)
     out = []
@@ -148,11 +150,12 @@ def render(out: dict, command: str) -> str:
 
     load, cfg = out["load"], out["cfg"]
     total = sum(p["seconds"] for p in out["problems"])
+    cpu = sum(p.get("cpu_seconds", math.nan) for p in out["problems"])
     lines = [
         f"- Command: `{command}` — {out['date']}; {platform.machine()}, {os.cpu_count()} CPU cores shared with other "
         f"work (load average {load[0]:.1f} at the end), no GPU; torch {torch.__version__} (1 thread), "
         f"pytorch-lightning {pl.__version__} (not used here), Python {platform.python_version()}; total "
-        f"{total:.0f} s.",
+        f"{total:.0f} s wall, {cpu:.0f} s CPU.",
         f"- Slow-way B_crit per problem: LR grid ×√2 refined by ×2^(1/4) around the best (seed 0; runs "
         f"{cfg.prune_factor:g}× slower than the best are cut), then {cfg.seeds} data-order seeds at the best LR and "
         "its neighbours; tuned LR = fewest mean steps among LRs where every seed reached the target; fit of "
@@ -168,32 +171,48 @@ def render(out: dict, command: str) -> str:
         lines += ["", f"### {prob.description}", "",
                   f"**B_crit = {fit['b_crit']:.1f}** (bootstrap over seeds {fit['bootstrap'][0]:.1f} – "
                   f"{fit['bootstrap'][1]:.1f}; S_min = {fit['s_min']:.0f}, E_min = {fit['e_min']:,.0f}); "
-                  f"{p['seconds']:.0f} s.", "", *sweep_table(p), "", *summary_table(p), "", chosen_detail(p)]
+                  f"{p['seconds']:.0f} s wall, {p.get('cpu_seconds', math.nan):.0f} s CPU.", "", *sweep_table(p), "", *summary_table(p), "", chosen_detail(p)]
     return "\n".join(lines)
+
+
+def load_runs(paths: list[str]) -> dict:
+    """Several ``--save`` pickles as one result (problems concatenated; date, load, config of the last); the
+    summaries are recomputed from the recorded traces."""
+    import pickle
+
+    merged: dict = {}
+    for path in paths:
+        with open(path, "rb") as f:
+            out = pickle.load(f)
+        for p in out["problems"]:  # the summaries as the code now computes them
+            p["rows"] = evaluate_runs(p["results"], p["fit"]["b_crit"])
+        problems = merged.get("problems", []) + out["problems"]
+        merged = {**out, "problems": problems}
+    return merged
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 batch sizes, 1 seed, shallow target (< 1 min)")
     parser.add_argument("--problems", nargs="+", default=list(DEFAULT_PROBLEMS), choices=sorted(PROBLEMS))
-    parser.add_argument("--seeds", type=int, default=None)
+    parser.add_argument("--seeds", type=int, default=None, help="data-order seeds per LR (default 3)")
+    parser.add_argument("--first-seed", type=int, default=0, help="first data-order seed (fresh runs: e.g. 100)")
     parser.add_argument("--out", default=None, help="replace this benchmark's section of this RESULTS.md")
     parser.add_argument("--save", default=None, help="pickle the raw results (re-render with --load)")
-    parser.add_argument("--load", default=None)
+    parser.add_argument("--load", nargs="+", default=None, help="render from --save pickles (problems concatenated)")
     args = parser.parse_args()
     if args.load:
-        import pickle
-
-        with open(args.load, "rb") as f:
-            out = pickle.load(f)
+        out = load_runs(args.load)
+        args.problems = [p["problem"].name for p in out["problems"]]
     else:
-        out = run(tuple(args.problems), args.quick, args.seeds)
+        out = run(tuple(args.problems), args.quick, args.seeds, args.first_seed)
     if args.save:
         import pickle
 
         with open(args.save, "wb") as f:
             pickle.dump(out, f)
     command = "python benchmarks/critical_batch_summary.py" + (" --quick" if args.quick else "") + (
+        f" --first-seed {args.first_seed}" if args.first_seed else "") + (
         f" --problems {' '.join(args.problems)}" if tuple(args.problems) != DEFAULT_PROBLEMS else "") + (
         f" --out {args.out}" if args.out else "")
     section = render(out, command)

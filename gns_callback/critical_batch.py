@@ -31,10 +31,13 @@ windows' log half-widths in quadrature. The measured accuracy against the slow-w
 beyond this statistical interval) is :data:`MODEL_FACTOR`; :attr:`CriticalBatchEstimate.trust_low` and
 ``trust_high`` widen the interval by it.
 
-The loss coordinate of a step is the running minimum of an EMA of the training loss (first passage, so a loss
-spike does not move a step back to an earlier window), kept in fine bins of ``log L``. Needs a positive loss
-that falls by at least :data:`MIN_LOSS_FALL` over the run; otherwise the estimate is the plain run average
-``Σ tr Σ/Σ |G|²`` and ``method`` says why. Pure torch/Python: no Lightning.
+The loss coordinate: steps are summed into consecutive blocks (at most :data:`BLOCKS`; a block's size doubles as
+the run grows); when read, each block's mean training loss is smoothed in ``log L`` over ``±``:data:`SMOOTHING`
+neighbouring blocks (centred, so short runs at large batch are not shifted by a lagging average) and placed by
+the running minimum (first passage: a loss spike does not move steps back to an earlier window). Only loss
+*ratios* matter, so a constant factor in the loss (``1/accumulate_grad_batches``, a sum reduction) changes
+nothing. Needs a positive loss that falls by at least :data:`MIN_LOSS_FALL` over the run; otherwise the estimate
+is the plain run average ``Σ tr Σ/Σ |G|²`` and ``method`` says why. Pure torch/numpy: no Lightning.
 """
 
 from __future__ import annotations
@@ -49,15 +52,17 @@ import torch
 from gns_callback.json_values import json_safe
 from gns_callback.smoothing import SUM_FIELDS, RatioSummary, step_vector, summarize_ratio
 
-#: Width of the fine bins of log-loss depth (the windows are assembled from them at read time).
-BIN_WIDTH = math.log(2.0) / 8
-#: Fine bins kept: depth up to ``BINS·BIN_WIDTH`` (a loss fall of 2^64); deeper steps share the last bin.
-BINS = 512
+#: Steps are kept in at most this many consecutive blocks (merged pairwise as the run grows: a power-of-two size).
+BLOCKS = 256
+#: The blocks' mean losses are smoothed over this many neighbouring blocks on each side (centred: no lag).
+SMOOTHING = 2
 #: Below this loss fall (L_start/L_end) the loss windows are not resolved and the run average is used.
 MIN_LOSS_FALL = 2.0
 #: Measured model error: on the benchmark's runs (every batch 8…512, seeds, two models, plain SGD) the estimate
 #: lay within this factor of the slow-way B_crit (benchmarks/RESULTS.md, "Critical batch from one run").
 MODEL_FACTOR = 2.0
+#: Columns of a block: the ``SUM_FIELDS`` sums of (tr Σ̂, |Ĝ|²), then the sum of the steps' losses.
+BLOCK_FIELDS = (*SUM_FIELDS, "loss")
 
 LOSS_WINDOWS = "log-loss midpoint"
 RUN_AVERAGE = "run average"
@@ -120,41 +125,58 @@ def _log_gap(upper: float, lower: float) -> float:
     return math.log(upper / lower) if lower > 0.0 and upper < math.inf else math.inf
 
 
-# ------------------------------------------------------------------------------------------- windows from bins
+# ------------------------------------------------------------------------------------------- windows from blocks
 def window_edges(depth: float, windows: int, trim: float) -> list[tuple[float, float]]:
     """``[lo, hi)`` in log-loss depth (``log L_start − log L``) of ``windows`` equal windows covering the middle
-    ``1 − 2·trim`` of ``[0, depth]``."""
+    ``1 − 2·trim`` of ``[0, depth]`` (the last one closed)."""
     span = depth * (1.0 - 2.0 * trim)
     return [(depth * trim + span * k / windows, depth * trim + span * (k + 1) / windows) for k in range(windows)]
 
 
-def window_sums(bin_sums: torch.Tensor, edges: Sequence[tuple[float, float]], bin_width: float) -> list[list[float]]:
-    """Sum the fine bins (rows of ``bin_sums``, ``SUM_FIELDS`` order) whose centre falls in each window."""
-    centres = (torch.arange(bin_sums.shape[0], dtype=torch.float64) + 0.5) * bin_width
-    out = []
-    for k, (lo, hi) in enumerate(edges):
-        last = k == len(edges) - 1
-        inside = (centres >= lo) & ((centres <= hi) if last else (centres < hi))
-        out.append(bin_sums[inside].sum(0).tolist())
-    return out
+def block_depths(blocks: torch.Tensor, smoothing: int = SMOOTHING) -> torch.Tensor:
+    """Log-loss depth of each (non-empty) block: its mean loss, smoothed in log over ``±smoothing`` neighbouring
+    blocks (centred), then the running minimum (first passage: a loss spike does not move steps back)."""
+    log_loss = torch.log(blocks[:, -1] / blocks[:, 0])
+    kernel = torch.ones(1, 1, 2 * smoothing + 1, dtype=torch.float64)
+    padded = torch.nn.functional.pad(log_loss.view(1, 1, -1), (smoothing, smoothing))
+    counts = torch.nn.functional.pad(torch.ones(1, 1, len(log_loss), dtype=torch.float64), (smoothing, smoothing))
+    smoothed = (torch.conv1d(padded, kernel) / torch.conv1d(counts, kernel)).view(-1)
+    return smoothed[0] - torch.cummin(smoothed, 0).values
 
 
-def summarize_bins(bin_sums: torch.Tensor, loss_start: float, loss_end: float, *, windows: int = 2,
-                   trim: float = 0.25, bin_width: float = BIN_WIDTH, confidence: float = 0.95,
-                   loss_positive: bool = True) -> CriticalBatchEstimate:
-    """The estimate from per-bin sums (``(bins, 7)``, ``SUM_FIELDS`` order) and the smoothed loss range."""
-    bin_sums = bin_sums.detach().to("cpu", torch.float64)
-    steps = int(round(float(bin_sums[:, 0].sum())))
+def summarize_blocks(blocks: torch.Tensor, *, windows: int = 2, trim: float = 0.25, smoothing: int = SMOOTHING,
+                     confidence: float = 0.95, loss_positive: bool = True) -> CriticalBatchEstimate:
+    """The estimate from consecutive blocks of steps (``(n, 8)`` rows in ``BLOCK_FIELDS`` order)."""
+    blocks = blocks.detach().to("cpu", torch.float64)
+    blocks = blocks[blocks[:, 0] > 0]
+    steps = int(round(float(blocks[:, 0].sum())))
+    if len(blocks) == 0:
+        return _run_average(blocks, math.nan, math.nan, confidence, "no step measured")
+    depth = block_depths(blocks, smoothing) if loss_positive else torch.zeros(len(blocks), dtype=torch.float64)
+    loss_start = float(blocks[0, -1] / blocks[0, 0]) if loss_positive else math.nan
+    loss_end = loss_start * math.exp(-float(depth[-1])) if loss_positive else math.nan
     reason = _run_average_reason(loss_start, loss_end, loss_positive)
     if reason is None:
-        edges = window_edges(math.log(loss_start / loss_end), windows, trim)
-        parts = [summarize_ratio(s, confidence) for s in window_sums(bin_sums, edges, bin_width)]
+        parts = [summarize_ratio(blocks[inside, :7].sum(0).tolist(), confidence)
+                 for inside in _window_masks(depth, windows, trim)]
         if all(p.effective_steps > 1.0 for p in parts):
             g, low, high = geometric_mean_interval(parts)
             values = tuple(p.ratio for p in parts)
             return CriticalBatchEstimate(g, low, high, confidence, values, loss_start, loss_end, steps, LOSS_WINDOWS)
         reason = "a loss window holds fewer than 2 steps"
-    whole = summarize_ratio(bin_sums.sum(0).tolist(), confidence)
+    return _run_average(blocks, loss_start, loss_end, confidence, reason)
+
+
+def _window_masks(depth: torch.Tensor, windows: int, trim: float) -> list[torch.Tensor]:
+    edges = window_edges(float(depth[-1]), windows, trim)
+    last = len(edges) - 1
+    return [(depth >= lo) & ((depth <= hi) if k == last else (depth < hi)) for k, (lo, hi) in enumerate(edges)]
+
+
+def _run_average(blocks: torch.Tensor, loss_start: float, loss_end: float, confidence: float,
+                 reason: str) -> CriticalBatchEstimate:
+    whole = summarize_ratio(blocks[:, :7].sum(0).tolist(), confidence)
+    steps = int(round(float(blocks[:, 0].sum())))
     return CriticalBatchEstimate(whole.ratio, whole.ci_low, whole.ci_high, confidence, (whole.ratio,), loss_start,
                                  loss_end, steps, f"{RUN_AVERAGE} ({reason})")
 
@@ -170,120 +192,97 @@ def _run_average_reason(loss_start: float, loss_end: float, loss_positive: bool)
 
 
 # ------------------------------------------------------------------------------------------- online accumulator
-def _check_options(windows: int, trim: float, loss_decay: float) -> None:
+def _check_options(windows: int, trim: float, blocks: int, smoothing: int) -> None:
     if not (isinstance(windows, int) and windows >= 1):
         raise ValueError(f"windows must be an integer >= 1 (the number of log-loss windows), got {windows!r}")
     if not 0.0 <= trim < 0.5:
         raise ValueError(f"trim must be in [0, 0.5) (the fraction of the log-loss range left out at each end), "
                          f"got {trim!r}")
-    if not 0.0 <= loss_decay < 1.0:
-        raise ValueError(f"loss_decay must be in [0, 1) (EMA decay of the training loss), got {loss_decay!r}")
+    if not (isinstance(blocks, int) and blocks >= 2 and blocks % 2 == 0):
+        raise ValueError(f"blocks must be an even integer >= 2 (blocks of steps kept), got {blocks!r}")
+    if not (isinstance(smoothing, int) and smoothing >= 0):
+        raise ValueError(f"smoothing must be an integer >= 0 (neighbouring blocks on each side), got {smoothing!r}")
 
 
 class CriticalBatchAccumulator:
-    """Per-step ``(tr Σ̂, |Ĝ|², loss)`` binned by log-loss depth, kept on the device (no host sync per update).
+    """Per-step ``(tr Σ̂, |Ĝ|², loss)`` summed into consecutive blocks of steps on the device (no host sync per
+    update); the loss windows are drawn when :meth:`summary` is read.
 
     ``update(trace, grad_sq, loss, valid)`` takes 0-d tensors: the step's unbiased estimates (the same pair the
-    run-average :class:`~gns_callback.smoothing.RatioAccumulator` gets) and its mean training loss. A step
-    with ``valid == False`` changes nothing. ``loss_decay`` smooths the loss (bias-corrected EMA) before its
-    running minimum places the step.
+    run-average :class:`~gns_callback.smoothing.RatioAccumulator` gets) and its mean training loss. A step with
+    ``valid == False`` (or a non-finite loss) adds nothing. At most ``blocks`` blocks are kept: when they are
+    full, neighbouring pairs are merged and the block size doubles, so memory stays fixed.
     """
 
-    def __init__(self, windows: int = 2, trim: float = 0.25, loss_decay: float = 0.9, bins: int = BINS,
-                 bin_width: float = BIN_WIDTH) -> None:
-        _check_options(windows, trim, loss_decay)
-        self.windows, self.trim, self.loss_decay = int(windows), float(trim), float(loss_decay)
-        self.bin_width = float(bin_width)
-        self.bin_sums = torch.zeros(bins, len(SUM_FIELDS), dtype=torch.float64)
-        # [EMA numerator, EMA weight, log L_start, running min of log L, non-positive loss seen (0/1)]
-        self.loss_state = torch.tensor([0.0, 0.0, math.nan, math.inf, 0.0], dtype=torch.float64)
+    def __init__(self, windows: int = 2, trim: float = 0.25, blocks: int = BLOCKS, smoothing: int = SMOOTHING) -> None:
+        _check_options(windows, trim, blocks, smoothing)
+        self.windows, self.trim, self.smoothing = windows, float(trim), smoothing
+        self.blocks = torch.zeros(blocks, len(BLOCK_FIELDS), dtype=torch.float64)
+        self.block_size = 1  # steps per block (a power of two)
+        self.calls = 0  # updates so far, valid or not: places each step in its block without reading the device
+        self.nonpositive_loss = torch.zeros((), dtype=torch.bool)
 
     def update(self, trace: torch.Tensor, grad_sq: torch.Tensor, loss: torch.Tensor, valid: torch.Tensor) -> None:
         """Add one step (device tensors; no ``.item()``)."""
         step = step_vector(trace, grad_sq)
+        loss = loss.detach().to(device=step.device, dtype=torch.float64).reshape(())
         self._to(step.device)
-        loss = loss.detach().to(torch.float64)
-        valid = valid & torch.isfinite(loss)
-        new_state = self._next_loss_state(loss)
-        self.loss_state = torch.where(valid, new_state, self.loss_state)
-        depth = torch.nan_to_num(self.loss_state[2] - self.loss_state[3], nan=0.0).clamp_min(0.0)  # nan: no loss yet
-        index = torch.floor(depth / self.bin_width).clamp(0, self.bin_sums.shape[0] - 1).long()
-        row = torch.where(valid, step, torch.zeros_like(step))  # where() picks: a non-finite step never leaks
-        self.bin_sums.index_add_(0, index.view(1), row.view(1, -1))
+        if self.calls == self.blocks.shape[0] * self.block_size:
+            self._merge_pairs()
+        valid = valid.to(step.device) & torch.isfinite(loss)
+        row = torch.where(valid, torch.cat([step, loss.view(1)]), torch.zeros(len(BLOCK_FIELDS), dtype=torch.float64,
+                                                                             device=step.device))
+        self.blocks[self.calls // self.block_size] += row  # where() picks: a non-finite step never leaks
+        self.nonpositive_loss |= valid & (loss <= 0)
+        self.calls += 1
 
-    def _next_loss_state(self, loss: torch.Tensor) -> torch.Tensor:
-        num, weight, start, low, nonpositive = self.loss_state.unbind()
-        num, weight = self.loss_decay * num + loss, self.loss_decay * weight + 1.0
-        smoothed = num / weight
-        log_loss = torch.log(smoothed.clamp_min(torch.finfo(torch.float64).tiny))
-        start = torch.where(torch.isnan(start), log_loss, start)
-        low = torch.minimum(low, log_loss)
-        nonpositive = torch.maximum(nonpositive, (smoothed <= 0).to(torch.float64))
-        return torch.stack([num, weight, start, low, nonpositive])
+    def _merge_pairs(self) -> None:
+        merged = self.blocks.view(-1, 2, len(BLOCK_FIELDS)).sum(1)
+        self.blocks = torch.cat([merged, torch.zeros_like(merged)])
+        self.block_size *= 2
 
     def _to(self, device: torch.device) -> None:
-        if self.bin_sums.device != device:
-            self.bin_sums = self.bin_sums.to(device)
-            self.loss_state = self.loss_state.to(device)
+        if self.blocks.device != device:
+            self.blocks = self.blocks.to(device)
+            self.nonpositive_loss = self.nonpositive_loss.to(device)
 
     def summary(self, confidence: float = 0.95) -> CriticalBatchEstimate:
-        """Read the estimate (one device-to-host copy of the bins)."""
-        _, _, start, low, nonpositive = self.loss_state.tolist()
-        return summarize_bins(self.bin_sums, math.exp(start), math.exp(low), windows=self.windows, trim=self.trim,
-                              bin_width=self.bin_width, confidence=confidence, loss_positive=nonpositive == 0.0)
+        """Read the estimate (one device-to-host copy of the blocks)."""
+        return summarize_blocks(self.blocks, windows=self.windows, trim=self.trim, smoothing=self.smoothing,
+                                confidence=confidence, loss_positive=not bool(self.nonpositive_loss))
 
     def state_dict(self) -> dict:
-        return {"windows": self.windows, "trim": self.trim, "loss_decay": self.loss_decay,
-                "bin_width": self.bin_width, "bin_sums": self.bin_sums.tolist(), "loss_state": self.loss_state.tolist()}
+        return {"windows": self.windows, "trim": self.trim, "smoothing": self.smoothing, "calls": self.calls,
+                "block_size": self.block_size, "blocks": self.blocks.tolist(),
+                "nonpositive_loss": bool(self.nonpositive_loss)}
 
     def load_state_dict(self, state: dict) -> None:
-        device = self.bin_sums.device
-        self.windows, self.trim = int(state["windows"]), float(state["trim"])
-        self.loss_decay, self.bin_width = float(state["loss_decay"]), float(state["bin_width"])
-        self.bin_sums = torch.tensor(state["bin_sums"], dtype=torch.float64, device=device)
-        self.loss_state = torch.tensor(state["loss_state"], dtype=torch.float64, device=device)
+        device = self.blocks.device
+        self.windows, self.trim, self.smoothing = int(state["windows"]), float(state["trim"]), int(state["smoothing"])
+        self.calls, self.block_size = int(state["calls"]), int(state["block_size"])
+        self.blocks = torch.tensor(state["blocks"], dtype=torch.float64, device=device)
+        self.nonpositive_loss = torch.tensor(bool(state["nonpositive_loss"]), device=device)
 
 
 def critical_batch_size(trace: Sequence[float] | torch.Tensor | np.ndarray,
                         grad_sq: Sequence[float] | torch.Tensor | np.ndarray,
                         loss: Sequence[float] | torch.Tensor | np.ndarray, *, confidence: float = 0.95,
-                        windows: int = 2, trim: float = 0.25, loss_decay: float = 0.9, bins: int = BINS,
-                        bin_width: float = BIN_WIDTH) -> CriticalBatchEstimate:
+                        windows: int = 2, trim: float = 0.25, blocks: int = BLOCKS,
+                        smoothing: int = SMOOTHING) -> CriticalBatchEstimate:
     """The estimate from per-step arrays of equal length: unbiased ``tr Σ̂_t`` and ``|Ĝ_t|²`` estimates and the
-    step's mean training loss. Steps with a non-finite entry are skipped. Same result as feeding the steps to
-    :class:`CriticalBatchAccumulator` one by one (vectorised here)."""
-    _check_options(windows, trim, loss_decay)
+    step's mean training loss. Steps with a non-finite entry are skipped. The same blocks, hence the same result,
+    as feeding the steps to :class:`CriticalBatchAccumulator` one by one (vectorised here)."""
+    _check_options(windows, trim, blocks, smoothing)
     x, y, l = (np.asarray(torch.as_tensor(v, dtype=torch.float64).cpu(), dtype=np.float64).reshape(-1)
                for v in (trace, grad_sq, loss))
     if not len(x) == len(y) == len(l):
         raise ValueError(f"trace, grad_sq and loss must have the same length, got {len(x)}, {len(y)}, {len(l)}")
-    ok = np.isfinite(x) & np.isfinite(y) & np.isfinite(l)
-    x, y, l = x[ok], y[ok], l[ok]
-    smoothed = _bias_corrected_ema(l, loss_decay)
-    if len(l) == 0 or (smoothed <= 0).any():
-        bin_sums = torch.zeros(bins, len(SUM_FIELDS), dtype=torch.float64)
-        bin_sums[0] = torch.tensor(_column_sums(x, y))
-        start = end = float(smoothed[0]) if len(l) else math.nan
-        return summarize_bins(bin_sums, start, end, windows=windows, trim=trim, bin_width=bin_width,
-                              confidence=confidence, loss_positive=len(l) == 0 or bool((smoothed > 0).all()))
-    log_loss = np.log(smoothed)
-    depth = log_loss[0] - np.minimum.accumulate(log_loss)
-    index = np.clip(np.floor(depth / bin_width), 0, bins - 1).astype(np.int64)
-    rows = np.stack([np.ones_like(x), np.ones_like(x), x, y, x * x, y * y, x * y], axis=1)
-    bin_sums = np.zeros((bins, len(SUM_FIELDS)))
-    np.add.at(bin_sums, index, rows)
-    return summarize_bins(torch.from_numpy(bin_sums), float(smoothed[0]), float(np.exp(log_loss.min())),
-                          windows=windows, trim=trim, bin_width=bin_width, confidence=confidence)
-
-
-def _bias_corrected_ema(values: np.ndarray, decay: float) -> np.ndarray:
-    out, num, weight = np.empty_like(values), 0.0, 0.0
-    for i, v in enumerate(values):
-        num, weight = decay * num + v, decay * weight + 1.0
-        out[i] = num / weight
-    return out
-
-
-def _column_sums(x: np.ndarray, y: np.ndarray) -> list[float]:
-    n = float(len(x))
-    return [n, n, x.sum(), y.sum(), (x * x).sum(), (y * y).sum(), (x * y).sum()]
+    block_size = 1
+    while len(x) > blocks * block_size:
+        block_size *= 2
+    valid = np.isfinite(x) & np.isfinite(y) & np.isfinite(l)
+    rows = np.stack([np.ones_like(x), np.ones_like(x), x, y, x * x, y * y, x * y, l], axis=1)
+    sums = np.zeros((blocks, len(BLOCK_FIELDS)))
+    np.add.at(sums, np.arange(len(x))[valid] // block_size, rows[valid])
+    return summarize_blocks(torch.from_numpy(sums), windows=windows, trim=trim, smoothing=smoothing,
+                            confidence=confidence, loss_positive=bool((l[valid] > 0).all()))

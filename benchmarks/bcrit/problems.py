@@ -8,6 +8,7 @@ gradient from one summed backward pass).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
@@ -72,9 +73,9 @@ def lr_grid(low: float, high: float) -> tuple[float, ...]:
 
 PROBLEMS = {
     "mlp_momentum": Problem("mlp_momentum", "digits MLP 64-64-10 (tanh), SGD momentum 0.9, target full-data cross-entropy 0.05",
-                            lambda: mlp(64), digits, 0.05, lr_grid(0.02, 1.6), optimizer="momentum"),
+                            partial(mlp, 64), digits, 0.05, lr_grid(0.02, 1.6), optimizer="momentum"),
     "mlp": Problem("mlp", "digits MLP 64-64-10 (tanh), SGD, target full-data cross-entropy 0.05",
-                   lambda: mlp(64), digits, 0.05, lr_grid(0.1, 2.3)),
+                   partial(mlp, 64), digits, 0.05, lr_grid(0.1, 2.3)),
     "cnn": Problem("cnn", "digits CNN (2 conv + GroupNorm + linear, ReLU), SGD, target full-data cross-entropy 0.03",
                    cnn, digits, 0.03, lr_grid(0.05, 0.8)),
 }

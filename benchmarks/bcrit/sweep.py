@@ -21,6 +21,7 @@ from benchmarks.critical_batch_digits import fit_hyperbola
 class SweepConfig:
     batch_sizes: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512)
     seeds: int = 3
+    first_seed: int = 0  # data-order seeds first_seed … first_seed + seeds − 1 (the first one runs the LR grid)
     max_examples: int = 1_500_000
     max_steps: int = 20_000
     prune_factor: float = 1.5
@@ -56,7 +57,8 @@ def sweep_batch(problem: Problem, data, cfg: SweepConfig, b: int, guess: float, 
 
     def run_seed0(lr: float) -> None:
         nonlocal best
-        r = train(problem, data, b, lr, 0, max_steps=budget, eval_every=every, cut_after=cfg.prune_factor * best)
+        r = train(problem, data, b, lr, cfg.first_seed, max_steps=budget, eval_every=every,
+                  cut_after=cfg.prune_factor * best)
         grid.append(r)
         best = min(best, r.steps)
 
@@ -75,7 +77,8 @@ def sweep_batch(problem: Problem, data, cfg: SweepConfig, b: int, guess: float, 
 
     def run_seeds(lr: float) -> None:
         seed_runs[lr] = [train(problem, data, b, lr, s, max_steps=budget, eval_every=every, record=True,
-                               exact_every=exact_every) for s in range(cfg.seeds)]
+                               exact_every=exact_every)
+                        for s in range(cfg.first_seed, cfg.first_seed + cfg.seeds)]
 
     for r in reached[max(0, i - cfg.neighbours): i + cfg.neighbours + 1]:
         run_seeds(r.lr)
