@@ -22,11 +22,13 @@ import torch
 
 from gns_callback.batch_size import batch_size_of
 from gns_callback.collectors import METHODS, UnmeasurableSetup, choose_method
+from gns_callback.critical_batch import critical_batch_target
 from gns_callback.estimate import GNSEstimate
 from gns_callback.json_values import json_safe
 from gns_callback.lightning import trainer_facts as facts
 from gns_callback.lightning.adaptation import Adapter
 from gns_callback.lightning.compat import CALLBACK_BASES, misconfiguration
+from gns_callback.lightning.sharpness import SharpnessMonitor
 from gns_callback.meter import LOSS_REDUCTIONS, GradientNoiseScaleMeter
 from gns_callback.probe import ProbeResult
 from gns_callback.recommendation import Recommendation, recommend
@@ -74,6 +76,11 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             ``accumulate_grad_batches`` (hysteresis: a change must persist ``adapt_patience`` checks beyond a
             factor ``adapt_factor``) and scale the learning rate by the rule with a linear warmup ramp.
 
+        sharpness: for SGD-family optimizers, measure the largest Hessian eigenvalue ``λ_max`` at optimizer steps
+            4, 8, …, 1024 on the step's own batch (:mod:`gns_callback.lightning.sharpness`; the run is left exactly
+            as it was). A tuned SGD LR sits at the stability limit, so without it the recommendation keeps the LR
+            when the batch grows; with it, the LR may rise up to ``2(1+β)/λ_max``.
+
     After fit: ``estimate`` (EMA) and ``run_estimate`` (run average) are :class:`GNSEstimate` objects,
     ``probe`` the probe result (or None) and ``recommendation`` the recommendation (or None); with
     ``strategy="ddp_spawn"`` read the report (:func:`gns_callback.read_report`) instead.
@@ -107,6 +114,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         adapt: bool = False,
         adapt_factor: float = 1.5,
         adapt_patience: int = 2,
+        sharpness: bool = True,
     ) -> None:
         if method not in METHODS:
             raise ValueError(f"GradientNoiseScaleCallback(method={method!r}): use one of {', '.join(METHODS)}.")
@@ -171,6 +179,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         self.summary_every_n_epochs = summary_every_n_epochs
         self.adapt = adapt
         self.adapt_factor, self.adapt_patience = adapt_factor, adapt_patience
+        self.sharpness_enabled = sharpness
         self.meter: Optional[GradientNoiseScaleMeter] = None
         self._state_key: Optional[str] = None
         self._new_fit()
@@ -185,10 +194,13 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         self._restored: Optional[dict[str, Any]] = None
         self._history: list[dict[str, Any]] = []
         self._sizes: list[int] = []  # micro-batch sizes of the current optimizer step
+        self._losses: list[Any] = []  # and their losses (device tensors)
         self._micro_batch_size: Optional[int] = None  # the first training batch's size (per device)
         self._base_lr: Optional[float] = None
         self._fit_report_path: Optional[str] = None
         self._adapter = Adapter(self.adapt_factor, self.adapt_patience) if self.adapt else None
+        self.sharpness_monitor = (SharpnessMonitor(lr_rule=self.recommend_options["lr_rule"])
+                                  if self.sharpness_enabled and self.recommend_enabled else None)
         self.probe_result: Optional[ProbeResult] = None
         self.recommendation: Optional[Recommendation] = None
 
@@ -208,6 +220,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             "base_lr": self._base_lr,
             "adapter": self._adapter.state_dict() if self._adapter is not None else None,
             "probe": self.probe_result.to_dict() if self.probe_result is not None else None,
+            "sharpness": self.sharpness_monitor.state_dict() if self.sharpness_monitor is not None else None,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -220,6 +233,8 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             self._adapter.load_state_dict(state_dict["adapter"])
         if state_dict.get("probe"):
             self.probe_result = ProbeResult.from_dict(state_dict["probe"])
+        if self.sharpness_monitor is not None and state_dict.get("sharpness"):
+            self.sharpness_monitor.load_state_dict(state_dict["sharpness"])
 
     # ------------------------------------------------------------------ results
     @property
@@ -327,6 +342,8 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         self._sizes.append(batch_size_of(batch))
         if self._micro_batch_size is None:
             self._start_measuring(trainer, pl_module, batch)
+        if self.sharpness_monitor is not None:
+            self.sharpness_monitor.on_train_batch_start(trainer, pl_module, batch, batch_idx, quiet=self.meter.paused)
 
     def _start_measuring(self, trainer: Any, pl_module: Any, batch: Any) -> None:
         self._micro_batch_size = self._sizes[-1]
@@ -348,6 +365,9 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         if self.verbose:
             facts.say(trainer, f"GradientNoiseScaleCallback: {self.probe_result.summary()}")
 
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        self._losses.append(loss.detach())  # the critical batch reads the noise scale against the loss
+
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if self.meter is not None:
             self.meter.collector.enabled = False  # validation with gradients on is not a training step
@@ -360,8 +380,9 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         if self._adapter is not None:
             self._adapter.advance(trainer)
         sizes, self._sizes = self._sizes, []
+        losses, self._losses = self._losses, []
         self.meter.step(micro_batch_size=sizes, loss_scale=facts.loss_scale(trainer),
-                        loss_divisor=trainer.accumulate_grad_batches)
+                        loss_divisor=trainer.accumulate_grad_batches, loss=_mean(losses))
         every = self.log_every_n_steps or trainer.log_every_n_steps
         if every and (trainer.global_step + 1) % every == 0:
             self._log(trainer, pl_module)
@@ -376,11 +397,11 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         if est.steps == 0 and est.failure is None:
             return
         self._history.append(_history_entry(trainer.global_step + (0 if final else 1), est, run, final))
-        metrics = {**_estimate_metrics(est, run), **self._recommendation_metrics(trainer, run)}
+        metrics = {**_estimate_metrics(est, run), **self._recommendation_metrics(trainer)}
         _log_metrics(trainer, metrics, step=trainer.global_step - (1 if final else 0))
 
-    def _recommendation_metrics(self, trainer: Any, run: GNSEstimate) -> dict[str, float]:
-        rec = self._recommend(trainer, run) if self.recommend_enabled else None
+    def _recommendation_metrics(self, trainer: Any) -> dict[str, float]:
+        rec = self._recommend(trainer, self._batch_target()) if self.recommend_enabled else None
         if rec is None:
             return {}
         metrics = {
@@ -393,7 +414,12 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         return metrics
 
     # ------------------------------------------------------------------ recommendation and adaptation
-    def _recommend(self, trainer: Any, estimate: GNSEstimate) -> Optional[Recommendation]:
+    def _batch_target(self) -> dict[str, Any]:
+        """What a fixed batch size aims at: the run's critical batch (:mod:`gns_callback.critical_batch`), in the
+        shape ``recommend()`` reads an estimate."""
+        return critical_batch_target(self.meter.critical_batch)
+
+    def _recommend(self, trainer: Any, estimate: Any) -> Optional[Recommendation]:
         """The recommendation for this run from ``estimate`` (pure; the same on every rank)."""
         if self._micro_batch_size is None or not trainer.optimizers:
             return None
@@ -408,6 +434,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             current_micro_batch_size=self._micro_batch_size,
             current_accumulate=accumulate,
             probe=self.probe_result,
+            sharpness=None if self.sharpness_monitor is None else self.sharpness_monitor.largest,
             dataset_size=facts.dataset_size(trainer),
             steps_per_epoch=facts.steps_per_epoch(trainer),
             **self.recommend_options,
@@ -439,7 +466,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         every = self.summary_every_n_epochs
         if self.recommend_enabled and every and (trainer.current_epoch + 1) % every == 0:
-            rec = self._recommend(trainer, self.meter.run_estimate)
+            rec = self._recommend(trainer, self._batch_target())
             if rec is not None:
                 facts.say(trainer, f"GradientNoiseScaleCallback, epoch {trainer.current_epoch}:\n{rec.summary_table()}")
 
@@ -449,15 +476,15 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         self._log(trainer, pl_module, final=True)
         est, run = self.meter.read()
         if self.recommend_enabled:
-            # From the run average: the critical batch of a run is the noise scale averaged along it.
-            self.recommendation = self._recommend(trainer, run)
+            self.recommendation = self._recommend(trainer, self._batch_target())
         if trainer.is_global_zero:
             self.write_report(trainer)
         if self.verbose:
             self._print_summary(trainer, est)
 
     def _print_summary(self, trainer: Any, est: GNSEstimate) -> None:
-        facts.say(trainer, f"GradientNoiseScaleCallback: {est}\n  report: {self._fit_report_path}")
+        facts.say(trainer, f"GradientNoiseScaleCallback: {est}\n  {self.meter.critical_batch}\n"
+                           f"  report: {self._fit_report_path}")
         if self.recommendation is not None:
             facts.say(trainer, self.recommendation.summary_table())
         if est.steps and est.failure is None and not math.isfinite(est.ci_high):
@@ -486,6 +513,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         return {
             "estimate": est.to_dict(),
             "run_estimate": run.to_dict(),
+            "critical_batch": self.meter.critical_batch.to_dict(),
             "history": self._history,
             "recommendation": self.recommendation.to_dict() if self.recommendation is not None else None,
             "probe": self.probe_result.to_dict() if self.probe_result is not None else None,
@@ -516,6 +544,10 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
 
 
 _EMPTY_MODEL = torch.nn.Module()  # what a meter reads from before fit (or after a restore, before fit start)
+
+
+def _mean(losses: list[Any]) -> Optional[torch.Tensor]:
+    return torch.stack([loss.float().reshape(()) for loss in losses]).mean() if losses else None
 
 
 def _history_entry(step: int, est: GNSEstimate, run: GNSEstimate, final: bool) -> dict[str, Any]:

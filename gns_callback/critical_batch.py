@@ -286,3 +286,11 @@ def critical_batch_size(trace: Sequence[float] | torch.Tensor | np.ndarray,
     np.add.at(sums, np.arange(len(x))[valid] // block_size, rows[valid])
     return summarize_blocks(torch.from_numpy(sums), windows=windows, trim=trim, smoothing=smoothing,
                             confidence=confidence, loss_positive=bool((l[valid] > 0).all()))
+
+
+def critical_batch_target(estimate: CriticalBatchEstimate) -> dict[str, Any]:
+    """``estimate`` in the shape :func:`gns_callback.recommendation.recommend` reads a noise scale: the batch to
+    aim at (``b_simple``) with its statistical interval; ``averaging`` names where it came from."""
+    return {"b_simple": estimate.b_crit, "ci_low": estimate.ci_low, "ci_high": estimate.ci_high,
+            "steps": estimate.steps, "confidence": estimate.confidence,
+            "averaging": f"critical batch ({estimate.method})"}

@@ -22,6 +22,8 @@ divided by their count) and ``meter.step(micro_batch_size=b)`` says how many exa
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 import warnings
 from types import TracebackType
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
@@ -31,6 +33,7 @@ from torch import nn
 
 from gns_callback.accumulation import AccumulationWindow, LossReduction, step_estimates
 from gns_callback.collectors import COLLECTORS, Collector
+from gns_callback.critical_batch import CriticalBatchAccumulator, CriticalBatchEstimate
 from gns_callback.estimate import GNSEstimate
 from gns_callback.smoothing import RatioAccumulator, step_vector, summarize_ratio
 
@@ -130,6 +133,8 @@ class GradientNoiseScaleMeter:
         """Forget every measured step."""
         self.ema = RatioAccumulator(self.ema_decay)
         self.run = RatioAccumulator(1.0)
+        self.critical = CriticalBatchAccumulator()
+        self.losses_given = False
         self.steps_seen = 0  # optimizer steps offered for measurement
         self.failure: Optional[str] = None
 
@@ -140,6 +145,8 @@ class GradientNoiseScaleMeter:
             "method": self.method,
             "ema": self.ema.state_dict(),
             "run": self.run.state_dict(),
+            "critical": self.critical.state_dict(),
+            "losses_given": self.losses_given,
             "steps_seen": self.steps_seen,
             "failure": self.failure,
         }
@@ -147,6 +154,9 @@ class GradientNoiseScaleMeter:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.ema.load_state_dict(state["ema"])
         self.run.load_state_dict(state["run"])
+        if state.get("critical"):
+            self.critical.load_state_dict(state["critical"])
+            self.losses_given = bool(state.get("losses_given"))
         self.steps_seen = int(state["steps_seen"])
         self.failure = state.get("failure")
 
@@ -156,6 +166,7 @@ class GradientNoiseScaleMeter:
         micro_batch_size: BatchSizes = None,
         loss_scale: Union[torch.Tensor, float, None] = None,
         loss_divisor: Optional[float] = None,
+        loss: Union[torch.Tensor, float, None] = None,
     ) -> None:
         """Measure the optimizer step whose backward pass(es) just ran; call before ``zero_grad``.
 
@@ -166,6 +177,8 @@ class GradientNoiseScaleMeter:
                 be unscaled by now, as after ``scaler.unscale_(optimizer)``); None without a scaler.
             loss_divisor: what each backward pass's loss was divided by (None: the number of passes, as in
                 ``(loss / accumulate).backward()``; Lightning: ``accumulate_grad_batches``).
+            loss: the step's training loss (any constant factor is fine). With it, :attr:`critical_batch` reads the
+                critical batch off the noise scale as a function of the loss; without it, that is the run average.
         """
         if self.failure is not None:
             return self.discard_pending()
@@ -175,7 +188,7 @@ class GradientNoiseScaleMeter:
         self.steps_seen += 1
         if self.reduce is None and not window.measurable(self.loss_reduction):
             return  # e.g. one micro-batch on one device: nothing to compare (counted as skipped)
-        self._measure(window, loss_scale)
+        self._measure(window, loss_scale, loss)
 
     def _collect(self, sizes: Optional[list[int]], loss_divisor: Optional[float]) -> Optional[AccumulationWindow]:
         window = AccumulationWindow()
@@ -188,7 +201,8 @@ class GradientNoiseScaleMeter:
         window.loss_divisor = float(loss_divisor or max(passes, 1))
         return window
 
-    def _measure(self, window: AccumulationWindow, loss_scale: Union[torch.Tensor, float, None]) -> None:
+    def _measure(self, window: AccumulationWindow, loss_scale: Union[torch.Tensor, float, None],
+                 loss: Union[torch.Tensor, float, None]) -> None:
         grads = [p.grad for p in self.collector.measured_parameters() if p.grad is not None]
         device = grads[0].device if grads else None
         packed = window.packed(device, loss_scale)
@@ -201,6 +215,8 @@ class GradientNoiseScaleMeter:
         step = step_vector(trace, grad_sq)  # shared by both accumulators; a non-finite step adds nothing
         self.ema.update_vector(step, valid)
         self.run.update_vector(step, valid)
+        self.critical.update(trace, grad_sq, _loss_tensor(loss, trace), valid)
+        self.losses_given = self.losses_given or loss is not None
 
     def stop(self, reason: str) -> None:
         """Stop measuring for the rest of the run: warn once; estimates read "not measured" from now on."""
@@ -238,9 +254,29 @@ class GradientNoiseScaleMeter:
         return estimate if self.failure is None else estimate.not_measured(self.failure)
 
     @property
+    def critical_batch(self) -> CriticalBatchEstimate:
+        """The critical batch of the run so far (:mod:`gns_callback.critical_batch`): what a fixed batch size
+        should aim at, whatever batch this run measured at. One device-to-host copy."""
+        estimate = self.critical.summary(self.confidence)
+        if not self.losses_given:
+            estimate = dataclasses.replace(estimate, method="run average (no training loss was passed to step())")
+        if self.failure is not None:
+            estimate = dataclasses.replace(estimate, b_crit=math.nan, ci_low=math.nan, ci_high=math.nan,
+                                           method=f"not measured ({self.failure})")
+        return estimate
+
+    @property
     def coverage(self) -> dict[str, Any]:
         """Measured vs trainable parameter counts and why the rest is left out."""
         return self.collector.coverage().to_dict()
+
+
+def _loss_tensor(loss: Union[torch.Tensor, float, None], like: torch.Tensor) -> torch.Tensor:
+    """The step's loss as a 0-d float64 tensor on ``like``'s device (1 when not given: a flat loss, so the
+    critical batch is the run average)."""
+    if loss is None:
+        return torch.ones((), dtype=torch.float64, device=like.device)
+    return torch.as_tensor(loss).detach().to(device=like.device, dtype=torch.float64).reshape(())
 
 
 def _as_sizes(micro_batch_size: BatchSizes) -> Optional[list[int]]:

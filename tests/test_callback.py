@@ -252,9 +252,10 @@ def test_each_optimizer_step_hands_the_meter_what_lightning_knows(digits, monkey
     calls = []
     real_step = GradientNoiseScaleMeter.step
 
-    def spy(self, micro_batch_size=None, loss_scale=None, loss_divisor=None):
+    def spy(self, micro_batch_size=None, loss_scale=None, loss_divisor=None, loss=None):
         calls.append((list(micro_batch_size), None if loss_scale is None else float(loss_scale), loss_divisor))
-        return real_step(self, micro_batch_size, loss_scale, loss_divisor)
+        assert loss is not None and loss.ndim == 0  # the step's mean training loss, for the critical batch
+        return real_step(self, micro_batch_size, loss_scale, loss_divisor, loss)
 
     monkeypatch.setattr(GradientNoiseScaleMeter, "step", spy)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
