@@ -21,12 +21,16 @@ class Lines(logging.Handler):
 
 @pytest.fixture
 def said(namespace):
-    """What the callback says through the namespace's console logger (which does not propagate to the root)."""
+    """What the callback says through the namespace's console logger (which does not propagate to the root), at
+    INFO whatever another test left the namespace's level at."""
     handler = Lines()
     logger = logging.getLogger(f"{namespace.name}.callbacks.gns")
+    level = logger.level
+    logger.setLevel(logging.INFO)
     logger.addHandler(handler)
     yield handler.lines
     logger.removeHandler(handler)
+    logger.setLevel(level)
 
 
 def probing_fit(namespace, verbose: bool, enable_progress_bar: bool) -> GradientNoiseScaleCallback:
