@@ -25,6 +25,7 @@ from gns_callback.collectors import METHODS, UnmeasurableSetup, choose_method
 from gns_callback.critical_batch import critical_batch_target
 from gns_callback.estimate import GNSEstimate
 from gns_callback.json_values import json_safe
+from gns_callback.lightning import supported
 from gns_callback.lightning import trainer_facts as facts
 from gns_callback.lightning.adaptation import Adapter
 from gns_callback.lightning.compat import CALLBACK_BASES, misconfiguration
@@ -279,9 +280,9 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit":
             self._new_fit()
+            self._refuse_unsupported(trainer, pl_module)  # before the strategy wraps (or shards) the model
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        self._refuse_unsupported(trainer, pl_module)
         self._fit_report_path = self._resolve_report_path(trainer)  # on every rank: log_dir is a collective
         if self._adapter is not None:
             self._adapter.resume(trainer)
@@ -289,17 +290,14 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         self.meter.attach()
 
     def _refuse_unsupported(self, trainer: Any, pl_module: Any) -> None:
-        if not pl_module.automatic_optimization:
-            raise misconfiguration(trainer,
-                "GradientNoiseScaleCallback needs automatic optimization (one optimizer stepped by Lightning); "
-                f"{type(pl_module).__name__} sets `automatic_optimization = False`. Remove the callback or use "
-                "automatic optimization, or measure in your own loop with gns_callback.GradientNoiseScaleMeter."
-            )
-        if self.adapt and facts.accumulation_schedule(trainer) is not None:
-            raise misconfiguration(trainer,
-                "GradientNoiseScaleCallback(adapt=True) changes accumulate_grad_batches itself; remove the "
-                "GradientAccumulationScheduler callback or set adapt=False."
-            )
+        """Refuse a fit that would be measured wrong, saying what works instead, with an error of ``trainer``'s
+        namespace (:mod:`gns_callback.lightning.supported`); warn for a strategy nobody has checked."""
+        problem = supported.refusal(trainer, pl_module, adapt=self.adapt)
+        if problem is not None:
+            raise misconfiguration(trainer, problem)
+        warning = supported.unverified_strategy_warning(trainer)
+        if warning is not None:
+            _warn_rank_zero(trainer, warning)
 
     def _build_meter(self, trainer: Any, pl_module: Any) -> GradientNoiseScaleMeter:
         try:
@@ -355,12 +353,15 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         """Probe on every rank (they agree through one min all-reduce); our own hooks must not see it."""
         from gns_callback.probe import probe_trainer
 
+        bar = self.verbose and facts.progress_bar_enabled(trainer)
+        if self.verbose and not bar:
+            facts.say(trainer, "GradientNoiseScaleCallback: probing memory and throughput per micro-batch size...")
         with self.meter.paused():
             self.probe_result = probe_trainer(
                 trainer, pl_module, batch, memory_budget_bytes=self.memory_budget_bytes, headroom=self.headroom,
                 # Throughput where the decision is made: the current micro-batch and its doublings (the probe adds
                 # the largest size that fits).
-                throughput_sizes=[self._micro_batch_size * 2**k for k in range(6)], progress_bar=self.verbose,
+                throughput_sizes=[self._micro_batch_size * 2**k for k in range(6)], progress_bar=bar,
             )
         if self.verbose:
             facts.say(trainer, f"GradientNoiseScaleCallback: {self.probe_result.summary()}")
