@@ -34,9 +34,11 @@ warnings.filterwarnings("ignore")
 from benchmarks.bcrit.problems import PROBLEMS, Problem  # noqa: E402
 from benchmarks.bcrit.summaries import CHOSEN, engine_summaries, exact_summaries  # noqa: E402
 from benchmarks.bcrit.sweep import BatchSweep, SweepConfig, fit_critical_batch, sweep  # noqa: E402
-from gns_callback.critical_batch import MODEL_FACTOR, critical_batch_size  # noqa: E402
+from gns_callback.critical_batch import MODEL_FACTOR, block_depths, critical_batch_size, step_blocks  # noqa: E402
 
 SECTION_HEADING = "## Critical batch from one run: which summary of the noise scale (issue 12)"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIGURE = os.path.join("benchmarks", "figures", "critical_batch_summary.png")
 DEFAULT_PROBLEMS = ("mlp", "cnn")
 QUICK = SweepConfig(batch_sizes=(8, 64, 512), seeds=1, max_steps=3000, evals_per_run=40, exact_points=20,
                     neighbours=0)
@@ -77,7 +79,7 @@ def run_problem(problem: Problem, cfg: SweepConfig, log: Callable[[str], None]) 
         f"{fit['bootstrap'][1]:.1f}), S_min = {fit['s_min']:.0f}")
     rows = evaluate_runs(results, fit["b_crit"])
     return dict(problem=problem, results=results, fit=fit, rows=rows, seconds=time.time() - t0,
-                cpu_seconds=time.process_time() - cpu0)
+                cpu_seconds=time.process_time() - cpu0, seeds=(cfg.first_seed, cfg.first_seed + cfg.seeds - 1))
 
 
 def run(problems: tuple[str, ...], quick: bool, seeds: int | None, first_seed: int = 0,
@@ -145,7 +147,68 @@ def chosen_detail(p: dict) -> str:
             f"{in_trust}/{len(rows)}; method: {', '.join(methods)}.")
 
 
-def render(out: dict, command: str) -> str:
+def verdict(out: dict) -> str:
+    """How many tuned runs each summary puts inside [B_crit/2, 2·B_crit], over all problems."""
+    names = list(out["problems"][0]["rows"][0]["factors"])
+    counts = []
+    for name in names:
+        f = [r["factors"][name] for p in out["problems"] for r in p["rows"] if r["tuned"]]
+        worst = max(f, key=lambda v: abs(math.log(v)) if v > 0 else math.inf)
+        counts.append((sum(map(_inside, f)), len(f), worst, name))
+    parts = [f"{name}: {n}/{total} (worst {w:.2f}×)" for n, total, w, name in sorted(counts, reverse=True)]
+    return ("**Over all problems, tuned runs inside [B_crit/2, 2·B_crit]:** " + "; ".join(parts) + ".")
+
+
+def plot(out: dict, path: str) -> None:
+    """Per problem: the noise scale in windows of log-loss along the seed-0 run at each batch size, against the
+    slow-way B_crit, with the chosen estimate of each run at its geometric mid-loss."""
+    from matplotlib.figure import Figure
+
+    from benchmarks.bcrit.summaries import engine_estimates
+
+    problems = out["problems"]
+    fig = Figure(figsize=(6.5 * len(problems), 4.8), layout="constrained")
+    axes = fig.subplots(1, len(problems), squeeze=False)[0]
+    for ax, p in zip(axes, problems):
+        colours = iter(__import__("matplotlib").colormaps["viridis"](np.linspace(0, 0.95, len(p["results"]))))
+        for res in p["results"]:
+            colour = next(colours)
+            run = res.seed_runs[res.tuned_lr][0]
+            x, y = engine_estimates(run.trace, res.batch_size)
+            loss, value = _windowed(x, y, run.trace.batch_loss)
+            ax.plot(loss, value, "-", color=colour, lw=1.2, label=f"B={res.batch_size}")
+            est = critical_batch_size(x, y, run.trace.batch_loss)
+            ax.plot([math.sqrt(est.loss_start * est.loss_end)], [est.b_crit], "o", color=colour, mec="black", ms=7)
+        ax.axhline(p["fit"]["b_crit"], color="red", lw=1.5, label=f"slow-way B_crit = {p['fit']['b_crit']:.0f}")
+        ax.axhspan(p["fit"]["b_crit"] / 2, p["fit"]["b_crit"] * 2, color="red", alpha=0.08, lw=0)
+        ax.set(xscale="log", yscale="log", xlabel="training loss (block mean, smoothed)",
+               ylabel="noise scale Σ tr Σ̂ / Σ |Ĝ|² in the window", title=p["problem"].description)
+        ax.title.set_fontsize(8.5)
+        ax.invert_xaxis()
+        ax.grid(True, which="both", alpha=0.25)
+        ax.legend(fontsize=7, ncols=2)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=90)
+
+
+def _windowed(x: np.ndarray, y: np.ndarray, loss: np.ndarray, windows: int = 10) -> tuple[np.ndarray, np.ndarray]:
+    """Ratio of sums in equal windows of the estimator's own loss coordinate (blocks, smoothed, first passage)."""
+    blocks, _ = step_blocks(x, y, loss)
+    blocks = blocks[blocks[:, 0] > 0]
+    depth = block_depths(blocks).numpy()
+    start = math.log(float(blocks[0, -1] / blocks[0, 0]))
+    edges = np.linspace(0.0, depth[-1], windows + 1)
+    centres, values = [], []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        inside = (depth >= lo) & (depth <= hi)
+        sx, sy = float(blocks[inside, 2].sum()), float(blocks[inside, 3].sum())
+        if inside.any() and sy > 0:
+            centres.append(math.exp(start - (lo + hi) / 2))
+            values.append(sx / sy)
+    return np.array(centres), np.array(values)
+
+
+def render(out: dict, command: str, figure_link: str | None = None) -> str:
     import pytorch_lightning as pl
 
     load, cfg = out["load"], out["cfg"]
@@ -168,10 +231,15 @@ def render(out: dict, command: str) -> str:
     ]
     for p in out["problems"]:
         fit, prob = p["fit"], p["problem"]
-        lines += ["", f"### {prob.description}", "",
+        first, last = p.get("seeds", (0, out["cfg"].seeds - 1))
+        lines += ["", f"### {prob.description}; data-order seeds {first}–{last}", "",
                   f"**B_crit = {fit['b_crit']:.1f}** (bootstrap over seeds {fit['bootstrap'][0]:.1f} – "
                   f"{fit['bootstrap'][1]:.1f}; S_min = {fit['s_min']:.0f}, E_min = {fit['e_min']:,.0f}); "
-                  f"{p['seconds']:.0f} s wall, {p.get('cpu_seconds', math.nan):.0f} s CPU.", "", *sweep_table(p), "", *summary_table(p), "", chosen_detail(p)]
+                  f"{p['seconds']:.0f} s wall, {p.get('cpu_seconds', math.nan):.0f} s CPU.", "", *sweep_table(p), "",
+                  *summary_table(p), "", chosen_detail(p)]
+    lines += ["", verdict(out)]
+    if figure_link:
+        lines += ["", f"![windowed noise scale against the loss, every batch size]({figure_link})"]
     return "\n".join(lines)
 
 
@@ -215,7 +283,11 @@ def main() -> None:
         f" --first-seed {args.first_seed}" if args.first_seed else "") + (
         f" --problems {' '.join(args.problems)}" if tuple(args.problems) != DEFAULT_PROBLEMS else "") + (
         f" --out {args.out}" if args.out else "")
-    section = render(out, command)
+    figure = os.path.join(ROOT, FIGURE) if args.out else None
+    if figure:
+        plot(out, figure)
+    link = os.path.relpath(figure, os.path.dirname(os.path.abspath(args.out))) if figure else None
+    section = render(out, command, link)
     print(section)
     if args.out:
         from benchmarks.results import replace_section

@@ -138,6 +138,15 @@ def _online(x, y, loss):
     return acc.summary()
 
 
+def test_an_unresolved_window_falls_back_to_one_window_over_the_middle():
+    loss = _geometric_loss(BLOCKS)  # one step per block, even in log-loss: window 1 = steps 64–127, 2 = 128–191
+    x, y = np.full(BLOCKS, 20.0), np.ones(BLOCKS)
+    y[64:128] = -0.5  # |G|² not resolved in the first window
+    est = critical_batch_size(x, y, loss, smoothing=0)
+    assert "one window" in est.method
+    assert est.b_crit == pytest.approx(x[64:192].sum() / y[64:192].sum())
+
+
 def test_nothing_measured():
     est = CriticalBatchAccumulator().summary()
     assert est.steps == 0 and math.isnan(est.b_crit) and est.ci_high == math.inf
