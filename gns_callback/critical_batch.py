@@ -17,9 +17,8 @@ windowed noise scale ``B(L) = Σ_{t∈L} tr Σ_t / Σ_{t∈L} |G_t|²`` is nearl
 batch 8 … 512, in the early and middle part of training; it grows roughly as a power of ``1/L`` (10–30×
 over the run). The exceptions are the two ends: the initialisation transient (``|G|²`` explodes, ``B(L)``
 far below ``B_crit``) and the last stretch, where ``B(L)`` depends on the measuring run (its own noise floor
-at small batch, a quiet path at large batch). Measured against ``B_crit`` per loss window, the local
-critical batch stays flat while ``B(L)`` climbs, and ``B_crit`` of the whole run sits at ``B(L)`` near the
-middle of the log-loss range. Hence the estimate:
+at small batch, a quiet path at large batch). ``B_crit`` of the whole run sits near ``B(L)`` at the middle of
+the log-loss range. Hence the estimate:
 
     B_crit ≈ ( B(window 1) · … · B(window K) )^(1/K)
 
@@ -38,6 +37,10 @@ the running minimum (first passage: a loss spike does not move steps back to an 
 *ratios* matter, so a constant factor in the loss (``1/accumulate_grad_batches``, a sum reduction) changes
 nothing. Needs a positive loss that falls by at least :data:`MIN_LOSS_FALL` over the run; otherwise the estimate
 is the plain run average ``Σ tr Σ/Σ |G|²`` and ``method`` says why. Pure torch/numpy: no Lightning.
+
+Calibrated for plain SGD. The gradient noise cannot see the optimizer: with momentum 0.9 on the same MLP the
+slow-way ``B_crit`` was ~15× the plain-SGD one (about the same ``E_min``, a 12× smaller ``S_min``), 4–16× this
+estimate (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -58,8 +61,9 @@ BLOCKS = 256
 SMOOTHING = 2
 #: Below this loss fall (L_start/L_end) the loss windows are not resolved and the run average is used.
 MIN_LOSS_FALL = 2.0
-#: Measured model error: on the benchmark's runs (every batch 8…512, seeds, two models, plain SGD) the estimate
-#: lay within this factor of the slow-way B_crit (benchmarks/RESULTS.md, "Critical batch from one run").
+#: Measured model error: on the benchmark's runs (plain SGD, every batch 8…512, 6 seeds, two models) the estimate
+#: lay within this factor of the slow-way B_crit in all but one run (benchmarks/RESULTS.md, "Critical batch from
+#: one run"); the statistical interval widened by it contained B_crit in every run.
 MODEL_FACTOR = 2.0
 #: Columns of a block: the ``SUM_FIELDS`` sums of (tr Σ̂, |Ĝ|²), then the sum of the steps' losses.
 BLOCK_FIELDS = (*SUM_FIELDS, "loss")
