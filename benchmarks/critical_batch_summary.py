@@ -272,8 +272,12 @@ def render(out: dict, command: str, figure_link: str | None = None) -> str:
     load, cfg = out["load"], out["cfg"]
     total = sum(p["seconds"] for p in out["problems"])
     cpu = sum(p.get("cpu_seconds", math.nan) for p in out["problems"])
+    runs = "; ".join(f"`python benchmarks/critical_batch_summary.py --problems {p['problem'].name}"
+                     + (f" --first-seed {p['seeds'][0]}" if p.get("seeds", (0,))[0] else "") + "`"
+                     for p in out["problems"])
     lines = [
-        f"- Command: `{command}` — {out['date']}; {platform.machine()}, {os.cpu_count()} CPU cores shared with other "
+        f"- Runs: {runs}; this section: `{command}`.",
+        f"- Date {out['date']}; {platform.machine()}, {os.cpu_count()} CPU cores shared with other "
         f"work (load average {load[0]:.1f} at the end), no GPU; torch {torch.__version__} (1 thread), "
         f"pytorch-lightning {pl.__version__} (not used here), Python {platform.python_version()}; total "
         f"{total:.0f} s wall, {cpu:.0f} s CPU.",
@@ -340,10 +344,7 @@ def main() -> None:
 
         with open(args.save, "wb") as f:
             pickle.dump(out, f)
-    command = "python benchmarks/critical_batch_summary.py" + (" --quick" if args.quick else "") + (
-        f" --first-seed {args.first_seed}" if args.first_seed else "") + (
-        f" --problems {' '.join(args.problems)}" if tuple(args.problems) != DEFAULT_PROBLEMS else "") + (
-        f" --out {args.out}" if args.out else "")
+    command = "python " + " ".join([os.path.relpath(os.path.abspath(sys.argv[0]), ROOT), *sys.argv[1:]])
     figure = os.path.join(ROOT, FIGURE) if args.out else None
     if figure:
         plot(out, figure)

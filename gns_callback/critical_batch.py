@@ -137,15 +137,21 @@ def window_edges(depth: float, windows: int, trim: float) -> list[tuple[float, f
     return [(depth * trim + span * k / windows, depth * trim + span * (k + 1) / windows) for k in range(windows)]
 
 
-def block_depths(blocks: torch.Tensor, smoothing: int = SMOOTHING) -> torch.Tensor:
-    """Log-loss depth of each (non-empty) block: its mean loss, smoothed in log over ``±smoothing`` neighbouring
-    blocks (centred), then the running minimum (first passage: a loss spike does not move steps back)."""
+def smoothed_log_loss(blocks: torch.Tensor, smoothing: int = SMOOTHING) -> torch.Tensor:
+    """``log`` of each (non-empty) block's mean loss, averaged over ``±smoothing`` neighbouring blocks (centred;
+    fewer at the ends)."""
     log_loss = torch.log(blocks[:, -1] / blocks[:, 0])
     kernel = torch.ones(1, 1, 2 * smoothing + 1, dtype=torch.float64)
     padded = torch.nn.functional.pad(log_loss.view(1, 1, -1), (smoothing, smoothing))
     counts = torch.nn.functional.pad(torch.ones(1, 1, len(log_loss), dtype=torch.float64), (smoothing, smoothing))
-    smoothed = (torch.conv1d(padded, kernel) / torch.conv1d(counts, kernel)).view(-1)
-    return smoothed[0] - torch.cummin(smoothed, 0).values
+    return (torch.conv1d(padded, kernel) / torch.conv1d(counts, kernel)).view(-1)
+
+
+def block_depths(blocks: torch.Tensor, smoothing: int = SMOOTHING) -> torch.Tensor:
+    """Log-loss depth ``log L_start − log L`` of each block, ``L`` the running minimum of the smoothed loss (first
+    passage: a loss spike does not move steps back)."""
+    log_loss = smoothed_log_loss(blocks, smoothing)
+    return log_loss[0] - torch.cummin(log_loss, 0).values
 
 
 def summarize_blocks(blocks: torch.Tensor, *, windows: int = 2, trim: float = 0.25, smoothing: int = SMOOTHING,
@@ -159,9 +165,9 @@ def summarize_blocks(blocks: torch.Tensor, *, windows: int = 2, trim: float = 0.
         return _run_average(blocks, math.nan, math.nan, confidence, "no step measured")
     if not loss_positive:
         return _run_average(blocks, math.nan, math.nan, confidence, "the loss was not positive, so it has no log scale")
-    depth = block_depths(blocks, smoothing)
-    loss_start = float(blocks[0, -1] / blocks[0, 0])
-    loss_end = loss_start * math.exp(-float(depth[-1]))
+    log_loss = smoothed_log_loss(blocks, smoothing)
+    depth = log_loss[0] - torch.cummin(log_loss, 0).values
+    loss_start, loss_end = math.exp(float(log_loss[0])), math.exp(float(log_loss.min()))
     if loss_start < MIN_LOSS_FALL * loss_end:
         reason = f"the loss fell by less than {MIN_LOSS_FALL:g}× ({loss_start:.3g} → {loss_end:.3g})"
         return _run_average(blocks, loss_start, loss_end, confidence, reason)

@@ -62,6 +62,7 @@ def test_power_law_noise_scale_gives_its_value_at_the_geometric_mid_loss():
     est = critical_batch_size(x, grad_sq, loss, smoothing=0)
     assert est.b_crit == pytest.approx(_expected_midpoint(x, grad_sq, loss), rel=1e-12)
     assert est.b_crit == pytest.approx(10.0 * 100.0**0.25, rel=0.03)  # B at √(L_start·L_end)
+    assert (est.loss_start, est.loss_end) == pytest.approx((loss[0], loss[-1]))
     long_run = np.repeat(loss, 16), np.repeat(x, 16), np.repeat(grad_sq, 16)  # 16 steps per block, smoothed
     assert critical_batch_size(long_run[1], long_run[2], long_run[0]).b_crit == pytest.approx(est.b_crit, rel=0.03)
 
