@@ -290,6 +290,8 @@ def render(out: dict, command: str, figure_link: str | None = None) -> str:
         "big batch = the step's batch, the batch loss), except the rows marked *exact* (whole-training-set values "
         "every few steps). Cells: median (min–max) over the seeds at the tuned LR of value/B_crit; *all LRs* adds "
         "the runs at the grid neighbours of the tuned LR.",
+        "- The chosen summary and its settings (two windows, the middle half of the log-loss range) were picked on "
+        "data-order seeds 0–2; seeds 100–102 are fresh runs made after the choice.",
     ]
     for p in out["problems"]:
         fit, prob = p["fit"], p["problem"]
