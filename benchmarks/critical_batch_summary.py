@@ -205,8 +205,8 @@ def reading(out: dict) -> str:
     for p in others:
         f = tuned(CHOSEN, [p])
         sgd_mlp = next((q for q in sgd if q["problem"].name == "mlp"), None)
-        ratio_line = (f" E_min {p['fit']['e_min']:,.0f} vs {sgd_mlp['fit']['e_min']:,.0f} for plain SGD on the same MLP, "
-                      f"S_min {p['fit']['s_min']:.0f} vs {sgd_mlp['fit']['s_min']:.0f}" if sgd_mlp else "")
+        ratio_line = (f" E_min {p['fit']['e_min']:,.0f} vs {sgd_mlp['fit']['e_min']:,.0f} for plain SGD on the same "
+                      f"MLP, S_min {p['fit']['s_min']:.0f} vs {sgd_mlp['fit']['s_min']:.0f}" if sgd_mlp else "")
         paras.append(
             f"5. *{p['problem'].optimizer}: the noise scale alone cannot see the optimizer.* B_crit = "
             f"{p['fit']['b_crit']:.0f}; the chosen estimate reads {f.min():.2f}–{f.max():.2f}× that, and no "

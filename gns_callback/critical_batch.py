@@ -280,8 +280,10 @@ class CriticalBatchAccumulator:
         self.nonpositive_loss = torch.tensor(bool(state["nonpositive_loss"]), device=device)
 
 
-def step_blocks(trace: Sequence[float] | torch.Tensor | np.ndarray, grad_sq: Sequence[float] | torch.Tensor | np.ndarray,
-                loss: Sequence[float] | torch.Tensor | np.ndarray, blocks: int = BLOCKS) -> tuple[torch.Tensor, bool]:
+Values = Sequence[float] | torch.Tensor | np.ndarray
+
+
+def step_blocks(trace: Values, grad_sq: Values, loss: Values, blocks: int = BLOCKS) -> tuple[torch.Tensor, bool]:
     """The accumulator's blocks (``BLOCK_FIELDS`` rows) for per-step arrays, and whether every loss was positive.
     Steps with a non-finite entry are skipped (they keep their place, as in the accumulator)."""
     x, y, l = (np.asarray(torch.as_tensor(v, dtype=torch.float64).cpu(), dtype=np.float64).reshape(-1)
@@ -298,11 +300,8 @@ def step_blocks(trace: Sequence[float] | torch.Tensor | np.ndarray, grad_sq: Seq
     return torch.from_numpy(sums), bool((l[valid] > 0).all())
 
 
-def critical_batch_size(trace: Sequence[float] | torch.Tensor | np.ndarray,
-                        grad_sq: Sequence[float] | torch.Tensor | np.ndarray,
-                        loss: Sequence[float] | torch.Tensor | np.ndarray, *, confidence: float = 0.95,
-                        windows: int = 2, trim: float = 0.25, blocks: int = BLOCKS,
-                        smoothing: int = SMOOTHING) -> CriticalBatchEstimate:
+def critical_batch_size(trace: Values, grad_sq: Values, loss: Values, *, confidence: float = 0.95, windows: int = 2,
+                        trim: float = 0.25, blocks: int = BLOCKS, smoothing: int = SMOOTHING) -> CriticalBatchEstimate:
     """The estimate from per-step arrays of equal length: unbiased ``tr Σ̂_t`` and ``|Ĝ_t|²`` estimates and the
     step's mean training loss. Steps with a non-finite entry are skipped. The same blocks, hence the same result,
     as feeding the steps to :class:`CriticalBatchAccumulator` one by one (vectorised here)."""
