@@ -62,6 +62,7 @@ def test_power_law_noise_scale_gives_its_value_at_the_geometric_mid_loss():
     est = critical_batch_size(x, grad_sq, loss, smoothing=0)
     assert est.b_crit == pytest.approx(_expected_midpoint(x, grad_sq, loss), rel=1e-12)
     assert est.b_crit == pytest.approx(10.0 * 100.0**0.25, rel=0.03)  # B at √(L_start·L_end)
+    assert (est.loss_start, est.loss_end) == pytest.approx((loss[0], loss[-1]))
     long_run = np.repeat(loss, 16), np.repeat(x, 16), np.repeat(grad_sq, 16)  # 16 steps per block, smoothed
     assert critical_batch_size(long_run[1], long_run[2], long_run[0]).b_crit == pytest.approx(est.b_crit, rel=0.03)
 
@@ -136,6 +137,15 @@ def _online(x, y, loss):
     acc = CriticalBatchAccumulator()
     _feed(acc, x, y, loss)
     return acc.summary()
+
+
+def test_an_unresolved_window_falls_back_to_one_window_over_the_middle():
+    loss = _geometric_loss(BLOCKS)  # one step per block, even in log-loss: window 1 = steps 64–127, 2 = 128–191
+    x, y = np.full(BLOCKS, 20.0), np.ones(BLOCKS)
+    y[64:128] = -0.5  # |G|² not resolved in the first window
+    est = critical_batch_size(x, y, loss, smoothing=0)
+    assert "one window" in est.method
+    assert est.b_crit == pytest.approx(x[64:192].sum() / y[64:192].sum())
 
 
 def test_nothing_measured():

@@ -72,7 +72,8 @@ def lr_grid(low: float, high: float) -> tuple[float, ...]:
 
 
 PROBLEMS = {
-    "mlp_momentum": Problem("mlp_momentum", "digits MLP 64-64-10 (tanh), SGD momentum 0.9, target full-data cross-entropy 0.05",
+    "mlp_momentum": Problem("mlp_momentum",
+                            "digits MLP 64-64-10 (tanh), SGD momentum 0.9, target full-data cross-entropy 0.05",
                             partial(mlp, 64), digits, 0.05, lr_grid(0.02, 1.6), optimizer="momentum"),
     "mlp": Problem("mlp", "digits MLP 64-64-10 (tanh), SGD, target full-data cross-entropy 0.05",
                    partial(mlp, 64), digits, 0.05, lr_grid(0.1, 2.3)),

@@ -111,7 +111,8 @@ def sweep(problem: Problem, data, cfg: SweepConfig, log: Callable[[str], None] =
 
 
 def _short(r: Run) -> str:
-    return f"{r.steps:.0f}" if r.status == "reached" else {"diverged": "div", "cut": "cut", "stalled": "stall"}.get(r.status, "budget")
+    short = {"diverged": "div", "cut": "cut", "stalled": "stall"}
+    return f"{r.steps:.0f}" if r.status == "reached" else short.get(r.status, "budget")
 
 
 def fit_critical_batch(results: list[BatchSweep], bootstrap: int = 1000, seed: int = 0) -> dict:

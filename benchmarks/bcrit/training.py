@@ -1,13 +1,13 @@
-"""Plain SGD runs to a target training loss, optionally recording the per-step noise-scale quantities.
+"""SGD runs to a target training loss, optionally recording the per-step noise-scale quantities.
 
 A run starts from the problem's fixed initialisation, draws batches i.i.d. with replacement (seeded), steps
 until the full training-set loss first reaches the target (the crossing is interpolated in log-loss between
 evaluations), and stops early when it diverges or is cut (slower than a bound).
 
 Recorded per optimizer step ``t`` (at the parameters the step's gradient is taken at):
-``big_sq`` = ``|G_B,t|²`` of the sampled batch, ``batch_loss`` = its mean loss, ``small_sq`` = mean per-example ``|g_i|²`` over the first
-``max_examples`` examples of that batch (what the callback's ``per_example`` method measures), and, every
-``exact_every`` steps, the exact ``|G_t|²`` and ``tr Σ_t`` over the whole training set.
+``big_sq`` = ``|G_B,t|²`` of the sampled batch, ``batch_loss`` = its mean loss, ``small_sq`` = mean per-example
+``|g_i|²`` over the first ``max_examples`` examples of that batch (what the callback's ``per_example`` method
+measures), and, every ``exact_every`` steps, the exact ``|G_t|²`` and ``tr Σ_t`` over the whole training set.
 """
 
 from __future__ import annotations
