@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from gns_callback.accumulation import AccumulationWindow, LossReduction, step_estimates
+from gns_callback.accumulation import PACKED_FIELDS, AccumulationWindow, LossReduction, step_estimates
 from gns_callback.collectors import COLLECTORS, Collector
 from gns_callback.critical_batch import CriticalBatchAccumulator, CriticalBatchEstimate
 from gns_callback.estimate import GNSEstimate
@@ -206,8 +206,10 @@ class GradientNoiseScaleMeter:
         grads = [p.grad for p in self.collector.measured_parameters() if p.grad is not None]
         device = grads[0].device if grads else None
         packed = window.packed(device, loss_scale)
-        if self.reduce is not None:
-            packed = self.reduce(packed)  # the one collective per step, joined by every rank
+        step_loss = _loss_tensor(loss, packed)
+        if self.reduce is not None:  # the one collective per step, joined by every rank; the loss rides along
+            summed = self.reduce(torch.cat([packed, step_loss.view(1)]))
+            packed, step_loss = summed[:-1], summed[-1] / summed[PACKED_FIELDS.index("ranks")]
         if not grads:
             return
         step_grad_sq = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
@@ -215,7 +217,7 @@ class GradientNoiseScaleMeter:
         step = step_vector(trace, grad_sq)  # shared by both accumulators; a non-finite step adds nothing
         self.ema.update_vector(step, valid)
         self.run.update_vector(step, valid)
-        self.critical.update(trace, grad_sq, _loss_tensor(loss, trace), valid)
+        self.critical.update(trace, grad_sq, step_loss, valid)  # the ranks' mean loss: identical state everywhere
         self.losses_given = self.losses_given or loss is not None
 
     def stop(self, reason: str) -> None:
