@@ -19,6 +19,7 @@ from gns_callback.backward_passes import PassLedger, current_pass, in_functorch_
 
 from .conv import conv_sq_norms
 from .embedding import embedding_sq_norms, embedding_unsupported_reason
+from .layout import LayoutError, batch_dim, is_sequence_first, position_dims
 from .linear import linear_sq_norms
 from .normalization import group_norm_sq_norms, layer_norm_sq_norms, rms_norm_sq_norms
 
@@ -41,7 +42,10 @@ SUPPORTED_MODULES: dict[type[nn.Module], SqNormFunction] = {
 #: The layer functions measure exactly these parameters of a supported module.
 _MEASURED_PARAM_NAMES = frozenset({"weight", "bias"})
 
-_MICRO_BATCH_HINT = 'use method="micro_batch" for this model'
+_MICRO_BATCH_HINT = (
+    "measure this model with method='micro_batch', which needs several backward passes per optimizer step "
+    "(gradient accumulation, e.g. Lightning's accumulate_grad_batches=2, or several devices)"
+)
 
 
 @dataclass
@@ -81,11 +85,16 @@ class PerExampleNormTracker:
     between modules (tied weights) and embeddings with unsupported options are left out and listed in
     :attr:`excluded_reasons`.
 
-    Errors are raised (from ``backward``) instead of returning wrong numbers when a covered module's
-    output gradient arrives twice in one backward pass (the module was applied more than once: the
-    norm of a summed gradient is not the sum of norms), when a covered parameter receives a gradient
-    without its module's output gradient (used outside the module's forward, e.g. ``F.linear(x,
-    lin.weight)``), and when modules disagree about the batch size (batch dim must be dim 0).
+    Errors are raised (from :meth:`pop_passes`; hooks never raise inside ``backward``) instead of returning
+    wrong numbers when a covered module's output gradient arrives twice in one backward pass (the module was
+    applied more than once: the norm of a summed gradient is not the sum of norms), when a covered parameter
+    receives a gradient without its module's output gradient (used outside the module's forward, e.g.
+    ``F.linear(x, lin.weight)``), when a ``create_graph=True`` pass reaches a covered module, and when the batch
+    dim of a module's input can't be told (:mod:`~gns_callback.per_example.layout`).
+
+    Set :attr:`expected_batch_size` to the micro-batch's size before its forward pass: each module's batch dim is
+    then checked against it, and sequence-first inputs ``(T, B, ...)`` are measured along dim 1. Left None, dim 0
+    is taken, all modules must agree on it, and a model with ``batch_first=False`` modules is refused.
 
     The tracker must be :attr:`enabled` during both forward and backward. While disabled, hooks
     return immediately. Coverage is decided at :meth:`attach`; re-attach after changing
@@ -100,6 +109,8 @@ class PerExampleNormTracker:
         #: Measure only the first ``max_examples`` examples of each batch (None: all). Their mean squared
         #: norm is still unbiased for i.i.d. batches, at a fraction of the cost.
         self.max_examples = max_examples
+        #: Examples in the micro-batch whose forward/backward runs next (None: unknown, see the class docstring).
+        self.expected_batch_size: int | None = None
         #: Full batch size of the backward pass(es) returned by the last :meth:`pop`.
         self.last_batch_size: int | None = None
         #: Why measuring stopped (set by a hook, which never raises inside the user's backward), or None.
@@ -112,6 +123,7 @@ class PerExampleNormTracker:
         self._attached = False
         self._passes: PassLedger[PassNorms] = PassLedger()
         self._saw_tracked_forward = False
+        self._sequence_first = False
         self._analyse()
 
     # ------------------------------------------------------------------ coverage
@@ -123,6 +135,7 @@ class PerExampleNormTracker:
                 owners.setdefault(id(param), []).append((module_name, module, local_name))
 
         self.excluded_reasons = {}
+        self._sequence_first = is_sequence_first(self.model)
         self._covered_modules = {}
         self._covered_params = []
         self._uncovered_params = []
@@ -304,6 +317,11 @@ class PerExampleNormTracker:
                 f"{_MICRO_BATCH_HINT}."
             )
         record.fired.add(module)
+        try:
+            if batch_dim(inp.shape, position_dims(module, inp), self.expected_batch_size, self._sequence_first) == 1:
+                inp, grad_output = inp.movedim(1, 0), grad_output.movedim(1, 0)  # (T, B, ...) → (B, T, ...)
+        except LayoutError as error:
+            return self._fail(f"module '{covered.name}' ({type(module).__name__}): {error}; {_MICRO_BATCH_HINT}.")
         if not self._check_batch_size(record, grad_output.shape[0], covered.name):
             return
         if self.max_examples is not None and grad_output.shape[0] > self.max_examples:
@@ -327,8 +345,8 @@ class PerExampleNormTracker:
             record.batch_size, record.source = batch_size, source
         elif batch_size != record.batch_size:
             self._fail(
-                f"module '{source}' saw batch size {batch_size} but '{record.source}' saw {record.batch_size}. "
-                "Every covered module must receive inputs with the batch as dim 0; "
+                f"module '{source}' saw batch size {batch_size} but '{record.source}' saw {record.batch_size} in "
+                "dim 0 (the micro-batch's size was not known beforehand to tell which dim holds it); "
                 f"{_MICRO_BATCH_HINT}."
             )
             return False
