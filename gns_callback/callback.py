@@ -407,13 +407,16 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         )
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        if self._adapter is None or trainer.current_epoch == 0 or self._micro_batch_size is None:
-            return
-        # Adaptation follows the recent (EMA) estimate: the noise scale grows as training progresses.
+        if self._adapter is not None and trainer.current_epoch > 0 and self._micro_batch_size is not None:
+            self._adapt(trainer)
+
+    def _adapt(self, trainer: Any) -> None:
+        """Adaptation follows the recent (EMA) estimate: the noise scale grows as training progresses."""
         rec = self._recommend(trainer, self.meter.estimate)
         if rec is None:
             return
-        event = self._adapter.consider(trainer, rec, self._micro_batch_size, facts.steps_per_epoch(trainer))
+        event = self._adapter.consider(trainer, rec, self._micro_batch_size, facts.steps_per_epoch(trainer),
+                                       self.meter.method)
         if event is not None:
             self._announce_adaptation(trainer, event)
 

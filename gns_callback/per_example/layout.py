@@ -84,6 +84,7 @@ def batch_dim(shape: Sequence[int], position_dims: int, expected: Optional[int],
         )
     where = "neither dim 0 nor dim 1" if dim1 else "dim 0 does not"
     raise LayoutError(
-        f"its input has shape {shape}: {where} hold{'s' if dim1 else ''} the batch of {expected} examples (are "
-        "examples reshaped so that positions or frames become rows?)"
+        f"its input has shape {shape}: {where} hold{'s' if dim1 else ''} the batch of {expected} examples (the layer "
+        "runs on something other than the examples, e.g. a learned table or positions shared by all examples, or "
+        "the examples are reshaped so that positions become rows)"
     )
