@@ -28,12 +28,16 @@ class SequenceFirstEncoder(nn.Module):
 
 
 class LinearTwice(nn.Module):
-    """One Linear applied twice (weight sharing across depth)."""
+    """One Linear applied twice (weight sharing across depth). Weights ×4 at init: B_simple ≈ 31, resolved in a
+    short test run."""
 
     def __init__(self, seed: int = 0) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.inp, self.body, self.head = nn.Linear(64, 32), nn.Linear(32, 32), nn.Linear(32, 10)
+        with torch.no_grad():
+            self.inp.weight.mul_(4.0)
+            self.head.weight.mul_(4.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.inp(x))
@@ -42,17 +46,20 @@ class LinearTwice(nn.Module):
 
 class PositionalEmbedding(nn.Module):
     """nanoGPT-style: token embedding plus a position embedding looked up on ``arange(T)`` (the same for every
-    example, so the position table's gradient has no per-example rows of its own)."""
+    example, so the position table's gradient has no per-example rows of its own); a Linear head on the flattened
+    sequence (×2 at init: B_simple ≈ 31)."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, dim: int = 4, seed: int = 0) -> None:
         super().__init__()
         torch.manual_seed(seed)
-        self.tokens, self.positions = nn.Embedding(17, 16), nn.Embedding(64, 16)
-        self.head = nn.Linear(16, 10)
+        self.tokens, self.positions = nn.Embedding(17, dim), nn.Embedding(64, dim)
+        self.head = nn.Linear(64 * dim, 10)
+        with torch.no_grad():
+            self.head.weight.mul_(2.0)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tokens(tokens) + self.positions(torch.arange(tokens.shape[1], device=tokens.device))
-        return self.head(torch.tanh(h).mean(1))
+        return self.head(torch.tanh(h).flatten(1))
 
 
 class LinearOnLearnedTable(nn.Module):
@@ -61,7 +68,7 @@ class LinearOnLearnedTable(nn.Module):
     def __init__(self, seed: int = 0) -> None:
         super().__init__()
         torch.manual_seed(seed)
-        self.project = nn.Linear(64, 16)
+        self.project = nn.Linear(64, 128)  # its weights are > 90% of the parameters: auto takes per_example
         self.prototypes = nn.Parameter(torch.randn(10, 64) * 0.1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
