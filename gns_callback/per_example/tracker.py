@@ -56,6 +56,7 @@ class PassNorms:
     batch_size: int | None = None
     source: str = ""
     fired: set = field(default_factory=set)
+    failure: str | None = None  # why this pass can't be measured (matters only if it fills ``.grad``)
 
     def add(self, sq_norms: Tensor) -> None:
         self.sq_norms = sq_norms if self.sq_norms is None else self.sq_norms + sq_norms
@@ -240,13 +241,12 @@ class PerExampleNormTracker:
         """One :class:`PassNorms` per backward pass that accumulated into ``.grad`` since the last pop (passes of
         ``torch.autograd.grad`` are dropped). Raises ``RuntimeError`` with the reason if a hook found the model
         unmeasurable (hooks never raise inside ``backward``). Does not sync the device."""
-        if self.failure is not None:
-            failure = self.failure
-            self._reset_state()
+        committed = self._passes.pop()
+        failure = self.failure or next((p.failure for p in committed if p.failure is not None), None)
+        self._reset_state()
+        if failure is not None:
             raise RuntimeError(f"PerExampleNormTracker: {failure}")
-        passes = [p for p in self._passes.pop() if p.sq_norms is not None]
-        self._saw_tracked_forward = False
-        return passes
+        return [p for p in committed if p.sq_norms is not None]
 
     def pop(self) -> Tensor | None:
         """Per-example squared norms (B,), float32, summed over covered modules and over the backward
@@ -270,6 +270,13 @@ class PerExampleNormTracker:
         """Stop measuring: remember why (:meth:`pop_passes` raises it) and make every hook inert."""
         if self.failure is None:
             self.failure = reason
+
+    @staticmethod
+    def _fail_pass(record: PassNorms, reason: str) -> None:
+        """This pass can't be measured: :meth:`pop_passes` raises it if the pass fills ``.grad`` (a pass of
+        ``torch.autograd.grad`` that failed, e.g. on a batch of another size, is dropped like any other)."""
+        if record.failure is None:
+            record.failure = reason
 
     # ------------------------------------------------------------------ hooks
 
@@ -309,8 +316,10 @@ class PerExampleNormTracker:
                 f"{_MICRO_BATCH_HINT}."
             )
         record = self._pass_record()
+        if record.failure is not None:
+            return
         if module in record.fired:
-            return self._fail(
+            return self._fail_pass(record,
                 f"module '{covered.name}' ({type(module).__name__}) was applied more than once in the forward "
                 "pass and received several output gradients in one backward pass. The per-example norm of the "
                 f"summed gradient is not the sum of per-call norms, so it can't be measured with hooks; "
@@ -321,9 +330,14 @@ class PerExampleNormTracker:
             if batch_dim(inp.shape, position_dims(module, inp), self.expected_batch_size, self._sequence_first) == 1:
                 inp, grad_output = inp.movedim(1, 0), grad_output.movedim(1, 0)  # (T, B, ...) → (B, T, ...)
         except LayoutError as error:
-            return self._fail(f"module '{covered.name}' ({type(module).__name__}): {error}; {_MICRO_BATCH_HINT}.")
-        if not self._check_batch_size(record, grad_output.shape[0], covered.name):
-            return
+            return self._fail_pass(record,
+                                   f"module '{covered.name}' ({type(module).__name__}): {error}; {_MICRO_BATCH_HINT}.")
+        if self._check_batch_size(record, grad_output.shape[0], covered.name):
+            self._measure(record, module, covered, inp, grad_output)
+
+    def _measure(self, record: PassNorms, module: nn.Module, covered: _CoveredModule, inp: Tensor,
+                 grad_output: Tensor) -> None:
+        """Add ``module``'s per-example squared norms (batch in dim 0 by now) to the pass."""
         if self.max_examples is not None and grad_output.shape[0] > self.max_examples:
             inp, grad_output = inp[: self.max_examples], grad_output[: self.max_examples]
         with torch.no_grad():
@@ -333,8 +347,9 @@ class PerExampleNormTracker:
     def _on_param_grad(self, module: nn.Module, param_name: str, grad: Tensor) -> None:
         if not self._active() or not self._saw_tracked_forward:
             return
-        if module not in self._pass_record().fired:
-            self._fail(
+        record = self._pass_record()
+        if record.failure is None and module not in record.fired:
+            self._fail_pass(record,
                 f"parameter '{param_name}' received a gradient that did not flow through its module's output: "
                 "it is used outside the module's forward (e.g. F.linear(x, module.weight), or a positional "
                 f"table indexed directly), so its per-example norm can't be measured; {_MICRO_BATCH_HINT}."
@@ -344,7 +359,7 @@ class PerExampleNormTracker:
         if record.batch_size is None:
             record.batch_size, record.source = batch_size, source
         elif batch_size != record.batch_size:
-            self._fail(
+            self._fail_pass(record,
                 f"module '{source}' saw batch size {batch_size} but '{record.source}' saw {record.batch_size} in "
                 "dim 0 (the micro-batch's size was not known beforehand to tell which dim holds it); "
                 f"{_MICRO_BATCH_HINT}."

@@ -12,9 +12,10 @@ from tests.helpers import quiet_trainer
 BASELINE_STEPS = 5
 
 
-def fit(module: pl.LightningModule, loader: Any, callbacks: tuple = (), **trainer_kwargs: Any) -> pl.Trainer:
+def fit(module: pl.LightningModule, loaders: Any, callbacks: tuple = (), **trainer_kwargs: Any) -> pl.Trainer:
+    """``loaders``: the train DataLoader, or ``{"train_dataloaders": ..., "val_dataloaders": ...}``."""
     trainer = quiet_trainer(callbacks=list(callbacks), **trainer_kwargs)
-    trainer.fit(module, loader)
+    trainer.fit(module, **(loaders if isinstance(loaders, dict) else {"train_dataloaders": loaders}))
     return trainer
 
 
