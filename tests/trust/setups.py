@@ -12,9 +12,11 @@ from tests.helpers import quiet_trainer
 BASELINE_STEPS = 5
 
 
-def fit(module: pl.LightningModule, loaders: Any, callbacks: tuple = (), **trainer_kwargs: Any) -> pl.Trainer:
-    """``loaders``: the train DataLoader, or ``{"train_dataloaders": ..., "val_dataloaders": ...}``."""
-    trainer = quiet_trainer(callbacks=list(callbacks), **trainer_kwargs)
+def fit(module: pl.LightningModule, loaders: Any, ours: tuple = (), **trainer_kwargs: Any) -> pl.Trainer:
+    """``loaders``: the train DataLoader, or ``{"train_dataloaders": ..., "val_dataloaders": ...}``; ``ours``: our
+    callback(s), put before the user's ``callbacks``."""
+    trainer_kwargs["callbacks"] = [*ours, *trainer_kwargs.get("callbacks", [])]
+    trainer = quiet_trainer(**trainer_kwargs)
     trainer.fit(module, **(loaders if isinstance(loaders, dict) else {"train_dataloaders": loaders}))
     return trainer
 
