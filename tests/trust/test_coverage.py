@@ -6,7 +6,6 @@ fraction, a line in the fit-end summary, and ``coverage`` in the report. The val
 of the covered parameters."""
 
 import json
-import warnings
 
 import pytest
 import torch.nn.functional as F
