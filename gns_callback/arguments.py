@@ -1,7 +1,7 @@
 """Constructor arguments checked against a table: one :class:`Rule` per argument (pure Python, no Lightning).
 
 Every bad value is refused where it is given, with a message that names the argument, shows the value, and gives a
-valid example (``GradientNoiseScaleCallback(headroom='0.8'): a number in (0, 1], e.g. 0.85.``), instead of a bare
+valid example (``GradientNoiseScaleCallback(headroom='0.8'): must be a number in (0, 1], e.g. 0.85.``), not a bare
 ``TypeError`` or a silent misbehaviour late in training. ``bool`` is never accepted as a number (``True`` is an
 ``int`` in Python), and a number is never accepted as a ``bool`` switch (``probe="no"`` is truthy).
 """
