@@ -88,3 +88,18 @@ def test_an_unwritable_default_report_path_is_refused_at_fit_start(digits, a_fil
     trains_without_callback(lambda: Classifier(mlp()), loader, default_root_dir=str(a_file / "logs"))
     with pytest.raises(MisconfigurationException, match=r"report can't be written.*is a file.*report_path="):
         fit(Classifier(mlp()), loader(), (GradientNoiseScaleCallback(),), default_root_dir=str(a_file / "logs"))
+
+
+def test_a_report_that_cannot_be_written_at_fit_end_warns_and_keeps_the_result(digits, tmp_path, monkeypatch):
+    """E.g. a full disk: the finished run is not failed for it."""
+    x, y = digits
+
+    def disk_full(path, sections):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("gns_callback.callback.write_report", disk_full)
+    callback = GradientNoiseScaleCallback(method="micro_batch", verbose=False, report_path=str(tmp_path / "r.json"))
+    with pytest.warns(UserWarning, match="could not write the report.*No space left"):
+        trainer = fit(Classifier(mlp()), with_replacement_loader(x, y, 8, 8 * 2 * 10), (callback,),
+                      accumulate_grad_batches=2)
+    assert trainer.state.finished and callback.run_estimate.steps == 10
