@@ -48,7 +48,10 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         method: where small-batch gradients come from. ``"micro_batch"``: each accumulation micro-batch
             and/or each DDP rank's local gradient (needs ``accumulate_grad_batches × world_size ≥ 2``).
             ``"per_example"``: per-example gradient norms inside each batch (any setup; not valid with
-            BatchNorm in training mode). ``"auto"``: ``per_example`` where valid, else ``micro_batch``.
+            BatchNorm in training mode). ``"auto"``: ``per_example`` where valid and covering at least 90% of the
+            trainable parameters, else ``micro_batch``; if the per-example hooks then find a step they can't measure
+            (a layer applied twice, a gradient penalty, ...), it switches to ``micro_batch`` where the run has
+            several micro-batches per step, and otherwise stops measuring (README, "When it can't measure").
         ema_decay: in ``[0, 1)``; weight of the past in the exponential moving averages of ``tr(Σ)`` and
             ``|G|²`` (smoothed separately, ratio formed when read). ``0.99`` ≈ the last 200 steps.
             A run average (equal weights) is kept too: ``run_estimate``.

@@ -334,7 +334,9 @@ class GradientNoiseScaleMeter:
         self.reset()
 
     def stop(self, reason: str) -> None:
-        """Stop measuring for the rest of the run: warn once; estimates read "not measured" from now on."""
+        """Stop measuring for the rest of the run: warn once; estimates read "not measured" from now on.
+
+        With ``reduce``, call it on every rank at the same step (the meter's own stops are agreed across ranks)."""
         if self.failure is None:
             self.failure = reason
             warnings.warn(f"gns_callback stopped measuring the gradient noise scale: {reason}", stacklevel=3)
