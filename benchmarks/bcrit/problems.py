@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gns_callback.per_example import PerExampleNormTracker
+from tests.helpers import small_cnn
 
 
 @dataclass(frozen=True)
@@ -48,18 +49,8 @@ def mlp(hidden: int = 64, seed: int = 0) -> nn.Module:
 
 
 def cnn(seed: int = 0) -> nn.Module:
-    """Conv(8) + GroupNorm + ReLU, strided Conv(8) + ReLU, Linear on 1×8×8 digit images."""
-    torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Unflatten(1, (1, 8, 8)),
-        nn.Conv2d(1, 8, 3, padding=1),
-        nn.GroupNorm(2, 8),
-        nn.ReLU(),
-        nn.Conv2d(8, 8, 3, stride=2, padding=1),
-        nn.ReLU(),
-        nn.Flatten(),
-        nn.Linear(8 * 4 * 4, 10),
-    )
+    """Conv(8) + GroupNorm + ReLU, strided Conv(8) + ReLU, Linear on 1×8×8 digit images (the tests' small CNN)."""
+    return small_cnn(seed=seed)
 
 
 def lr_grid(low: float, high: float) -> tuple[float, ...]:
