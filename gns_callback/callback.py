@@ -529,6 +529,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             "estimate": est.to_dict(),
             "run_estimate": run.to_dict(),
             "critical_batch": self.meter.critical_batch.to_dict(),
+            "batch_target": json_safe(self._batch_target()),  # what the recommendation aimed at (report command)
             "history": self._history,
             "recommendation": self.recommendation.to_dict() if self.recommendation is not None else None,
             "probe": self.probe_result.to_dict() if self.probe_result is not None else None,

@@ -315,7 +315,7 @@ def test_a_real_run_end_to_end(digits, tmp_path, capsys):
     text = run(capsys, tmp_path / "run", "--out", tmp_path / "pngs")
     assert sorted(p.name for p in (tmp_path / "pngs").iterdir()) == sorted(PNGS)
     assert cb.recommendation.summary_table() in text
-    text = run(capsys, tmp_path / "run", "--no-plots", "--estimate", "run_estimate")
+    text = run(capsys, tmp_path / "run", "--no-plots")  # default: the batch target the callback recommended from
     saved = cb.recommendation
     for label, value in (("global batch size", saved.batch_size), ("learning rate", f"{saved.learning_rate:.4g}")):
         assert row(text, label)[1] == str(value)
