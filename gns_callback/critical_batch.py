@@ -180,14 +180,14 @@ def _windows_estimate(blocks: torch.Tensor, masks: list[torch.Tensor], confidenc
                       loss_end: float) -> CriticalBatchEstimate | None:
     steps = int(round(float(blocks[:, 0].sum())))
     parts = [summarize_ratio(blocks[inside, :7].sum(0).tolist(), confidence) for inside in masks]
-    if all(p.effective_steps > 1.0 for p in parts):
+    if all(p.effective_steps > 1.0 and p.ci_high < math.inf for p in parts):
         g, low, high = geometric_mean_interval(parts)
         if 0.0 < g < math.inf:
             values = tuple(p.ratio for p in parts)
             return CriticalBatchEstimate(g, low, high, confidence, values, loss_start, loss_end, steps, LOSS_WINDOWS)
     whole = summarize_ratio(blocks[torch.stack(masks).any(0), :7].sum(0).tolist(), confidence)
     if whole.effective_steps > 1.0 and 0.0 < whole.ratio < math.inf:  # resolved as one window where K are not
-        method = f"{LOSS_WINDOWS} (one window: {len(masks)} not resolved)"
+        method = f"{LOSS_WINDOWS} (one window: the {len(masks)} windows are not all resolved)"
         return CriticalBatchEstimate(whole.ratio, whole.ci_low, whole.ci_high, confidence, (whole.ratio,),
                                      loss_start, loss_end, steps, method)
     return None

@@ -35,6 +35,7 @@ from gns_callback.recommendation.trust import (
     DEFAULT_MIN_STEPS,
     EstimateView,
     assess,
+    near_end,
     read_estimate,
     verdict,
 )
@@ -138,9 +139,12 @@ def _check_arguments(current_batch_size: int, num_devices: int, multiple_of: int
 def _choose_batch(
     status: str, est: EstimateView, bounds: Bounds, grid: Grid, current: CurrentSetup, micro_cap: Optional[int]
 ) -> BatchChoice:
-    """Aim at ``B_simple`` when the verdict is ``ok``; otherwise keep the current batch."""
+    """Aim at ``B_simple`` when the verdict is ``ok``, at the interval's near end when ``toward_interval``;
+    otherwise keep the current batch."""
     if status == R.OK:
         return aim(est.b_simple, bounds, grid, current, micro_cap)
+    if status == R.TOWARD_INTERVAL:
+        return aim(near_end(est, current.batch_size), bounds, grid, current, micro_cap)
     return keep(bounds, current, micro_cap)
 
 

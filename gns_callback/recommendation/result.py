@@ -16,8 +16,9 @@ NO_ESTIMATE = "no_estimate"  # nothing measured (B_simple is nan)
 TOO_FEW_STEPS = "too_few_steps"
 UNBOUNDED = "unbounded"  # |G|² not resolved: ci_high (or B_simple) infinite
 TOO_WIDE = "too_wide"  # ci_high/ci_low above max_ci_ratio
+TOWARD_INTERVAL = "toward_interval"  # too wide or unbounded, but the whole interval lies on one side: moved to its near end
 TRUSTED = (OK, WITHIN_INTERVAL)
-STATUSES = (OK, WITHIN_INTERVAL, NO_ESTIMATE, TOO_FEW_STEPS, UNBOUNDED, TOO_WIDE)
+STATUSES = (OK, WITHIN_INTERVAL, NO_ESTIMATE, TOO_FEW_STEPS, UNBOUNDED, TOO_WIDE, TOWARD_INTERVAL)
 
 # Float fields whose ``null`` in JSON means "unbounded" (``inf``), unless nothing was measured (``nan``).
 _UNBOUNDED_FIELDS = {
