@@ -114,7 +114,7 @@ def recommend(
     bounds = batch_bounds(min_batch_size, max_batch_size, dataset_size)
     choice = _choose_batch(status, est, bounds, Grid(multiple_of, power_of_two), current, hardware.micro_cap)
     lr = choose_lr(current_lr, current_batch_size, choice.batch_size, optimizer, lr_rule, b_noise=est.b_simple,
-                   sharpness=sharpness)
+                   sharpness=sharpness, early_b_noise=est.lr_noise_scale)
     econ = Economics(hardware.throughput, _examples_per_epoch(dataset_size, steps_per_epoch, current_batch_size),
                      price_per_device_hour)
     warmup = plan_warmup(current_lr, lr.learning_rate, choice.batch_size, econ.examples_per_epoch,

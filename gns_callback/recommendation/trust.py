@@ -37,6 +37,7 @@ class EstimateView:
     steps: Optional[int]
     confidence: float = 0.95
     averaging: str = "unknown"
+    lr_noise_scale: float = math.nan  # the early phase's noise scale, for an SGD LR transfer (nan: not given)
 
 
 NO_ESTIMATE = EstimateView(math.nan, math.nan, math.nan, 0, 0.95, "none")
@@ -66,6 +67,7 @@ def read_estimate(estimate: Any) -> EstimateView:
         steps=steps,
         confidence=float(get("confidence") or 0.95),
         averaging=str(get("averaging") or "unknown"),
+        lr_noise_scale=math.nan if get("lr_noise_scale") is None else float(get("lr_noise_scale")),
     )
 
 
