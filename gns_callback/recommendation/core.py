@@ -19,6 +19,7 @@ from typing import Any, Mapping, Optional
 
 from gns_callback.recommendation import result as R
 from gns_callback.recommendation.batch import BatchChoice, Bounds, Grid, aim, batch_bounds, keep
+from gns_callback.recommendation.calibration import may_move
 from gns_callback.recommendation.current import CurrentSetup, read_current
 from gns_callback.recommendation.hardware import fit_advice, read_hardware
 from gns_callback.recommendation.learning_rate import LRChoice, Warmup, choose_lr, plan_warmup
@@ -110,6 +111,7 @@ def recommend(
     current = read_current(current_batch_size, num_devices, current_micro_batch_size, current_accumulate)
     status, reason = verdict(est, current_batch_size, max_ci_ratio=max_ci_ratio, min_steps=min_steps,
                              keep_within_interval=keep_within_interval)
+    status, reason = _calibrated(status, reason, est, current_batch_size, optimizer)
     hardware = read_hardware(probe, max_micro_batch, throughput, current)
     bounds = batch_bounds(min_batch_size, max_batch_size, dataset_size)
     choice = _choose_batch(status, est, bounds, Grid(multiple_of, power_of_two), current, hardware.micro_cap)
@@ -146,6 +148,17 @@ def _choose_batch(
     if status == R.TOWARD_INTERVAL:
         return aim(near_end(est, current.batch_size), bounds, grid, current, micro_cap)
     return keep(bounds, current, micro_cap)
+
+
+def _calibrated(status: str, reason: str, est: EstimateView, current_batch_size: int,
+                optimizer: OptimizerLike) -> tuple[str, str]:
+    """``not_calibrated`` (keep) instead of a decrease the critical batch can't support for this optimizer
+    (:mod:`.calibration`)."""
+    if status not in (R.OK, R.TOWARD_INTERVAL):
+        return status, reason
+    target = est.b_simple if status == R.OK else near_end(est, current_batch_size)
+    why = may_move(target, current_batch_size, optimizer)
+    return (status, reason) if why is None else (R.NOT_CALIBRATED, why)
 
 
 def _finite_or_none(value: Optional[float]) -> Optional[float]:
