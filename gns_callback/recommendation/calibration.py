@@ -33,7 +33,7 @@ def uncalibrated_reason(optimizer: OptimizerLike) -> Optional[str]:
     what = (f"momentum {momentum.beta:g}" if rule == NOISE_LINEAR and momentum is not None
             else f"{optimizer_name(optimizer) if optimizer is not None else 'an unknown optimizer'}")
     return (f"the critical batch is calibrated for plain SGD; with {what} the slow-way B_crit on digits was "
-            "1.9–16× the noise-scale reading, which is then a lower bound")
+            "1.9–17× the noise-scale reading, which is then a lower bound")
 
 
 def may_move(target: float, current_batch_size: int, optimizer: OptimizerLike) -> Optional[str]:

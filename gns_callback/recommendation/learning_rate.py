@@ -5,8 +5,10 @@ The rule comes from ``lr_rule=`` when given (a user override), else from the opt
 ``ε(B) = ε_max/(1 + B_noise/B)`` (its square root for the Adam family).
 
 Which ``B_noise``. A constant LR has to survive the whole run, and an SGD LR is limited by the early phase, where
-``|G|²`` is large and the noise scale small; so the SGD rules use the *early* noise scale when the run measured
-one (``early_b_noise``: :func:`gns_callback.critical_batch.early_window`), the batch's ``B_noise`` otherwise.
+``|G|²`` is large and the noise scale small; so an SGD *increase* uses the *early* noise scale when the run
+measured one (``early_b_noise``: :func:`gns_callback.critical_batch.early_window`) and it is the smaller. A
+*decrease* uses the larger of the two: a tuned LR sits at the stability edge, and on digits the early scale alone
+kept the LR too high in 2 of 15 decreases from batch 128 (diverged or 3.7× the steps).
 Measured on digits (``benchmarks/lr_transfer_digits.py``, MLP 64-64-10, LRs tuned at 8…512): the tuned SGD LRs
 fit ``ε_max/(1 + B_noise/B)`` with ``B_noise ≈ 11``, the early window read 11–14 from runs at batch 8, 32 and 512,
 while the run's critical batch is 32–35; with the critical batch as ``B_noise`` the rule diverged in 12 of 15
@@ -120,10 +122,11 @@ def choose_lr(
     citation = CITATIONS[rule] if source != USER_OVERRIDE else f"{USER_OVERRIDE} ({CITATIONS[rule]})"
     if current_lr is None:
         return LRChoice(rule, source, citation, None, notes)
-    scale, which = noise_scale_for(rule, b_noise, early_b_noise)
+    scale, which = noise_scale_for(rule, b_noise, early_b_noise, raising=batch_size > current_batch_size)
     scaled, how = transfer(current_lr, current_batch_size, batch_size, rule, scale)
-    early = which == EARLY
-    how = tuple(f"{note} (B_noise of the early phase: it limits a constant SGD LR)" for note in how) if early else how
+    early = rule in SGD_RULES and rule in NOISE_RULES and 0.0 < early_b_noise < math.inf  # measured: no hold
+    how = tuple(f"{note} (B_noise of the early phase: it limits a constant SGD LR)" for note in how) \
+        if which == EARLY else how
     ceiling, why = sgd_ceiling(current_lr, rule, sharpness, optimizer, automatic=source != USER_OVERRIDE,
                                early=early)
     new_lr = scaled if ceiling.lr is None else cap_increase(scaled, current_lr, ceiling.lr)
@@ -135,12 +138,16 @@ EARLY = "early phase"
 BATCH = "batch target"
 
 
-def noise_scale_for(rule: str, b_noise: float, early_b_noise: float) -> tuple[float, str]:
-    """``(B_noise, which)`` for the LR rule: the early phase's noise scale for a noise-aware SGD rule when measured
-    (finite and positive), else the batch's (see the module doc)."""
-    if rule in SGD_RULES and rule in NOISE_RULES and 0.0 < early_b_noise < math.inf:
+def noise_scale_for(rule: str, b_noise: float, early_b_noise: float, *, raising: bool = True) -> tuple[float, str]:
+    """``(B_noise, which)`` for the LR rule. A noise-aware SGD rule with a measured early noise scale (finite and
+    positive) takes the more cautious of the two: the smaller when the batch rises (a smaller LR increase), the
+    larger when it falls (a larger LR decrease). Otherwise the batch's ``B_noise`` (see the module doc)."""
+    if not (rule in SGD_RULES and rule in NOISE_RULES and 0.0 < early_b_noise < math.inf):
+        return b_noise, BATCH
+    if math.isnan(b_noise) or b_noise < 0:
         return early_b_noise, EARLY
-    return b_noise, BATCH
+    cautious = min(early_b_noise, b_noise) if raising else max(early_b_noise, b_noise)
+    return cautious, EARLY if cautious == early_b_noise else BATCH
 
 
 def transfer(
