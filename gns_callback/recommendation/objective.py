@@ -401,3 +401,24 @@ def with_learning_rates(plans: Mapping[str, ObjectivePlan], lr_at: Any) -> dict[
     """Each plan with ``learning_rate = lr_at(batch_size)`` (the recommendation's LR rule)."""
     return {name: p if p.batch_size is None else replace(p, learning_rate=lr_at(p.batch_size))
             for name, p in plans.items()}
+
+
+def time_curve(batch_sizes: Iterable[float], b_noise: float, current: Config, times: StepTimes,
+               micro_cap: Optional[int]) -> list[float]:
+    """``T(B)/T(current)`` on ``current``'s devices, ``B`` read as a continuous size: one micro-batch per device up
+    to ``micro_cap``, then the fewest equal micro-batches under it (what the plots draw; the plans themselves are
+    on the size grid).
+
+    >>> t = StepTimes({8: 8 / (0.01 + 8e-4), 4096: 4096 / (0.01 + 4096e-4)})
+    >>> [round(r, 4) for r in time_curve([100, 200], 400.0, Config(100, 100, 1, 1), t, None)]
+    [1.0, 0.9]
+    """
+    reference = wall_time(current, b_noise, times)
+    devices = current.num_devices
+    out = []
+    for batch in batch_sizes:
+        share = batch / devices
+        accumulate = 1 if micro_cap is None else max(1, math.ceil(share / micro_cap - 1e-9))
+        seconds = accumulate * times.seconds(share / accumulate)
+        out.append((1.0 + max(b_noise, 0.0) / batch) * seconds / reference)
+    return out
