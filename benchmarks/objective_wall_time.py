@@ -135,7 +135,9 @@ class StopAtLoss(pl.Callback):
         return None if not self.reached else self.end - self.start - self.eval_seconds
 
 
-def measure_plans(cfg: Config, x: torch.Tensor, y: torch.Tensor, net: nn.Module, **fit: Any) -> GradientNoiseScaleCallback:
+def measure_plans(
+    cfg: Config, x: torch.Tensor, y: torch.Tensor, net: nn.Module, **fit: Any
+) -> GradientNoiseScaleCallback:
     """One fit at the current batch with the probe and ``objective="time"``: the callback holds the plans."""
     with tempfile.TemporaryDirectory() as tmp:
         cb = GradientNoiseScaleCallback(probe=True, objective="time", verbose=False, memory_budget_bytes=cfg.memory,

@@ -619,6 +619,9 @@ def _check_arguments(values: dict[str, Any]) -> None:
             f"{_OWNER}(objective={values['objective']!r}, probe=False): {values['objective']!r} is chosen from the "
             "probe's measured step time per micro-batch; set probe=True, or objective='balanced'."
         )
+    if values["adapt"] and values["max_devices"] is not None:
+        raise ValueError(f"{_OWNER}(adapt=True, max_devices={values['max_devices']!r}): adapt changes only "
+                         "accumulate_grad_batches during a run, not the device count; drop one of them.")
     if values["adapt"] and not values["recommend"]:
         raise ValueError(f"{_OWNER}(adapt=True, recommend=False): adapt applies the recommendation; "
                          "set recommend=True or adapt=False.")

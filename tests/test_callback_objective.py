@@ -17,6 +17,8 @@ def test_bad_objective_and_max_devices_name_the_fix():
         GradientNoiseScaleCallback(objective="fastest", probe=True)
     with pytest.raises(ValueError, match="max_devices"):
         GradientNoiseScaleCallback(max_devices=0)
+    with pytest.raises(ValueError, match="adapt=True, max_devices=4"):
+        GradientNoiseScaleCallback(adapt=True, max_devices=4)
 
 
 def test_time_objective_in_a_fit_reports_all_three_plans(digits, tmp_path):

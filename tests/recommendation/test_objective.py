@@ -130,7 +130,8 @@ def test_cost_with_devices_takes_the_fewest_and_time_the_most():
     r = rec(400.0, "cost", num_devices=4, max_devices=4, current=256)
     fast, cheap = r.plans[TIME], r.plans[COST]
     assert (fast.batch_size, fast.micro_batch_size, fast.num_devices) == (400, 100, 4)
-    assert (cheap.batch_size, cheap.micro_batch_size, cheap.num_devices, cheap.accumulate_grad_batches) == (200, 200, 1, 1)
+    cheap_split = (cheap.batch_size, cheap.micro_batch_size, cheap.num_devices, cheap.accumulate_grad_batches)
+    assert cheap_split == (200, 200, 1, 1)
     assert (r.batch_size, r.num_devices) == (200, 1)
     hours = lambda b, m: (1 + b / 400) * (T0 / m + C)  # noqa: E731
     wall = lambda b, m: (1 + 400 / b) * (T0 + C * m)  # noqa: E731
