@@ -17,7 +17,7 @@ from gns_callback.recommendation import Recommendation, recommend  # noqa: E402
 from tests import report_sections  # noqa: E402
 from tests.report_sections import CALLBACK_INPUTS, estimate  # noqa: E402
 
-PNGS = ("gns_history.png", "gns_tradeoff.png", "gns_probe.png")
+PNGS = ("gns_history.png", "gns_tradeoff.png", "gns_probe.png", "gns_objectives.png")
 
 
 def write(path, report):
