@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from gns_callback.recommendation.learning_rate import choose_lr, pick_rule, plan_warmup, sgd_ceiling, transfer
+from gns_callback.recommendation.learning_rate import INCREASE_MARGIN, choose_lr, pick_rule, plan_warmup, sgd_ceiling, transfer
 
 
 def test_pick_rule_by_family_override_and_unknown():
@@ -32,10 +32,11 @@ def test_sgd_increase_needs_the_curvature_unless_the_rule_is_explicit():
     assert held.learning_rate == 0.1 and held.ceiling.lr == 0.1 and "not raised" in held.notes[-1]
     explicit = choose_lr(0.1, 64, 256, torch.optim.SGD, "noise_linear", b_noise=64.0)
     assert explicit.learning_rate == pytest.approx(0.1 * 2 / 1.25) and explicit.ceiling.lr is None
-    capped = choose_lr(0.1, 64, 256, torch.optim.SGD, None, b_noise=64.0, sharpness=14.0)  # limit 2/14
-    assert capped.learning_rate == pytest.approx(1 / 7) and "capped" in capped.notes[-1]
+    capped = choose_lr(0.1, 64, 256, torch.optim.SGD, None, b_noise=64.0, sharpness=16.0)  # limit 2/16
+    assert capped.learning_rate == pytest.approx(0.125) and "capped" in capped.notes[-1]
     free = choose_lr(0.1, 64, 256, torch.optim.SGD, None, b_noise=64.0, sharpness=1.0)  # limit 2
-    assert free.learning_rate == pytest.approx(0.16) and free.ceiling.stability_limit == pytest.approx(2.0)
+    assert free.learning_rate == pytest.approx(0.16 * INCREASE_MARGIN)
+    assert free.ceiling.stability_limit == pytest.approx(2.0) and any("below the rule" in n for n in free.notes)
     adam = choose_lr(1e-3, 64, 256, "Adam", None, b_noise=64.0)
     assert adam.learning_rate == pytest.approx(1e-3 * (2 / 1.25) ** 0.5) and adam.ceiling.lr is None
 
@@ -74,7 +75,7 @@ def test_warmup_in_steps_epochs_only_or_none():
 def test_sgd_rule_uses_the_early_noise_scale_when_measured():
     # ε(B1) = ε(B0)·(1 + Be/B0)/(1 + Be/B1) at the early phase's Be = 8, not the batch target's 64.
     up = choose_lr(0.5, 8, 32, torch.optim.SGD, None, b_noise=64.0, early_b_noise=8.0)
-    assert up.learning_rate == pytest.approx(0.5 * 2.0 / 1.25) and up.ceiling.lr is None
+    assert up.learning_rate == pytest.approx(0.5 * 2.0 / 1.25 * INCREASE_MARGIN) and up.ceiling.lr is None
     assert "early phase" in up.notes[0]
     # A decrease takes the larger (more cautious) of the two scales.
     down = choose_lr(1.0, 512, 64, torch.optim.SGD, None, b_noise=64.0, early_b_noise=8.0)
@@ -83,7 +84,9 @@ def test_sgd_rule_uses_the_early_noise_scale_when_measured():
     assert down.learning_rate == pytest.approx((1 + 8 / 512) / (1 + 8 / 64)) and "early phase" in down.notes[0]
     # Saturation: far above Be the LR hardly moves; far below, linear.
     assert choose_lr(1.0, 1024, 4096, "SGD", None, b_noise=64.0, early_b_noise=8.0).learning_rate < 1.01
-    assert choose_lr(1.0, 1, 2, "SGD", None, b_noise=1e6, early_b_noise=1e6).learning_rate == pytest.approx(2.0, rel=1e-5)
+    linear = choose_lr(1.0, 1, 2, "SGD", None, b_noise=1e6, early_b_noise=1e6).learning_rate
+    assert linear == pytest.approx(2.0 * INCREASE_MARGIN, rel=1e-5)
+    assert choose_lr(1.0, 8, 9, "SGD", None, b_noise=8.0, early_b_noise=8.0).learning_rate == 1.0  # margin ≥ rise
     # Adam keeps the batch's B_noise; an unusable early value is ignored.
     adam = choose_lr(1e-3, 64, 256, "Adam", None, b_noise=64.0, early_b_noise=8.0)
     assert adam.learning_rate == pytest.approx(1e-3 * (2 / 1.25) ** 0.5)
@@ -94,7 +97,7 @@ def test_sgd_rule_uses_the_early_noise_scale_when_measured():
 
 def test_stability_limit_binds_only_below_it_with_the_early_noise_scale():
     capped = choose_lr(0.1, 8, 64, torch.optim.SGD, None, b_noise=64.0, early_b_noise=8.0, sharpness=14.0)
-    assert capped.learning_rate == pytest.approx(1 / 7) and "capped" in capped.notes[-1]  # rule: 0.1·2/1.125
+    assert capped.learning_rate == pytest.approx(1 / 7) and "capped" in capped.notes[-1]  # rule: 0.1·2/1.125·0.85
     above = choose_lr(0.5, 8, 64, torch.optim.SGD, None, b_noise=64.0, early_b_noise=8.0, sharpness=14.0)
-    assert above.learning_rate == pytest.approx(0.5 * 2 / 1.125) and above.ceiling.lr is None
+    assert above.learning_rate == pytest.approx(0.5 * 2 / 1.125 * INCREASE_MARGIN) and above.ceiling.lr is None
     assert above.ceiling.stability_limit == pytest.approx(1 / 7) and any("not applied" in n for n in above.notes)
