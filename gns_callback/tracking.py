@@ -28,8 +28,8 @@ squares, ``M = Σw·z·zᵀ``, ``Q = Σw²·z·zᵀ``, ``z = (1, u)``) and ``t``
 ``n_eff − 2`` degrees of freedom, ``n_eff = (Σw)²/Σw²``.
 
 **Windows.** The fit is kept at ``n_eff`` ≈ ``(1+d)/(1−d)`` and at 4× and 16× that. :meth:`summary` reports the
-shortest window whose interval is bounded (``|G|²`` resolved), first with the trend, then without it; when none
-is, the shortest trend fit with its unbounded interval.
+shortest window whose ratio is finite and positive (its ``|G|²`` and ``tr Σ`` came out positive), first with the
+trend, then without it, with that window's interval (unbounded above while ``|G|²`` is not resolved).
 
 Measured along SGD runs against the exact ``B_simple`` at every step: ``benchmarks/trajectory_tracking.py``.
 """
@@ -59,7 +59,11 @@ class TrendFit:
     """One window's ratio with or without the linear trend, before choosing among windows."""
 
     summary: RatioSummary
-    bounded: bool
+
+    @property
+    def usable(self) -> bool:
+        """A finite, positive ratio: ``|G|²`` and ``tr Σ`` both came out positive in this window."""
+        return math.isfinite(self.summary.ratio) and self.summary.ratio > 0.0
 
 
 def decay_for_window(effective_steps: float) -> float:
@@ -138,7 +142,7 @@ def fit_window(sums: Sequence[float], scale: float, confidence: float, trend: bo
     """
     w, wu, _, w2, w2u, w2uu, sx, sux, sy, suy, suuy = sums[:11]
     if w <= 0.0:
-        return TrendFit(RatioSummary(math.nan, math.nan, math.nan, 0.0, math.inf, 0.0), False)
+        return TrendFit(RatioSummary(math.nan, math.nan, math.nan, 0.0, math.inf, 0.0))
     if trend:
         mx, my = sx * suuy - sux * suy, sy * suuy - suy * suy
         total = w * suuy - wu * suy
@@ -150,17 +154,21 @@ def fit_window(sums: Sequence[float], scale: float, confidence: float, trend: bo
     means = (mx / total * scale, my / total * scale) if total != 0.0 else (math.nan, math.nan)
     moments = detrended_moments(sums)
     if moments is None or my <= 0.0:
-        return TrendFit(RatioSummary(*means, ratio, 0.0, math.inf, n_eff), False)
+        return TrendFit(RatioSummary(*means, ratio, 0.0, math.inf, n_eff))
     vxx, vyy, vxy, dof = moments
     t = t_quantile(confidence, dof)
     low, high = fieller_interval(mx, my, square * vxx, square * vyy, square * vxy, t)
-    return TrendFit(RatioSummary(*means, ratio, low, high, n_eff), math.isfinite(high))
+    return TrendFit(RatioSummary(*means, ratio, low, high, n_eff))
 
 
 def choose_fit(fits: Sequence[TrendFit]) -> RatioSummary:
-    """The first bounded fit (candidates ordered from least to most lag), else the first one."""
+    """The first fit with a finite, positive ratio (candidates ordered from least to most lag), else the first.
+
+    Choosing by the *realised* interval instead (first bounded one) was measured to bias the reading low: a
+    window is bounded when its ``|G|²`` happens to come out high (benchmarks/trajectory_tracking.py).
+    """
     for fit in fits:
-        if fit.bounded:
+        if fit.usable:
             return fit.summary
     return fits[0].summary
 
@@ -210,10 +218,16 @@ class LocalLinearRatio:
         xn, yn = x / previous, y / previous
         features = torch.stack([xn, yn, xn * xn, yn * yn, xn * yn], -1)
         row = self._row_base + features @ self._row_map.T
-        advanced = (self._transitions @ self.sums.unsqueeze(-1)).squeeze(-1) + row.unsqueeze(-2)
+        advanced = self._advance(self.sums) + row.unsqueeze(-2)
         self.sums = torch.where(valid[..., None, None], advanced, self.sums)
         new_scale = self.scale_state * self.scale_decay + torch.stack([scale, torch.ones_like(scale)], -1)
         self.scale_state = torch.where(valid[..., None], new_scale, self.scale_state)
+
+    def _advance(self, sums: torch.Tensor) -> torch.Tensor:
+        """Every window's sums one step later (before the new step is added): ``M_k @ sums_k``."""
+        if self.batch_shape:
+            return torch.einsum("kij,...kj->...ki", self._transitions, sums)  # no per-stream copy of M
+        return (self._transitions @ sums.unsqueeze(-1)).squeeze(-1)
 
     def update_vector(self, step: torch.Tensor, valid: torch.Tensor, scale: Optional[torch.Tensor] = None) -> None:
         """:meth:`update` from a :func:`gns_callback.smoothing.step_vector` (``x``, ``y`` at entries 2 and 3)."""
