@@ -199,8 +199,7 @@ def local_linear(x: np.ndarray, y: np.ndarray, read: np.ndarray, decay: float = 
         if not read[t]:
             continue
         for r, fits in enumerate(tracker.fits()):
-            level = fits[len(fits) // 2].summary
-            for name, s in zip(names, (choose_fit(fits), fits[0].summary, level)):
+            for name, s in zip(names, (choose_fit(fits), fits[0].summary, fits[1].summary)):
                 out[name][0][t, r], out[name][1][t, r], out[name][2][t, r] = s.ratio, s.ci_low, s.ci_high
     return {name: tuple(v) for name, v in out.items()}
 

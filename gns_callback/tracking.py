@@ -27,9 +27,11 @@ often falls by 10–100× within a few hundred steps, so the old, large ``y`` do
 squares, ``M = Σw·z·zᵀ``, ``Q = Σw²·z·zᵀ``, ``z = (1, u)``) and ``t`` the Student-t quantile with
 ``n_eff − 2`` degrees of freedom, ``n_eff = (Σw)²/Σw²``.
 
-**Windows.** The fit is kept at ``n_eff`` ≈ ``(1+d)/(1−d)`` and at 4× and 16× that. :meth:`summary` reports the
-shortest window whose ratio is finite and positive (its ``|G|²`` and ``tr Σ`` came out positive), first with the
-trend, then without it, with that window's interval (unbounded above while ``|G|²`` is not resolved).
+**Windows.** The sums are kept at ``n_eff`` ≈ ``(1+d)/(1−d)`` and at 4× and 16× that. :meth:`summary` reports
+the trend fit at the base window while its ratio is finite and positive (its ``|G|²`` and ``tr Σ`` came out
+positive). When it is not, the data cannot support a trend, and the reading falls back to the level alone (the
+ratio-scale EMA) at the base window, then at the longer ones, with that fit's interval (unbounded above while
+``|G|²`` is not resolved).
 
 Measured along SGD runs against the exact ``B_simple`` at every step: ``benchmarks/trajectory_tracking.py``.
 """
@@ -164,8 +166,8 @@ def fit_window(sums: Sequence[float], scale: float, confidence: float, trend: bo
 def choose_fit(fits: Sequence[TrendFit]) -> RatioSummary:
     """The first fit with a finite, positive ratio (candidates ordered from least to most lag), else the first.
 
-    Choosing by the *realised* interval instead (first bounded one) was measured to bias the reading low: a
-    window is bounded when its ``|G|²`` happens to come out high (benchmarks/trajectory_tracking.py).
+    Choosing by the *realised* interval instead (the first bounded one) biased the reading low in simulations and
+    on real runs: a window's interval is bounded when its ``|G|²`` happens to come out high.
     """
     for fit in fits:
         if fit.usable:
@@ -180,8 +182,9 @@ class LocalLinearRatio:
     the device, :meth:`update` never syncs with the host, :meth:`summary` copies once.
 
     Args:
-        decay: weight of the past in the base window, in ``(0, 1)`` (``0.99``: ``n_eff`` ≈ 199 steps). Windows
-            of 4× and 16× that are kept as fallbacks while the base window cannot resolve ``|G|²``.
+        decay: weight of the past in the base window, in ``(0, 1)`` (``0.99``: ``n_eff`` ≈ 199 steps). Level-only
+            fits there and at windows of 4× and 16× that are the fallbacks while the trend fit cannot resolve
+            ``|G|²``.
         scale_decay: decay of the short EMA of earlier steps' ``scale`` that normalises each step, in ``[0, 1)``.
         batch_shape: independent streams kept side by side (simulations); ``()`` for one.
     """
@@ -246,14 +249,16 @@ class LocalLinearRatio:
         return [choose_fit(fits) for fits in self.fits(confidence)]
 
     def fits(self, confidence: float = 0.95) -> list[list[TrendFit]]:
-        """Per stream, every candidate, least lag first: the trend fits at each window, then the level-only ones."""
+        """Per stream, the candidates in the order :func:`choose_fit` tries them: the trend fit at the base
+        window, then the level-only fits at each window (base, 4×, 16×)."""
         windows = len(self.decays)
         rows = self.sums.reshape(-1, windows, len(TREND_FIELDS)).tolist()
         scales = self.scale_state.reshape(-1, 2).tolist()
         out = []
         for stream, (total, count) in zip(rows, scales):
             scale = total / count if count > 0 else math.nan
-            out.append([fit_window(row, scale, confidence, trend) for trend in (True, False) for row in stream])
+            trend = fit_window(stream[0], scale, confidence, trend=True)
+            out.append([trend] + [fit_window(row, scale, confidence, trend=False) for row in stream])
         return out
 
     def state_dict(self) -> dict:
