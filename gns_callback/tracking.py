@@ -19,7 +19,8 @@ often falls by 10–100× within a few hundred steps, so the old, large ``y`` do
    which is ``Σv·x̃/Σv·ỹ`` with the kernel ``v_s = w_s·(Y2 − u_s·Y1)``. A constant-level EMA lags a ratio that
    drifts at rate ``g`` by about ``g·d/(1−d)``; the linear term removes that first-order lag (the ratio-scale
    analogue of Brown's double exponential smoothing, Brown 1963). All sums follow linear recursions
-   (``u → u − 1`` when a step arrives), so an update is one small matrix product on the device.
+   (``u → u − 1`` when a step arrives) with a closed form over many steps, so steps are buffered on the device
+   and folded in by blocks.
 
 **Interval.** Fieller's set (Fieller 1954) for ``Σv·x̃/Σv·ỹ`` with ``v`` held fixed:
 ``(mx − R·my)² ≤ t²·Σv²·(vxx − 2R·vxy + R²·vyy)``, where ``vxx, vyy, vxy`` are the per-step (co)variances of
@@ -51,9 +52,8 @@ from gns_callback.smoothing import RatioSummary
 TREND_FIELDS = ("w", "wu", "wuu", "w2", "w2u", "w2uu", "x", "ux", "y", "uy", "uuy", "xx", "yy", "xy")
 #: Window lengths, as multiples of the base window, kept side by side.
 WINDOW_FACTORS = (1, 4, 16)
-_TRIPLES = ((0, 1, 2, False), (3, 4, 5, True), (8, 9, 10, False))  # (Σf, Σuf, Σu²f, squared weights)
-_PAIRS = ((6, 7),)  # (Σf, Σuf)
-_PLAIN = (11, 12, 13)
+#: Steps buffered on the device before they are folded into the sums in one vectorised block.
+BLOCK = 128
 
 
 @dataclass(frozen=True)
@@ -78,35 +78,51 @@ def window_for_decay(decay: float) -> float:
     return math.inf if decay >= 1.0 else (1.0 + decay) / (1.0 - decay)
 
 
-def transition_matrix(decay: float) -> torch.Tensor:
-    """Linear map of one window's sums when time advances one step (before the new step is added).
+def advance_sums(sums: torch.Tensor, decays: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """Every window's sums ``steps`` steps later with nothing added (``steps``: batch-shaped tensor).
 
-    Each ``(Σf, Σu·f, Σu²·f)`` triple with weights ``w`` becomes ``d·(Σf, Σu·f − Σf, Σu²·f − 2Σu·f + Σf)``
-    (every ``u`` falls by one); sums over ``w²`` use ``d²``.
+    Each ``(Σf, Σu·f, Σu²·f)`` triple with weights ``w`` becomes ``d^P·(Σf, Σu·f − P·Σf, Σu²·f − 2P·Σu·f + P²·Σf)``
+    (every ``u`` falls by ``P``); sums over ``w²`` use ``d^(2P)``.
     """
-    m = torch.zeros(len(TREND_FIELDS), len(TREND_FIELDS), dtype=torch.float64)
-    for first, second, third, squared in _TRIPLES:
-        d = decay * decay if squared else decay
-        m[first, first] = d
-        m[second, second], m[second, first] = d, -d
-        m[third, third], m[third, second], m[third, first] = d, -2.0 * d, d
-    for first, second in _PAIRS:
-        m[first, first] = decay
-        m[second, second], m[second, first] = decay, -decay
-    for i in _PLAIN:
-        m[i, i] = decay
-    return m
+    p = steps.to(sums.dtype).unsqueeze(-1)
+    d = decays ** p
+    dd = d * d
+    s = sums.unbind(-1)
+
+    def triple(a: int, b: int, c: int, f: torch.Tensor) -> list[torch.Tensor]:
+        return [f * s[a], f * (s[b] - p * s[a]), f * (s[c] - 2.0 * p * s[b] + p * p * s[a])]
+
+    return torch.stack(triple(0, 1, 2, d) + triple(3, 4, 5, dd) + [d * s[6], d * (s[7] - p * s[6])]
+                       + triple(8, 9, 10, d) + [d * s[11], d * s[12], d * s[13]], -1)
 
 
-def step_row_map() -> tuple[torch.Tensor, torch.Tensor]:
-    """``(base, map)`` with ``base + map @ (x̃, ỹ, x̃², ỹ², x̃ỹ)`` = what one new step (at ``u = 0``, weight 1)
-    adds to a window's sums, in ``TREND_FIELDS`` order."""
-    base = torch.zeros(len(TREND_FIELDS), dtype=torch.float64)
-    base[[0, 3]] = 1.0  # Σw and Σw² gain weight 1
-    mapping = torch.zeros(len(TREND_FIELDS), 5, dtype=torch.float64)
-    for feature, field in enumerate((6, 8, 11, 12, 13)):
-        mapping[field, feature] = 1.0
-    return base, mapping
+def block_sums(x_norm: torch.Tensor, y_norm: torch.Tensor, mask: torch.Tensor, decays: torch.Tensor) -> torch.Tensor:
+    """Sums (``TREND_FIELDS``, per window) of a block of steps ``[..., n]`` on their own, ``u = 0`` at the block's
+    last valid step; ``mask`` (0/1) marks the valid steps, the others count for nothing and take no time."""
+    age = mask.sum(-1, keepdim=True) - torch.cumsum(mask, -1)  # valid steps after each one
+    w = torch.where(mask.unsqueeze(-2) > 0, decays.unsqueeze(-1) ** age.unsqueeze(-2), 0.0)  # [..., K, n]
+    w2, u = w * w, -age.unsqueeze(-2)
+    x, y = x_norm.unsqueeze(-2), y_norm.unsqueeze(-2)
+    wx, wy = w * x, w * y
+    fields = [w, w * u, w * u * u, w2, w2 * u, w2 * u * u, wx, wx * u, wy, wy * u, wy * u * u, wx * x, wy * y, wx * y]
+    return torch.stack([f.sum(-1) for f in fields], -1)
+
+
+def predictable_scales(scale: torch.Tensor, mask: torch.Tensor, state: torch.Tensor,
+                       decay: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each block step's normaliser, the EMA of the *earlier* valid steps' ``scale`` (its own at the very first
+    step), and the EMA state ``(Σ d^k·scale, Σ d^k)`` after the block. ``scale`` of invalid steps must be finite."""
+    n = scale.shape[-1]
+    before = torch.cumsum(mask, -1) - mask  # valid steps before each step
+    position = torch.cat([before, mask.sum(-1, keepdim=True)], -1)  # ... and after the last: [..., n + 1]
+    earlier = torch.arange(n + 1, device=scale.device).unsqueeze(-1) > torch.arange(n, device=scale.device)
+    exponent = (position.unsqueeze(-1) - before.unsqueeze(-2) - 1.0).clamp_min(0.0)  # [..., n + 1, n]
+    weights = torch.where(earlier & (mask.unsqueeze(-2) > 0), decay ** exponent, 0.0)
+    carried = decay ** position
+    total = carried * state[..., :1] + (weights @ scale.unsqueeze(-1)).squeeze(-1)
+    count = carried * state[..., 1:] + weights.sum(-1)
+    previous = torch.where(count[..., :n] > 0, total[..., :n] / count[..., :n].clamp_min(1e-300), scale)
+    return previous, torch.stack([total[..., n], count[..., n]], -1)
 
 
 def detrended_moments(sums: Sequence[float]) -> Optional[tuple[float, float, float, float]]:
@@ -178,8 +194,10 @@ def choose_fit(fits: Sequence[TrendFit]) -> RatioSummary:
 class LocalLinearRatio:
     """Recent ``B_simple`` that tracks a moving run: local-linear ratio fit on normalised steps (module docstring).
 
-    A drop-in for :class:`gns_callback.smoothing.RatioAccumulator` as the meter's recent estimate: the sums stay on
-    the device, :meth:`update` never syncs with the host, :meth:`summary` copies once.
+    A drop-in for :class:`gns_callback.smoothing.RatioAccumulator` as the meter's recent estimate. Everything stays
+    on the device and nothing syncs with the host on :meth:`update`: a step is one small copy into a buffer, and
+    every ``BLOCK`` steps (or when read) the buffer is folded into the sums in closed form (:func:`advance_sums`,
+    :func:`block_sums`). :meth:`summary` copies to the host once.
 
     Args:
         decay: weight of the past in the base window, in ``(0, 1)`` (``0.99``: ``n_eff`` ≈ 199 steps). Level-only
@@ -197,10 +215,12 @@ class LocalLinearRatio:
         self.batch_shape = tuple(int(b) for b in batch_shape)
         n = window_for_decay(self.decay)
         self.decays = [decay_for_window(n * factor) for factor in WINDOW_FACTORS]
-        self._transitions = torch.stack([transition_matrix(d) for d in self.decays])
-        self._row_base, self._row_map = step_row_map()
-        self.sums = torch.zeros(*self.batch_shape, len(self.decays), len(TREND_FIELDS), dtype=torch.float64)
-        self.scale_state = torch.zeros(*self.batch_shape, 2, dtype=torch.float64)  # (Σ d_s^k·scale, Σ d_s^k)
+        self._decays = torch.tensor(self.decays, dtype=torch.float64)
+        self._sums = torch.zeros(*self.batch_shape, len(self.decays), len(TREND_FIELDS), dtype=torch.float64)
+        self._scale_state = torch.zeros(*self.batch_shape, 2, dtype=torch.float64)  # (Σ d_s^k·scale, Σ d_s^k)
+        self._pending = torch.zeros(*self.batch_shape, BLOCK, 4, dtype=torch.float64)  # (x, y, scale, valid)
+        self._buffered = 0
+        self._nan = torch.tensor(math.nan, dtype=torch.float64)  # "no scale given": |x| + |y| at the flush
 
     # ------------------------------------------------------------------ per step, on the device
     def update(self, x: torch.Tensor, y: torch.Tensor, valid: torch.Tensor,
@@ -211,30 +231,47 @@ class LocalLinearRatio:
         ``scale``: positive, proportional to the step's noise, e.g. the big-batch ``|G_B|²`` (``= y + x/B``);
         default ``|x| + |y|``.
         """
-        x, y = x.to(torch.float64), y.to(torch.float64)
-        scale = (x.abs() + y.abs()) if scale is None else torch.as_tensor(scale, dtype=torch.float64,
-                                                                              device=x.device)
+        x = x.to(torch.float64)
         self._to(x.device)
-        valid = torch.as_tensor(valid, device=x.device) & torch.isfinite(x + y + scale) & (scale > 0)
-        total, count = self.scale_state[..., 0], self.scale_state[..., 1]
-        previous = torch.where(count > 0, total / count.clamp_min(1e-300), scale)  # predictable: earlier steps
-        xn, yn = x / previous, y / previous
-        features = torch.stack([xn, yn, xn * xn, yn * yn, xn * yn], -1)
-        row = self._row_base + features @ self._row_map.T
-        advanced = self._advance(self.sums) + row.unsqueeze(-2)
-        self.sums = torch.where(valid[..., None, None], advanced, self.sums)
-        new_scale = self.scale_state * self.scale_decay + torch.stack([scale, torch.ones_like(scale)], -1)
-        self.scale_state = torch.where(valid[..., None], new_scale, self.scale_state)
-
-    def _advance(self, sums: torch.Tensor) -> torch.Tensor:
-        """Every window's sums one step later (before the new step is added): ``M_k @ sums_k``."""
+        scale = self._nan if scale is None else torch.as_tensor(scale, device=x.device).to(torch.float64)
+        parts = [x, y.to(torch.float64), scale, torch.as_tensor(valid, device=x.device).to(torch.float64)]
         if self.batch_shape:
-            return torch.einsum("kij,...kj->...ki", self._transitions, sums)  # no per-stream copy of M
-        return (self._transitions @ sums.unsqueeze(-1)).squeeze(-1)
+            parts = torch.broadcast_tensors(*parts)
+        self._pending.select(-2, self._buffered).copy_(torch.stack(parts, -1))
+        self._buffered += 1
+        if self._buffered == BLOCK:
+            self._flush()
 
     def update_vector(self, step: torch.Tensor, valid: torch.Tensor, scale: Optional[torch.Tensor] = None) -> None:
         """:meth:`update` from a :func:`gns_callback.smoothing.step_vector` (``x``, ``y`` at entries 2 and 3)."""
         self.update(step[2], step[3], valid, scale)
+
+    def _flush(self) -> None:
+        """Fold the buffered steps into the sums and the scale state (device only, no host sync)."""
+        if not self._buffered:
+            return
+        x, y, scale, valid = self._pending[..., : self._buffered, :].unbind(-1)
+        scale = torch.where(torch.isnan(scale), x.abs() + y.abs(), scale)
+        ok = (valid > 0) & torch.isfinite(x + y + scale) & (scale > 0)
+        mask = ok.to(torch.float64)
+        scale = torch.where(ok, scale, 1.0)
+        previous, self._scale_state = predictable_scales(scale, mask, self._scale_state, self.scale_decay)
+        x_norm, y_norm = torch.where(ok, x / previous, 0.0), torch.where(ok, y / previous, 0.0)
+        advanced = advance_sums(self._sums, self._decays, mask.sum(-1))
+        self._sums = advanced + block_sums(x_norm, y_norm, mask, self._decays)
+        self._buffered = 0
+
+    @property
+    def sums(self) -> torch.Tensor:
+        """Every window's sums (``[*batch_shape, windows, TREND_FIELDS]``), with the buffered steps folded in."""
+        self._flush()
+        return self._sums
+
+    @property
+    def scale_state(self) -> torch.Tensor:
+        """``(Σ d_s^k·scale, Σ d_s^k)`` of the normaliser's EMA, with the buffered steps folded in."""
+        self._flush()
+        return self._scale_state
 
     # ------------------------------------------------------------------ reading, on the host
     def summary(self, confidence: float = 0.95) -> RatioSummary:
@@ -252,13 +289,14 @@ class LocalLinearRatio:
         """Per stream, the candidates in the order :func:`choose_fit` tries them: the trend fit at the base
         window, then the level-only fits at each window (base, 4×, 16×)."""
         windows = len(self.decays)
-        rows = self.sums.reshape(-1, windows, len(TREND_FIELDS)).tolist()
-        scales = self.scale_state.reshape(-1, 2).tolist()
+        packed = torch.cat([self.sums.reshape(-1, windows * len(TREND_FIELDS)), self.scale_state.reshape(-1, 2)], -1)
         out = []
-        for stream, (total, count) in zip(rows, scales):
+        for row in packed.tolist():
+            stream = [row[k * len(TREND_FIELDS):(k + 1) * len(TREND_FIELDS)] for k in range(windows)]
+            total, count = row[-2:]
             scale = total / count if count > 0 else math.nan
             trend = fit_window(stream[0], scale, confidence, trend=True)
-            out.append([trend] + [fit_window(row, scale, confidence, trend=False) for row in stream])
+            out.append([trend] + [fit_window(sums, scale, confidence, trend=False) for sums in stream])
         return out
 
     def state_dict(self) -> dict:
@@ -267,19 +305,19 @@ class LocalLinearRatio:
                 "sums": self.sums.tolist(), "scale_state": self.scale_state.tolist()}
 
     def load_state_dict(self, state: dict) -> None:
-        device = self.sums.device
+        device = self._sums.device
         fresh = LocalLinearRatio(float(state["decay"]), float(state["scale_decay"]), state.get("batch_shape", ()))
-        fresh.sums = torch.tensor(state["sums"], dtype=torch.float64)
-        fresh.scale_state = torch.tensor(state["scale_state"], dtype=torch.float64)
+        fresh._sums = torch.tensor(state["sums"], dtype=torch.float64)
+        fresh._scale_state = torch.tensor(state["scale_state"], dtype=torch.float64)
         fresh._to(device)
         self.__dict__.update(fresh.__dict__)
 
     def _to(self, device: torch.device) -> None:
-        if self.sums.device != device:
-            self.sums = self.sums.to(device)
-            self.scale_state = self.scale_state.to(device)
-            self._transitions = self._transitions.to(device)
-            self._row_base, self._row_map = self._row_base.to(device), self._row_map.to(device)
+        if self._sums.device != device:
+            self._flush()
+            self._sums, self._scale_state = self._sums.to(device), self._scale_state.to(device)
+            self._pending, self._decays = self._pending.to(device), self._decays.to(device)
+            self._nan = self._nan.to(device)
 
 
 def _check_decay(name: str, value: float, hint: str, upper_open: bool, lower_open: bool = False) -> None:
@@ -290,5 +328,6 @@ def _check_decay(name: str, value: float, hint: str, upper_open: bool, lower_ope
         raise ValueError(f"{name}={value!r}: a number in {low}, 1), {hint}.")
 
 
-__all__ = ["LocalLinearRatio", "TrendFit", "TREND_FIELDS", "WINDOW_FACTORS", "fit_window", "choose_fit",
-           "detrended_moments", "transition_matrix", "decay_for_window", "window_for_decay"]
+__all__ = ["LocalLinearRatio", "TrendFit", "TREND_FIELDS", "WINDOW_FACTORS", "BLOCK", "fit_window", "choose_fit",
+           "detrended_moments", "advance_sums", "block_sums", "predictable_scales", "decay_for_window",
+           "window_for_decay"]

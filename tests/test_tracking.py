@@ -66,16 +66,19 @@ def test_window_decay_conversions_are_inverse():
     assert math.isinf(window_for_decay(1.0))
 
 
-def test_sums_follow_their_definition_and_skip_invalid_steps():
+@pytest.mark.parametrize("scale_decay", [0.0, 0.7])
+def test_sums_follow_their_definition_and_skip_invalid_steps(scale_decay):
+    """150 steps (several blocks folded in closed form), a fifth of them invalid."""
     rng = np.random.default_rng(0)
-    x, y = rng.uniform(1.0, 2.0, 40), rng.normal(0.2, 0.3, 40)  # y may be negative, as single-step |G|² can
-    scale = rng.uniform(0.5, 3.0, 40)
-    valid = rng.uniform(size=40) > 0.2
-    tracker = LocalLinearRatio(decay=0.9, scale_decay=0.7)
+    steps = 150
+    x, y = rng.uniform(1.0, 2.0, steps), rng.normal(0.2, 0.3, steps)  # y may be negative, as single-step |G|² can
+    scale = rng.uniform(0.5, 3.0, steps)
+    valid = rng.uniform(size=steps) > 0.2
+    tracker = LocalLinearRatio(decay=0.9, scale_decay=scale_decay)
     _feed(tracker, x, y, valid, scale)
     kept = valid.nonzero()[0]
     for k, decay in enumerate(tracker.decays):
-        expected = _brute_force_sums(x[kept], y[kept], scale[kept], decay, 0.7)
+        expected = _brute_force_sums(x[kept], y[kept], scale[kept], decay, scale_decay)
         np.testing.assert_allclose(tracker.sums[k].numpy(), expected, rtol=1e-10, atol=1e-12)
 
 
@@ -208,8 +211,9 @@ def test_state_dict_is_plain_and_resumes_exactly():
     resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
     _feed(resumed, x[50:], y[50:])
     assert resumed.decay == 0.95
-    np.testing.assert_allclose(resumed.sums.numpy(), whole.sums.numpy(), rtol=1e-12, atol=0.0)
-    assert resumed.summary() == whole.summary()
+    np.testing.assert_allclose(resumed.sums.numpy(), whole.sums.numpy(), rtol=1e-10, atol=0.0)
+    a, b = resumed.summary(), whole.summary()  # blocks fold in at other steps: equal up to rounding
+    assert [a.ratio, a.ci_low, a.ci_high, a.mean_y] == pytest.approx([b.ratio, b.ci_low, b.ci_high, b.mean_y], rel=1e-9)
 
 
 def test_update_vector_reads_the_step_vector():
