@@ -200,7 +200,7 @@ class LocalLinearRatio:
     :func:`block_sums`). :meth:`summary` copies to the host once.
 
     Args:
-        decay: weight of the past in the base window, in ``(0, 1)`` (``0.99``: ``n_eff`` ≈ 199 steps). Level-only
+        decay: weight of the past in the base window, in ``[0, 1)`` (``0.99``: ``n_eff`` ≈ 199 steps). Level-only
             fits there and at windows of 4× and 16× that are the fallbacks while the trend fit cannot resolve
             ``|G|²``.
         scale_decay: decay of the short EMA of earlier steps' ``scale`` that normalises each step, in ``[0, 1)``.
@@ -208,7 +208,7 @@ class LocalLinearRatio:
     """
 
     def __init__(self, decay: float = 0.99, scale_decay: float = 0.8, batch_shape: Sequence[int] = ()) -> None:
-        _check_decay("decay", decay, "e.g. 0.99 (about the last 200 steps)", upper_open=True, lower_open=True)
+        _check_decay("decay", decay, "e.g. 0.99 (about the last 200 steps)", upper_open=True)
         _check_decay("scale_decay", scale_decay, "e.g. 0.8 (about the last 9 steps)", upper_open=True)
         self.decay = float(decay)
         self.scale_decay = float(scale_decay)

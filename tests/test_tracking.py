@@ -225,12 +225,19 @@ def test_update_vector_reads_the_step_vector():
     assert torch.equal(a.sums, b.sums)
 
 
-@pytest.mark.parametrize("kwargs, name", [({"decay": 1.0}, "decay"), ({"decay": 0.0}, "decay"),
+@pytest.mark.parametrize("kwargs, name", [({"decay": 1.0}, "decay"), ({"decay": -0.5}, "decay"),
                                           ({"decay": True}, "decay"), ({"scale_decay": 1.0}, "scale_decay"),
                                           ({"scale_decay": -0.1}, "scale_decay")])
 def test_bad_arguments_name_the_argument(kwargs, name):
     with pytest.raises(ValueError, match=rf"^{name}="):
         LocalLinearRatio(**kwargs)
+
+
+def test_decay_zero_reads_the_last_steps():
+    """The meter accepts ema_decay = 0; the tracker then reads its level fits (the trend needs two steps' weight)."""
+    tracker = LocalLinearRatio(decay=0.0)
+    _feed(tracker, [4.0, 6.0, 9.0], [0.1, 0.1, 0.1])
+    assert tracker.summary().ratio == pytest.approx(90.0)
 
 
 def test_summary_of_a_batched_tracker_points_to_summaries():
