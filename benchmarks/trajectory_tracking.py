@@ -23,7 +23,7 @@ Scores over steps ≥ 50 (as in issue 14): geometric mean of estimate/exact over
 positive, the share of readings that are not (unresolved: ``inf``/0), the typical per-step error factor
 ``exp(mean |log(estimate/exact)|)``, and how often the interval holds the exact value (nominal 95%).
 
-    python benchmarks/trajectory_tracking.py --out benchmarks/RESULTS.md   # ~8 min on 2 shared cores
+    python benchmarks/trajectory_tracking.py --out benchmarks/RESULTS.md   # ~7 CPU-min (12 min on 2 shared cores)
     python benchmarks/trajectory_tracking.py --quick                       # smoke test, < 1 min
 """
 
@@ -405,16 +405,20 @@ def case_markdown(result: dict) -> list[str]:
     return lines + [""]
 
 
-def to_markdown(results: list[dict], command: str, seconds: float, seeds: int, replicas: int, every: int) -> str:
+def to_markdown(results: list[dict], command: str, seconds: tuple[float, float], seeds: int, replicas: int,
+                every: int) -> str:
     lines = [
         f"Command: `{command}` — {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores (shared), torch {torch.__version__}, one thread; {seconds / 60:.1f} min. "
+        f"{os.cpu_count()} cores (shared), torch {torch.__version__}, one thread; {seconds[0] / 60:.1f} min wall, "
+        f"{seconds[1] / 60:.1f} min CPU. "
         f"{seeds} trajectory seeds × {replicas} measurement replicas (replica 0 = the optimizer's batch), batch "
         f"{BATCH} drawn with replacement, read every {every} steps from step {START}. Exact B_simple at every step "
         "by brute force over the whole data set (`gns_callback.exact`). gm = geometric mean of estimate/exact over "
         "resolved readings; unresolved = readings of `inf` or 0 (|G|² or tr Σ estimated ≤ 0); typical error = "
         "exp(mean |log(estimate/exact)|); interval = 95% (nominal); local value = ratio of the exact tr Σ and |G|² "
-        f"averaged over the last {LOCAL} steps.",
+        f"averaged over the last {LOCAL} steps. Measured with: `per_example` (b = 1) and `micro_batch` (4 × 8) on "
+        f"the batch of {BATCH}; `per_example, {WIDE} examples`: the same trajectory measured on {WIDE} examples "
+        "(8× less noise in |Ĝ|²), to see what the interval covers when the measurement is precise.",
         "",
     ]
     for result in results:
@@ -435,13 +439,14 @@ def main() -> None:
     if args.quick:
         cases = [Case(c.name, c.data, c.model, c.loss, c.optimizer, 120) for c in CASES[:2]]
         seeds, replicas, every = 1, 3, 5
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     results = []
     for case in cases:
         results.append(evaluate(case, seeds, replicas, case.steps, every))
         print(case_markdown(results[-1])[0], f"({time.perf_counter() - started:.0f} s)", flush=True)
     command = "python benchmarks/trajectory_tracking.py" + (" --quick" if args.quick else "")
-    text = to_markdown(results, command, time.perf_counter() - started, seeds, replicas, every)
+    elapsed = (time.perf_counter() - started, time.process_time() - cpu)
+    text = to_markdown(results, command, elapsed, seeds, replicas, every)
     print(text)
     if args.out:
         replace_section(args.out, HEADING, text)
