@@ -26,7 +26,11 @@ often falls by 10–100× within a few hundred steps, so the old, large ``y`` do
 ``(mx − R·my)² ≤ t²·Σv²·(vxx − 2R·vxy + R²·vyy)``, where ``vxx, vyy, vxy`` are the per-step (co)variances of
 ``x̃`` and ``ỹ`` about their own weighted linear trends (``E[Σw·r²] = σ²·(Σw − tr(M⁻¹Q))`` for weighted least
 squares, ``M = Σw·z·zᵀ``, ``Q = Σw²·z·zᵀ``, ``z = (1, u)``) and ``t`` the Student-t quantile with
-``n_eff − 2`` degrees of freedom, ``n_eff = (Σw)²/Σw²``.
+``n_eff − 2`` degrees of freedom, ``n_eff = (Σw)²/Σw²``. It covers the *local* value, the ratio of the recent
+means of ``tr Σ`` and ``|G|²``. Under SGD the exact per-step value also jitters around it, because the
+parameters do (a median 14% from one step to the next on the digits MLP of the benchmark, up to 2× late in the
+run); where the measurement is precise enough for the interval to be narrower than that jitter, the interval
+covers the instantaneous value less often than its nominal rate (benchmarks/RESULTS.md).
 
 **Windows.** The sums are kept at ``n_eff`` ≈ ``(1+d)/(1−d)`` and at 4× and 16× that. :meth:`summary` reports
 the trend fit at the base window while its ratio is finite and positive (its ``|G|²`` and ``tr Σ`` came out
@@ -275,7 +279,12 @@ class LocalLinearRatio:
 
     # ------------------------------------------------------------------ reading, on the host
     def summary(self, confidence: float = 0.95) -> RatioSummary:
-        """The recent ratio and its interval (one device-to-host copy); see the module docstring."""
+        """The recent ratio and its interval (one device-to-host copy); see the module docstring.
+
+        ``mean_x``, ``mean_y``: the chosen fit's kernel means of the normalised parts times the current scale,
+        i.e. ``tr Σ`` and ``|G|²`` now (not averaged over the window); their ratio is ``ratio``.
+        ``effective_steps``: ``(Σv)²/Σv²`` of the chosen fit's kernel.
+        """
         if self.batch_shape:
             raise ValueError(f"summary() reads one stream; this tracker holds batch_shape={self.batch_shape}: "
                              "use summaries().")
