@@ -252,30 +252,33 @@ class LocalLinearRatio:
 
     def _flush(self) -> None:
         """Fold the buffered steps into the sums and the scale state (device only, no host sync)."""
+        self._sums, self._scale_state = self._folded()
+        self._buffered = 0
+
+    def _folded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sums, scale_state)`` with the buffered steps folded in, leaving the buffer as it is (so reading never
+        moves the block boundaries: a run reads the same numbers whether or not it was read or saved before)."""
         if not self._buffered:
-            return
+            return self._sums, self._scale_state
         x, y, scale, valid = self._pending[..., : self._buffered, :].unbind(-1)
         scale = torch.where(torch.isnan(scale), x.abs() + y.abs(), scale)
         ok = (valid > 0) & torch.isfinite(x + y + scale) & (scale > 0)
         mask = ok.to(torch.float64)
         scale = torch.where(ok, scale, 1.0)
-        previous, self._scale_state = predictable_scales(scale, mask, self._scale_state, self.scale_decay)
+        previous, scale_state = predictable_scales(scale, mask, self._scale_state, self.scale_decay)
         x_norm, y_norm = torch.where(ok, x / previous, 0.0), torch.where(ok, y / previous, 0.0)
         advanced = advance_sums(self._sums, self._decays, mask.sum(-1))
-        self._sums = advanced + block_sums(x_norm, y_norm, mask, self._decays)
-        self._buffered = 0
+        return advanced + block_sums(x_norm, y_norm, mask, self._decays), scale_state
 
     @property
     def sums(self) -> torch.Tensor:
-        """Every window's sums (``[*batch_shape, windows, TREND_FIELDS]``), with the buffered steps folded in."""
-        self._flush()
-        return self._sums
+        """Every window's sums (``[*batch_shape, windows, TREND_FIELDS]``), the buffered steps included."""
+        return self._folded()[0]
 
     @property
     def scale_state(self) -> torch.Tensor:
-        """``(Σ d_s^k·scale, Σ d_s^k)`` of the normaliser's EMA, with the buffered steps folded in."""
-        self._flush()
-        return self._scale_state
+        """``(Σ d_s^k·scale, Σ d_s^k)`` of the normaliser's EMA, the buffered steps included."""
+        return self._folded()[1]
 
     # ------------------------------------------------------------------ reading, on the host
     def summary(self, confidence: float = 0.95) -> RatioSummary:
@@ -309,21 +312,26 @@ class LocalLinearRatio:
         return out
 
     def state_dict(self) -> dict:
-        """Plain types only (checkpoints load with ``weights_only=True``)."""
+        """Plain types only (checkpoints load with ``weights_only=True``); the buffered steps are kept as they are,
+        so a resumed run folds them in at the same step as an uninterrupted one (bit-identical readings)."""
         return {"decay": self.decay, "scale_decay": self.scale_decay, "batch_shape": list(self.batch_shape),
-                "sums": self.sums.tolist(), "scale_state": self.scale_state.tolist()}
+                "sums": self._sums.tolist(), "scale_state": self._scale_state.tolist(),
+                "pending": self._pending[..., : self._buffered, :].tolist()}
 
     def load_state_dict(self, state: dict) -> None:
         device = self._sums.device
         fresh = LocalLinearRatio(float(state["decay"]), float(state["scale_decay"]), state.get("batch_shape", ()))
         fresh._sums = torch.tensor(state["sums"], dtype=torch.float64)
         fresh._scale_state = torch.tensor(state["scale_state"], dtype=torch.float64)
+        pending = torch.tensor(state.get("pending", []), dtype=torch.float64)
+        fresh._buffered = pending.shape[-2] if pending.dim() >= 2 else 0
+        if fresh._buffered:
+            fresh._pending[..., : fresh._buffered, :] = pending
         fresh._to(device)
         self.__dict__.update(fresh.__dict__)
 
     def _to(self, device: torch.device) -> None:
         if self._sums.device != device:
-            self._flush()
             self._sums, self._scale_state = self._sums.to(device), self._scale_state.to(device)
             self._pending, self._decays = self._pending.to(device), self._decays.to(device)
             self._nan = self._nan.to(device)
