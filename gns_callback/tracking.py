@@ -224,7 +224,6 @@ class LocalLinearRatio:
         self._scale_state = torch.zeros(*self.batch_shape, 2, dtype=torch.float64)  # (Σ d_s^k·scale, Σ d_s^k)
         self._pending = torch.zeros(*self.batch_shape, BLOCK, 4, dtype=torch.float64)  # (x, y, scale, valid)
         self._buffered = 0
-        self._nan = torch.tensor(math.nan, dtype=torch.float64)  # "no scale given": |x| + |y| at the flush
 
     # ------------------------------------------------------------------ per step, on the device
     def update(self, x: torch.Tensor, y: torch.Tensor, valid: torch.Tensor,
@@ -237,8 +236,9 @@ class LocalLinearRatio:
         """
         x = x.to(torch.float64)
         self._to(x.device)
-        scale = self._nan if scale is None else torch.as_tensor(scale, device=x.device).to(torch.float64)
-        parts = [x, y.to(torch.float64), scale, torch.as_tensor(valid, device=x.device).to(torch.float64)]
+        y = y.to(torch.float64)
+        scale = x.abs() + y.abs() if scale is None else torch.as_tensor(scale, device=x.device).to(torch.float64)
+        parts = [x, y, scale, torch.as_tensor(valid, device=x.device).to(torch.float64)]
         if self.batch_shape:
             parts = torch.broadcast_tensors(*parts)
         self._pending.select(-2, self._buffered).copy_(torch.stack(parts, -1))
@@ -261,7 +261,6 @@ class LocalLinearRatio:
         if not self._buffered:
             return self._sums, self._scale_state
         x, y, scale, valid = self._pending[..., : self._buffered, :].unbind(-1)
-        scale = torch.where(torch.isnan(scale), x.abs() + y.abs(), scale)
         ok = (valid > 0) & torch.isfinite(x + y + scale) & (scale > 0)
         mask = ok.to(torch.float64)
         scale = torch.where(ok, scale, 1.0)
@@ -316,7 +315,7 @@ class LocalLinearRatio:
         so a resumed run folds them in at the same step as an uninterrupted one (bit-identical readings)."""
         return {"decay": self.decay, "scale_decay": self.scale_decay, "batch_shape": list(self.batch_shape),
                 "sums": self._sums.tolist(), "scale_state": self._scale_state.tolist(),
-                "pending": self._pending[..., : self._buffered, :].tolist()}
+                "pending": _invalid_where_not_finite(self._pending[..., : self._buffered, :]).tolist()}
 
     def load_state_dict(self, state: dict) -> None:
         device = self._sums.device
@@ -334,7 +333,13 @@ class LocalLinearRatio:
         if self._sums.device != device:
             self._sums, self._scale_state = self._sums.to(device), self._scale_state.to(device)
             self._pending, self._decays = self._pending.to(device), self._decays.to(device)
-            self._nan = self._nan.to(device)
+
+
+def _invalid_where_not_finite(pending: torch.Tensor) -> torch.Tensor:
+    """Buffered steps with a non-finite entry (never folded in) written as a plain invalid step ``(0, 0, 1, 0)``, so
+    saved states hold no NaN and compare equal."""
+    finite = torch.isfinite(pending).all(-1, keepdim=True)
+    return torch.where(finite, pending, torch.tensor([0.0, 0.0, 1.0, 0.0], dtype=pending.dtype, device=pending.device))
 
 
 def _check_decay(name: str, value: float, hint: str, upper_open: bool, lower_open: bool = False) -> None:
