@@ -28,9 +28,9 @@ often falls by 10–100× within a few hundred steps, so the old, large ``y`` do
 squares, ``M = Σw·z·zᵀ``, ``Q = Σw²·z·zᵀ``, ``z = (1, u)``) and ``t`` the Student-t quantile with
 ``n_eff − 2`` degrees of freedom, ``n_eff = (Σw)²/Σw²``. It covers the *local* value, the ratio of the recent
 means of ``tr Σ`` and ``|G|²``. Under SGD the exact per-step value also jitters around it, because the
-parameters do (a median 14% from one step to the next on the digits MLP of the benchmark, up to 2× late in the
-run); where the measurement is precise enough for the interval to be narrower than that jitter, the interval
-covers the instantaneous value less often than its nominal rate (benchmarks/RESULTS.md).
+parameters do (a median 14% from one step to the next on the digits MLP of the benchmark, more than 1.8× on one
+step in ten late in the run). Where the measurement is precise enough for the interval to be narrower than that
+jitter, the interval covers the instantaneous value less often than its nominal rate (benchmarks/RESULTS.md).
 
 **Windows.** The sums are kept at ``n_eff`` ≈ ``(1+d)/(1−d)`` and at 4× and 16× that. :meth:`summary` reports
 the trend fit at the base window while its ratio is finite and positive (its ``|G|²`` and ``tr Σ`` came out
