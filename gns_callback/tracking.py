@@ -155,11 +155,25 @@ def detrended_moments(sums: Sequence[float]) -> Optional[tuple[float, float, flo
     return vxx, vyy, vxy, dof
 
 
+def level_moments(sums: Sequence[float]) -> Optional[tuple[float, float, float, float]]:
+    """Per-step ``(vxx, vyy, vxy, dof)`` of ``x̃``, ``ỹ`` about their weighted means (reliability weights, as
+    :func:`gns_callback.smoothing.summarize_ratio`), ``dof = n_eff − 1``; None before two steps."""
+    w, _, _, w2, _, _, sx, _, sy, _, _, sxx, syy, sxy = sums
+    dof = w * w / w2 - 1.0 if w2 > 0.0 else 0.0
+    if w <= 0.0 or dof <= 1e-9:
+        return None
+    norm, mx, my = w - w2 / w, sx / w, sy / w
+    return (max(sxx - w * mx * mx, 0.0) / norm, max(syy - w * my * my, 0.0) / norm, (sxy - w * mx * my) / norm,
+            dof)
+
+
 def fit_window(sums: Sequence[float], scale: float, confidence: float, trend: bool) -> TrendFit:
     """One window's ratio and Fieller interval, with (``trend=True``) or without the linear trend.
 
     With the trend: ``mx = X0·Y2 − X1·Y1``, ``my = Y0·Y2 − Y1²`` (``Σv·x̃``, ``Σv·ỹ`` for ``v = w·(Y2 − u·Y1)``),
-    variance factor ``Σv² = Y2²·Σw² − 2·Y2·Y1·Σw²u + Y1²·Σw²u²``. Without: ``mx = X0``, ``my = Y0``, ``Σv² = Σw²``.
+    variance factor ``Σv² = Y2²·Σw² − 2·Y2·Y1·Σw²u + Y1²·Σw²u²``, per-step (co)variances about the linear trends.
+    Without: ``mx = X0``, ``my = Y0``, ``Σv² = Σw²``, (co)variances about the means (the ratio-scale EMA, read as
+    :func:`gns_callback.smoothing.summarize_ratio` reads the EMA of the parts).
     ``mean_x``/``mean_y`` are the kernel-weighted means of ``x̃``, ``ỹ`` times the current ``scale``.
     """
     w, wu, _, w2, w2u, w2uu, sx, sux, sy, suy, suuy = sums[:11]
@@ -174,7 +188,7 @@ def fit_window(sums: Sequence[float], scale: float, confidence: float, trend: bo
     ratio = max(mx / my, 0.0) if my > 0.0 else math.inf
     n_eff = total * total / square if square > 0.0 else 0.0
     means = (mx / total * scale, my / total * scale) if total != 0.0 else (math.nan, math.nan)
-    moments = detrended_moments(sums)
+    moments = detrended_moments(sums) if trend else level_moments(sums)
     if moments is None or my <= 0.0:
         return TrendFit(RatioSummary(*means, ratio, 0.0, math.inf, n_eff))
     vxx, vyy, vxy, dof = moments
@@ -351,5 +365,5 @@ def _check_decay(name: str, value: float, hint: str, upper_open: bool, lower_ope
 
 
 __all__ = ["LocalLinearRatio", "TrendFit", "TREND_FIELDS", "WINDOW_FACTORS", "BLOCK", "fit_window", "choose_fit",
-           "detrended_moments", "advance_sums", "block_sums", "predictable_scales", "decay_for_window",
+           "detrended_moments", "level_moments", "advance_sums", "block_sums", "predictable_scales", "decay_for_window",
            "window_for_decay"]

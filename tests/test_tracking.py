@@ -160,6 +160,22 @@ def test_detrended_moments_are_weighted_least_squares_residuals():
     assert dof == pytest.approx(w.sum() ** 2 / np.sum(w * w) - 2.0)
 
 
+def test_level_fit_is_summarize_ratio_on_the_normalised_steps():
+    """Without the trend, the fit is the EMA ratio of the normalised pairs, read exactly as the meter reads the EMA
+    of the parts (same Fieller interval, same n_eff)."""
+    rng = np.random.default_rng(8)
+    x, y, scale = rng.uniform(1, 3, 40), rng.normal(0.4, 0.2, 40), rng.uniform(1, 2, 40)
+    tracker = LocalLinearRatio(decay=0.9, scale_decay=0.6)
+    _feed(tracker, x, y, scale=scale)
+    s_hat = _predictable_scale(scale, 0.6)
+    ema = RatioAccumulator(0.9)
+    for xi, yi in zip(x / s_hat, y / s_hat):
+        ema.update(torch.tensor(xi, dtype=torch.float64), torch.tensor(yi, dtype=torch.float64), torch.tensor(True))
+    level, expected = tracker.fits()[0][1].summary, ema.summary()
+    assert [level.ratio, level.ci_low, level.ci_high, level.effective_steps] == pytest.approx(
+        [expected.ratio, expected.ci_low, expected.ci_high, expected.effective_steps], rel=1e-9)
+
+
 def test_too_few_steps_give_an_unbounded_interval():
     tracker = LocalLinearRatio()
     assert math.isnan(tracker.summary().ratio)
