@@ -50,7 +50,6 @@ warnings.filterwarnings("ignore")
 from sklearn.datasets import load_breast_cancer, load_diabetes, load_digits, load_wine  # noqa: E402
 
 from benchmarks.results import replace_section  # noqa: E402
-from gns_callback.confidence import fieller_interval, t_quantile  # noqa: E402
 from gns_callback.estimators import grad_sq_norm_estimate, trace_sigma_estimate  # noqa: E402
 from gns_callback.exact import exact_noise_scale, per_example_gradients  # noqa: E402
 from gns_callback.smoothing import summarize_ratio  # noqa: E402
@@ -389,7 +388,7 @@ def case_markdown(result: dict) -> list[str]:
              f"The exact value itself moves by a median {np.median(np.concatenate(result['jitter'])):.1%} from one "
              "step to the next (parameter noise).", "",
              "| measured with | estimator | gm estimate/exact | unresolved | typical error × | interval holds exact | "
-             f"interval holds local value |", "|---|---|---|---|---|---|---|"]
+             "interval holds local value |", "|---|---|---|---|---|---|---|"]
     for method, by_name in result["methods"].items():
         for name, v in by_name.items():
             a = v["all"]
