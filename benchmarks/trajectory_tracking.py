@@ -23,7 +23,7 @@ Scores over steps ≥ 50 (as in issue 14): geometric mean of estimate/exact over
 positive, the share of readings that are not (unresolved: ``inf``/0), the typical per-step error factor
 ``exp(mean |log(estimate/exact)|)``, and how often the interval holds the exact value (nominal 95%).
 
-    python benchmarks/trajectory_tracking.py --out benchmarks/RESULTS.md   # ~7 CPU-min (12 min on 2 shared cores)
+    python benchmarks/trajectory_tracking.py --out benchmarks/RESULTS.md   # about 6 CPU-minutes
     python benchmarks/trajectory_tracking.py --quick                       # smoke test, < 1 min
 """
 
