@@ -20,16 +20,22 @@ from typing import Any, Optional
 
 import torch
 
+from gns_callback import arguments as args
 from gns_callback.batch_size import batch_size_of
-from gns_callback.collectors import METHODS, UnmeasurableSetup, choose_method
+from gns_callback.collectors import METHODS, MIN_COVERAGE, UnmeasurableSetup, choose_method
+from gns_callback.critical_batch import critical_batch_target
 from gns_callback.estimate import GNSEstimate
 from gns_callback.json_values import json_safe
+from gns_callback.lightning import supported
 from gns_callback.lightning import trainer_facts as facts
 from gns_callback.lightning.adaptation import Adapter
 from gns_callback.lightning.compat import CALLBACK_BASES, misconfiguration
-from gns_callback.meter import LOSS_REDUCTIONS, GradientNoiseScaleMeter
+from gns_callback.lightning.sharpness import SharpnessMonitor
+from gns_callback.meter import ARGUMENTS as METER_ARGUMENTS
+from gns_callback.meter import GradientNoiseScaleMeter
 from gns_callback.probe import ProbeResult
 from gns_callback.recommendation import Recommendation, recommend
+from gns_callback.recommendation.rules import LR_RULES
 from gns_callback.report import DEFAULT_REPORT_NAME, write_report
 
 STATE_VERSION = 2
@@ -42,7 +48,10 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         method: where small-batch gradients come from. ``"micro_batch"``: each accumulation micro-batch
             and/or each DDP rank's local gradient (needs ``accumulate_grad_batches × world_size ≥ 2``).
             ``"per_example"``: per-example gradient norms inside each batch (any setup; not valid with
-            BatchNorm in training mode). ``"auto"``: ``per_example`` where valid, else ``micro_batch``.
+            BatchNorm in training mode). ``"auto"``: ``per_example`` where valid and covering at least 90% of the
+            trainable parameters, else ``micro_batch``; if the per-example hooks then find a step they can't measure
+            (a layer applied twice, a gradient penalty, ...), it switches to ``micro_batch`` where the run has
+            several micro-batches per step, and otherwise stops measuring (README, "When it can't measure").
         ema_decay: in ``[0, 1)``; weight of the past in the exponential moving averages of ``tr(Σ)`` and
             ``|G|²`` (smoothed separately, ratio formed when read). ``0.99`` ≈ the last 200 steps.
             A run average (equal weights) is kept too: ``run_estimate``.
@@ -72,6 +81,11 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         adapt: apply the recommendation while training (opt-in): at epoch starts, change
             ``accumulate_grad_batches`` (hysteresis: a change must persist ``adapt_patience`` checks beyond a
             factor ``adapt_factor``) and scale the learning rate by the rule with a linear warmup ramp.
+
+        sharpness: for SGD-family optimizers, measure the largest Hessian eigenvalue ``λ_max`` at optimizer steps
+            4, 8, …, 1024 on the step's own batch (:mod:`gns_callback.lightning.sharpness`; the run is left exactly
+            as it was). A tuned SGD LR sits at the stability limit, so without it the recommendation keeps the LR
+            when the batch grows; with it, the LR may rise up to ``2(1+β)/λ_max``.
 
     After fit: ``estimate`` (EMA) and ``run_estimate`` (run average) are :class:`GNSEstimate` objects,
     ``probe`` the probe result (or None) and ``recommendation`` the recommendation (or None); with
@@ -106,47 +120,9 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         adapt: bool = False,
         adapt_factor: float = 1.5,
         adapt_patience: int = 2,
+        sharpness: bool = True,
     ) -> None:
-        if method not in METHODS:
-            raise ValueError(f"GradientNoiseScaleCallback(method={method!r}): use one of {', '.join(METHODS)}.")
-        if isinstance(ema_decay, bool) or not isinstance(ema_decay, (int, float)) or not 0.0 <= ema_decay < 1.0:
-            raise ValueError(
-                f"GradientNoiseScaleCallback(ema_decay={ema_decay!r}): must be a number in [0, 1), "
-                "e.g. 0.99 to average over roughly the last 200 steps."
-            )
-        if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0.0 < confidence < 1.0:
-            raise ValueError(f"GradientNoiseScaleCallback(confidence={confidence!r}): must be in (0, 1), e.g. 0.95.")
-        if loss_reduction not in LOSS_REDUCTIONS:
-            raise ValueError(
-                f"GradientNoiseScaleCallback(loss_reduction={loss_reduction!r}): use 'mean' (the loss is "
-                "averaged over the batch, Lightning's convention) or 'sum'."
-            )
-        if per_example_max_examples is not None and (
-            not isinstance(per_example_max_examples, int) or per_example_max_examples < 2
-        ):
-            raise ValueError(
-                f"GradientNoiseScaleCallback(per_example_max_examples={per_example_max_examples!r}): an int ≥ 2, "
-                "or None to measure every example of each batch."
-            )
-        if log_every_n_steps is not None and (not isinstance(log_every_n_steps, int) or log_every_n_steps < 1):
-            raise ValueError(
-                f"GradientNoiseScaleCallback(log_every_n_steps={log_every_n_steps!r}): a positive int, or None "
-                "to follow the Trainer."
-            )
-        if not 0.0 < headroom <= 1.0:
-            raise ValueError(f"GradientNoiseScaleCallback(headroom={headroom!r}): a fraction in (0, 1], e.g. 0.85.")
-        if memory_budget_bytes is not None and memory_budget_bytes <= 0:
-            raise ValueError(
-                f"GradientNoiseScaleCallback(memory_budget_bytes={memory_budget_bytes!r}): a positive number of "
-                "bytes, or None for the device's memory."
-            )
-        if lr_rule not in (None, "linear", "sqrt", "none"):
-            raise ValueError(
-                f"GradientNoiseScaleCallback(lr_rule={lr_rule!r}): 'linear' (SGD), 'sqrt' (Adam), 'none', or None "
-                "to choose by optimizer."
-            )
-        if adapt and not recommend:
-            raise ValueError("GradientNoiseScaleCallback(adapt=True) needs recommend=True: it applies the recommendation.")
+        _check_arguments({name: value for name, value in locals().items() if name != "self"})
         self.method = method
         self.ema_decay = float(ema_decay)
         self.confidence = float(confidence)
@@ -156,7 +132,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         self.verbose = verbose
         self.per_example_max_examples = per_example_max_examples
         self.probe_enabled = probe
-        self.memory_budget_bytes = memory_budget_bytes
+        self.memory_budget_bytes = None if memory_budget_bytes is None else int(memory_budget_bytes)
         self.headroom = headroom
         self.recommend_enabled = recommend
         self.recommend_options = {
@@ -170,6 +146,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         self.summary_every_n_epochs = summary_every_n_epochs
         self.adapt = adapt
         self.adapt_factor, self.adapt_patience = adapt_factor, adapt_patience
+        self.sharpness_enabled = sharpness
         self.meter: Optional[GradientNoiseScaleMeter] = None
         self._state_key: Optional[str] = None
         self._new_fit()
@@ -183,11 +160,15 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         self.resolved_method: Optional[str] = None
         self._restored: Optional[dict[str, Any]] = None
         self._history: list[dict[str, Any]] = []
-        self._sizes: list[int] = []  # micro-batch sizes of the current optimizer step
-        self._micro_batch_size: Optional[int] = None  # the first training batch's size (per device)
+        self._sizes: list[Optional[int]] = []  # micro-batch sizes of the current optimizer step (None: unknown)
+        self._losses: list[Any] = []  # and their losses (device tensors)
+        self._started = False  # the first training batch has been seen (or a checkpoint restored past it)
+        self._micro_batch_size: Optional[int] = None  # the first training batch's size (per device; None: unknown)
         self._base_lr: Optional[float] = None
         self._fit_report_path: Optional[str] = None
         self._adapter = Adapter(self.adapt_factor, self.adapt_patience) if self.adapt else None
+        self.sharpness_monitor = (SharpnessMonitor(lr_rule=self.recommend_options["lr_rule"])
+                                  if self.sharpness_enabled and self.recommend_enabled else None)
         self.probe_result: Optional[ProbeResult] = None
         self.recommendation: Optional[Recommendation] = None
 
@@ -207,6 +188,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             "base_lr": self._base_lr,
             "adapter": self._adapter.state_dict() if self._adapter is not None else None,
             "probe": self.probe_result.to_dict() if self.probe_result is not None else None,
+            "sharpness": self.sharpness_monitor.state_dict() if self.sharpness_monitor is not None else None,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -215,10 +197,13 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         self._history = list(state_dict.get("history", []))
         self._micro_batch_size = state_dict.get("micro_batch_size")
         self._base_lr = state_dict.get("base_lr")
+        self._started = self._micro_batch_size is not None or self._base_lr is not None
         if self._adapter is not None and state_dict.get("adapter"):
             self._adapter.load_state_dict(state_dict["adapter"])
         if state_dict.get("probe"):
             self.probe_result = ProbeResult.from_dict(state_dict["probe"])
+        if self.sharpness_monitor is not None and state_dict.get("sharpness"):
+            self.sharpness_monitor.load_state_dict(state_dict["sharpness"])
 
     # ------------------------------------------------------------------ results
     @property
@@ -263,27 +248,38 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage == "fit":
             self._new_fit()
+            self._refuse_unsupported(trainer, pl_module)  # before the strategy wraps (or shards) the model
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        self._refuse_unsupported(trainer, pl_module)
         self._fit_report_path = self._resolve_report_path(trainer)  # on every rank: log_dir is a collective
+        self._refuse_unworkable(trainer)
         if self._adapter is not None:
             self._adapter.resume(trainer)
         self.meter = self._build_meter(trainer, pl_module)
         self.meter.attach()
 
+    def _refuse_unworkable(self, trainer: Any) -> None:
+        """Refuse, before any step, what would fail or mislead only later: a report path that can't be written
+        (checked on every rank, so that all of them stop), and a setup ``adapt=True`` can't apply its decisions to."""
+        problem = args.report_path_problem(self._fit_report_path)
+        if problem is not None:
+            raise misconfiguration(trainer,
+                f"GradientNoiseScaleCallback: the report can't be written to {self._fit_report_path!r}: the path must "
+                f"be {problem}. Pass report_path='<a writable file>.json'."
+            )
+        problem = self._adapter.unsupported(trainer) if self._adapter is not None else None
+        if problem is not None:
+            raise misconfiguration(trainer, f"GradientNoiseScaleCallback(adapt=True): {problem}")
+
     def _refuse_unsupported(self, trainer: Any, pl_module: Any) -> None:
-        if not pl_module.automatic_optimization:
-            raise misconfiguration(trainer,
-                "GradientNoiseScaleCallback needs automatic optimization (one optimizer stepped by Lightning); "
-                f"{type(pl_module).__name__} sets `automatic_optimization = False`. Remove the callback or use "
-                "automatic optimization, or measure in your own loop with gns_callback.GradientNoiseScaleMeter."
-            )
-        if self.adapt and facts.accumulation_schedule(trainer) is not None:
-            raise misconfiguration(trainer,
-                "GradientNoiseScaleCallback(adapt=True) changes accumulate_grad_batches itself; remove the "
-                "GradientAccumulationScheduler callback or set adapt=False."
-            )
+        """Refuse a fit that would be measured wrong, saying what works instead, with an error of ``trainer``'s
+        namespace (:mod:`gns_callback.lightning.supported`); warn for a strategy nobody has checked."""
+        problem = supported.refusal(trainer, pl_module, adapt=self.adapt)
+        if problem is not None:
+            raise misconfiguration(trainer, problem)
+        warning = supported.unverified_strategy_warning(trainer)
+        if warning is not None:
+            _warn_rank_zero(trainer, warning)
 
     def _build_meter(self, trainer: Any, pl_module: Any) -> GradientNoiseScaleMeter:
         try:
@@ -294,10 +290,13 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             facts.say(trainer, f"GradientNoiseScaleCallback: {choice.note}")
         if choice.warning:
             _warn_rank_zero(trainer, f"GradientNoiseScaleCallback: {choice.warning}")
-        self.resolved_method = choice.method
+        method, fallback = choice.method, choice.fallback
+        if self._restored and self._restored.get("method") == fallback:  # the checkpoint's run had switched
+            method, fallback = fallback, None
+        self.resolved_method = method
         meter = GradientNoiseScaleMeter(
-            pl_module, choice.method, self.ema_decay, self.confidence, self.loss_reduction,
-            self.per_example_max_examples, reduce=facts.sum_across_ranks(trainer),
+            pl_module, method, self.ema_decay, self.confidence, self.loss_reduction,
+            self.per_example_max_examples, reduce=facts.sum_across_ranks(trainer), fallback_method=fallback,
         )
         if self._restored:
             self._restore_meter(trainer, meter)
@@ -323,44 +322,65 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
 
     # ------------------------------------------------------------------ per batch and step
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self._sizes.append(batch_size_of(batch))
-        if self._micro_batch_size is None:
+        self._next_micro_batch(batch_size_of(batch))
+        if not self._started:
             self._start_measuring(trainer, pl_module, batch)
+        if self.sharpness_monitor is not None:
+            self.sharpness_monitor.on_train_batch_start(trainer, pl_module, batch, batch_idx, quiet=self.meter.paused)
+
+    def _next_micro_batch(self, size: Optional[int]) -> None:
+        """Its size (None: unknown) for the step's window, and for the per-example hooks before its forward pass."""
+        self._sizes.append(size)
+        self.meter.expect_batch_size(size)
 
     def _start_measuring(self, trainer: Any, pl_module: Any, batch: Any) -> None:
+        self._started = True
         self._micro_batch_size = self._sizes[-1]
         self._base_lr = facts.base_lr(trainer)
-        if self.probe_enabled and self.probe_result is None and self._micro_batch_size:
+        if self._micro_batch_size is None and (self.probe_enabled or self.recommend_enabled):
+            _warn_rank_zero(trainer,
+                "GradientNoiseScaleCallback: the micro-batch size could not be read off the first training batch (no "
+                "tensor in it, or tensors whose leading dims disagree with no majority), so no probe is run and no "
+                "batch size is recommended. Let the DataLoader yield tensors with the batch as dim 0."
+            )
+        elif self.probe_enabled and self.probe_result is None:
             self._run_probe(trainer, pl_module, batch)
 
     def _run_probe(self, trainer: Any, pl_module: Any, batch: Any) -> None:
         """Probe on every rank (they agree through one min all-reduce); our own hooks must not see it."""
         from gns_callback.probe import probe_trainer
 
+        bar = self.verbose and facts.progress_bar_enabled(trainer)
+        if self.verbose and not bar:
+            facts.say(trainer, "GradientNoiseScaleCallback: probing memory and throughput per micro-batch size...")
         with self.meter.paused():
             self.probe_result = probe_trainer(
                 trainer, pl_module, batch, memory_budget_bytes=self.memory_budget_bytes, headroom=self.headroom,
                 # Throughput where the decision is made: the current micro-batch and its doublings (the probe adds
                 # the largest size that fits).
-                throughput_sizes=[self._micro_batch_size * 2**k for k in range(6)], progress_bar=self.verbose,
+                throughput_sizes=[self._micro_batch_size * 2**k for k in range(6)], progress_bar=bar,
             )
         if self.verbose:
             facts.say(trainer, f"GradientNoiseScaleCallback: {self.probe_result.summary()}")
 
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        self._losses.append(loss.detach())  # the critical batch reads the noise scale against the loss
+
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if self.meter is not None:
-            self.meter.collector.enabled = False  # validation with gradients on is not a training step
+            self.meter.enabled = False  # validation with gradients on is not a training step
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if self.meter is not None:
-            self.meter.collector.enabled = True  # (what the step recorded before validation is kept)
+            self.meter.enabled = True  # (what the step recorded before validation is kept)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         if self._adapter is not None:
             self._adapter.advance(trainer)
         sizes, self._sizes = self._sizes, []
+        losses, self._losses = self._losses, []
         self.meter.step(micro_batch_size=sizes, loss_scale=facts.loss_scale(trainer),
-                        loss_divisor=trainer.accumulate_grad_batches)
+                        loss_divisor=trainer.accumulate_grad_batches, loss=_mean(losses))
         every = self.log_every_n_steps or trainer.log_every_n_steps
         if every and (trainer.global_step + 1) % every == 0:
             self._log(trainer, pl_module)
@@ -375,11 +395,11 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         if est.steps == 0 and est.failure is None:
             return
         self._history.append(_history_entry(trainer.global_step + (0 if final else 1), est, run, final))
-        metrics = {**_estimate_metrics(est, run), **self._recommendation_metrics(trainer, run)}
+        metrics = {**_estimate_metrics(est, run), **self._recommendation_metrics(trainer)}
         _log_metrics(trainer, metrics, step=trainer.global_step - (1 if final else 0))
 
-    def _recommendation_metrics(self, trainer: Any, run: GNSEstimate) -> dict[str, float]:
-        rec = self._recommend(trainer, run) if self.recommend_enabled else None
+    def _recommendation_metrics(self, trainer: Any) -> dict[str, float]:
+        rec = self._recommend(trainer, self._batch_target()) if self.recommend_enabled else None
         if rec is None:
             return {}
         metrics = {
@@ -392,7 +412,12 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         return metrics
 
     # ------------------------------------------------------------------ recommendation and adaptation
-    def _recommend(self, trainer: Any, estimate: GNSEstimate) -> Optional[Recommendation]:
+    def _batch_target(self) -> dict[str, Any]:
+        """What a fixed batch size aims at: the run's critical batch (:mod:`gns_callback.critical_batch`), in the
+        shape ``recommend()`` reads an estimate."""
+        return critical_batch_target(self.meter.critical_batch)
+
+    def _recommend(self, trainer: Any, estimate: Any) -> Optional[Recommendation]:
         """The recommendation for this run from ``estimate`` (pure; the same on every rank)."""
         if self._micro_batch_size is None or not trainer.optimizers:
             return None
@@ -407,19 +432,23 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             current_micro_batch_size=self._micro_batch_size,
             current_accumulate=accumulate,
             probe=self.probe_result,
+            sharpness=None if self.sharpness_monitor is None else self.sharpness_monitor.largest,
             dataset_size=facts.dataset_size(trainer),
             steps_per_epoch=facts.steps_per_epoch(trainer),
             **self.recommend_options,
         )
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        if self._adapter is None or trainer.current_epoch == 0 or self._micro_batch_size is None:
-            return
-        # Adaptation follows the recent (EMA) estimate: the noise scale grows as training progresses.
+        if self._adapter is not None and trainer.current_epoch > 0 and self._micro_batch_size is not None:
+            self._adapt(trainer)
+
+    def _adapt(self, trainer: Any) -> None:
+        """Adaptation follows the recent (EMA) estimate: the noise scale grows as training progresses."""
         rec = self._recommend(trainer, self.meter.estimate)
         if rec is None:
             return
-        event = self._adapter.consider(trainer, rec, self._micro_batch_size, facts.steps_per_epoch(trainer))
+        event = self._adapter.consider(trainer, rec, self._micro_batch_size, facts.steps_per_epoch(trainer),
+                                       self.meter.method)
         if event is not None:
             self._announce_adaptation(trainer, event)
 
@@ -438,25 +467,39 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         every = self.summary_every_n_epochs
         if self.recommend_enabled and every and (trainer.current_epoch + 1) % every == 0:
-            rec = self._recommend(trainer, self.meter.run_estimate)
+            rec = self._recommend(trainer, self._batch_target())
             if rec is not None:
                 facts.say(trainer, f"GradientNoiseScaleCallback, epoch {trainer.current_epoch}:\n{rec.summary_table()}")
 
     # ------------------------------------------------------------------ end of fit
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         self._detach()
+        self.meter.settle()  # every rank: agree on a problem one of them found since the last agreement
         self._log(trainer, pl_module, final=True)
         est, run = self.meter.read()
         if self.recommend_enabled:
-            # From the run average: the critical batch of a run is the noise scale averaged along it.
-            self.recommendation = self._recommend(trainer, run)
+            self.recommendation = self._recommend(trainer, self._batch_target())
         if trainer.is_global_zero:
-            self.write_report(trainer)
+            self._write_final_report(trainer)
         if self.verbose:
             self._print_summary(trainer, est)
 
+    def _write_final_report(self, trainer: Any) -> None:
+        """The report at fit end; a failure to write it (disk full, ...) warns instead of failing the finished run."""
+        try:
+            self.write_report(trainer)
+        except OSError as error:
+            _warn_rank_zero(trainer, f"GradientNoiseScaleCallback: could not write the report to "
+                                     f"{self._fit_report_path!r} ({error}); the estimates are in cb.estimate and "
+                                     "cb.run_estimate.")
+
     def _print_summary(self, trainer: Any, est: GNSEstimate) -> None:
-        facts.say(trainer, f"GradientNoiseScaleCallback: {est}\n  report: {self._fit_report_path}")
+        facts.say(trainer, f"GradientNoiseScaleCallback: {est}\n  {self.meter.critical_batch}\n"
+                           f"  report: {self._fit_report_path}")
+        fraction = self.meter.coverage.get("fraction", 1.0)
+        if fraction < MIN_COVERAGE and est.failure is None:
+            facts.say(trainer, f"GradientNoiseScaleCallback: B_simple is that of {fraction:.1%} of the trainable "
+                               "parameters (see the report's 'coverage').")
         if self.recommendation is not None:
             facts.say(trainer, self.recommendation.summary_table())
         if est.steps and est.failure is None and not math.isfinite(est.ci_high):
@@ -485,6 +528,8 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         return {
             "estimate": est.to_dict(),
             "run_estimate": run.to_dict(),
+            "critical_batch": self.meter.critical_batch.to_dict(),
+            "batch_target": json_safe(self._batch_target()),  # what the recommendation aimed at (report command)
             "history": self._history,
             "recommendation": self.recommendation.to_dict() if self.recommendation is not None else None,
             "probe": self.probe_result.to_dict() if self.probe_result is not None else None,
@@ -514,7 +559,58 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         return path
 
 
+_OWNER = "GradientNoiseScaleCallback"
+_POSITIVE_INT = args.optional(args.int_at_least(1))
+_ARGUMENTS: dict[str, args.Rule] = {
+    **METER_ARGUMENTS,  # ema_decay, confidence, loss_reduction, per_example_max_examples
+    "method": args.Rule(args.one_of(*METHODS), "one of 'auto', 'micro_batch', 'per_example', e.g. 'auto'"),
+    "log_every_n_steps": args.Rule(_POSITIVE_INT, "a positive int, e.g. 50, or None to follow the Trainer"),
+    "report_path": args.Rule(lambda v: v is None or args.report_path_problem(v) is None,
+                             lambda v: f"{args.report_path_problem(v)}, or None for <trainer.log_dir>/gns_report.json"),
+    "verbose": args.Rule(args.is_bool, "True or False"),
+    "probe": args.Rule(args.is_bool, "True or False"),
+    "memory_budget_bytes": args.Rule(args.optional(args.whole_bytes),
+                                     "a positive whole number of bytes, e.g. 8 * 2**30 for 8 GiB, or None for the "
+                                     "device's memory"),
+    "headroom": args.Rule(args.number_in(0, 1, low_open=True), "a number in (0, 1], e.g. 0.85"),
+    "recommend": args.Rule(args.is_bool, "True or False"),
+    "min_batch_size": args.Rule(_POSITIVE_INT, "a positive int, e.g. 16, or None for no lower bound"),
+    "max_batch_size": args.Rule(_POSITIVE_INT, "a positive int, e.g. 4096, or None for no upper bound"),
+    "batch_multiple_of": args.Rule(args.int_at_least(1), "a positive int, e.g. 8"),
+    "power_of_two": args.Rule(args.is_bool, "True or False"),
+    "lr_rule": args.Rule(args.one_of(None, *LR_RULES),
+                         "one of " + ", ".join(map(repr, LR_RULES)) + ", or None to choose by optimizer family "
+                         "('noise_linear' for SGD, 'noise_sqrt' for Adam)"),
+    "price_per_device_hour": args.Rule(args.optional(args.number_in(0, math.inf, high_open=True)),
+                                       "a number ≥ 0, e.g. 2.5 (your currency per device-hour), or None"),
+    "summary_every_n_epochs": args.Rule(_POSITIVE_INT, "a positive int, e.g. 1, or None for no periodic summary"),
+    "adapt": args.Rule(args.is_bool, "True or False"),
+    "adapt_factor": args.Rule(args.number_in(1, math.inf, low_open=True, high_open=True),
+                              "a number > 1, e.g. 1.5 (no change while the recommended batch is within ×1.5)"),
+    "adapt_patience": args.Rule(args.int_at_least(1), "a positive int, e.g. 2 (consecutive epochs)"),
+    "sharpness": args.Rule(args.is_bool, "True or False"),
+}
+
+
+def _check_arguments(values: dict[str, Any]) -> None:
+    """Every constructor argument against :data:`_ARGUMENTS`, then the rules that tie two of them together."""
+    args.check_arguments(_OWNER, values, _ARGUMENTS)
+    low, high = values["min_batch_size"], values["max_batch_size"]
+    if low is not None and high is not None and low > high:
+        raise ValueError(
+            f"{_OWNER}(min_batch_size={low!r}, max_batch_size={high!r}): min_batch_size must not exceed "
+            "max_batch_size, e.g. min_batch_size=16, max_batch_size=4096."
+        )
+    if values["adapt"] and not values["recommend"]:
+        raise ValueError(f"{_OWNER}(adapt=True, recommend=False): adapt applies the recommendation; "
+                         "set recommend=True or adapt=False.")
+
+
 _EMPTY_MODEL = torch.nn.Module()  # what a meter reads from before fit (or after a restore, before fit start)
+
+
+def _mean(losses: list[Any]) -> Optional[torch.Tensor]:
+    return torch.stack([loss.float().reshape(()) for loss in losses]).mean() if losses else None
 
 
 def _history_entry(step: int, est: GNSEstimate, run: GNSEstimate, final: bool) -> dict[str, Any]:

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     if gns.recommendation is not None:
         print()
         print(gns.recommendation.summary_table())
-    print(f"  report: {gns.report_path}  (pictures: python -m gns_callback report {gns.report_path})")
+    print(f"  report: {gns.report_file}  (pictures: python -m gns_callback report {gns.report_file})")
 
 
 if __name__ == "__main__":

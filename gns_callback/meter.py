@@ -22,6 +22,8 @@ divided by their count) and ``meter.step(micro_batch_size=b)`` says how many exa
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 import warnings
 from types import TracebackType
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
@@ -29,8 +31,10 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from gns_callback.accumulation import AccumulationWindow, LossReduction, step_estimates
+from gns_callback import arguments as args
+from gns_callback.accumulation import PACKED_FIELDS, AccumulationWindow, LossReduction, step_estimates
 from gns_callback.collectors import COLLECTORS, Collector
+from gns_callback.critical_batch import CriticalBatchAccumulator, CriticalBatchEstimate
 from gns_callback.estimate import GNSEstimate
 from gns_callback.smoothing import RatioAccumulator, step_vector, summarize_ratio
 
@@ -38,9 +42,28 @@ LOSS_REDUCTIONS = ("mean", "sum")
 MEASURING_METHODS = tuple(COLLECTORS)
 STATE_VERSION = 2
 
+#: With several ranks, whether one of them found a step unmeasurable travels inside the step's all-reduce; the host
+#: reads it (one device sync) at the first ``AGREE_FIRST`` steps, then every ``AGREE_EVERY`` steps and at
+#: :meth:`GradientNoiseScaleMeter.settle`, so that all ranks stop or switch method at the same step. Steps after
+#: such a finding are left out on the device until then.
+AGREE_FIRST, AGREE_EVERY = 8, 32
+
+#: The arguments shared with the Lightning callback, checked by :func:`gns_callback.arguments.check_arguments`.
+ARGUMENTS: dict[str, args.Rule] = {
+    "ema_decay": args.Rule(args.number_in(0, 1, high_open=True),
+                           "a number in [0, 1), e.g. 0.99 to average over roughly the last 200 steps"),
+    "confidence": args.Rule(args.number_in(0, 1, low_open=True, high_open=True), "a number in (0, 1), e.g. 0.95"),
+    "loss_reduction": args.Rule(args.one_of(*LOSS_REDUCTIONS),
+                                "'mean' (the loss is averaged over the batch, Lightning's convention) or 'sum'"),
+    "per_example_max_examples": args.Rule(args.optional(args.int_at_least(2)),
+                                          "an int ≥ 2, e.g. 16, or None to measure every example of each batch"),
+}
+_METHOD = args.Rule(args.one_of(*MEASURING_METHODS), "one of 'per_example', 'micro_batch', e.g. 'per_example'")
+_FALLBACK = args.Rule(args.one_of(None, *MEASURING_METHODS), "None or 'micro_batch'")
+
 #: ``reduce(t) -> t`` summing a float64 tensor over data-parallel ranks (e.g. ``torch.distributed.all_reduce``).
 SumAcrossRanks = Callable[[torch.Tensor], torch.Tensor]
-BatchSizes = Union[int, Sequence[int], None]
+BatchSizes = Union[int, Sequence[Optional[int]], None]
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
@@ -65,11 +88,17 @@ class GradientNoiseScaleMeter:
         per_example_max_examples: ``per_example`` measures at most this many examples of each batch (None: all).
         reduce: sums a float64 tensor over data-parallel ranks (None: one process). With it, every rank must call
             :meth:`step` at every optimizer step: it runs one collective.
+        fallback_method: the method to switch to, for the rest of the run, when the hooks find a step that
+            ``method`` can't measure (``method="auto"`` in the callback: ``"micro_batch"`` where the run has several
+            backward passes per step). None: stop measuring instead.
 
     Read :attr:`estimate` (recent, EMA) and :attr:`run_estimate` (every measured step weighted equally); each
     read copies the sums to the host once. If the hooks find the model unmeasurable mid-run (a module applied
-    twice, the batch not in dim 0, ...), the meter stops measuring, warns once, and both estimates read "not
-    measured" (NaN) with the reason in ``failure``; it never raises inside the user's backward pass.
+    twice, a batch dim that can't be told, a gradient penalty reaching per-example hooks, ...), the meter switches
+    to ``fallback_method`` (warning once; the estimate restarts) or stops measuring: it warns once, and both
+    estimates read "not measured" (NaN) with the reason in ``failure``. It never raises inside the user's backward
+    pass. With ``per_example``, call :meth:`expect_batch_size` before each forward pass where you can: each layer's
+    batch dim is then checked against it, and sequence-first layers (``(T, B, ...)`` inputs) are measured.
     """
 
     def __init__(
@@ -81,26 +110,52 @@ class GradientNoiseScaleMeter:
         loss_reduction: LossReduction = "mean",
         per_example_max_examples: Optional[int] = 16,
         reduce: Optional[SumAcrossRanks] = None,
+        fallback_method: Optional[str] = None,
     ) -> None:
-        _validate(method, ema_decay, confidence, loss_reduction, per_example_max_examples)
+        args.check_arguments("GradientNoiseScaleMeter", {
+            "method": method, "ema_decay": ema_decay, "confidence": confidence, "loss_reduction": loss_reduction,
+            "per_example_max_examples": per_example_max_examples, "fallback_method": fallback_method,
+        }, {**ARGUMENTS, "method": _METHOD, "fallback_method": _FALLBACK})
         self.model = model
         self.method = method
+        self.fallback_method = fallback_method if fallback_method != method else None
+        self.switched_from: Optional[str] = None  # the method measured before a switch to the fallback
         self.ema_decay = float(ema_decay)
         self.confidence = float(confidence)
         self.loss_reduction: LossReduction = loss_reduction
+        self.per_example_max_examples = per_example_max_examples
         self.reduce = reduce
         self.collector: Collector = COLLECTORS[method](model, max_examples=per_example_max_examples)
+        self._attached = False
         self.reset()
 
     # ------------------------------------------------------------------ hooks on / off
     def attach(self) -> "GradientNoiseScaleMeter":
         """Put the hooks on (idempotent)."""
         self.collector.attach()
+        self._attached = True
         return self
 
     def detach(self) -> None:
         """Take every hook off."""
         self.collector.detach()
+        self._attached = False
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the hooks record (False: inert, e.g. during validation with gradients on)."""
+        return self.collector.enabled
+
+    @enabled.setter
+    def enabled(self, value: bool) -> None:
+        self.collector.enabled = value
+
+    def expect_batch_size(self, size: Optional[int]) -> None:
+        """The number of examples in the micro-batch whose forward pass runs next (None: unknown).
+
+        ``per_example`` checks each layer's batch dim against it and measures ``(T, B, ...)`` inputs along dim 1;
+        without it, dim 0 is taken and checked only against ``micro_batch_size`` at :meth:`step`."""
+        self.collector.expect_batch_size(size)
 
     def __enter__(self) -> "GradientNoiseScaleMeter":
         return self.attach()
@@ -113,12 +168,12 @@ class GradientNoiseScaleMeter:
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """Hooks inert inside (forward/backward passes that are not training steps), and what they left dropped."""
-        was = self.collector.enabled
-        self.collector.enabled = False
+        was = self.enabled
+        self.enabled = False
         try:
             yield
         finally:
-            self.collector.enabled = was
+            self.enabled = was
             self.discard_pending()
 
     def discard_pending(self) -> None:
@@ -130,8 +185,13 @@ class GradientNoiseScaleMeter:
         """Forget every measured step."""
         self.ema = RatioAccumulator(self.ema_decay)
         self.run = RatioAccumulator(1.0)
+        self.critical = CriticalBatchAccumulator()
+        self.losses_given = False
         self.steps_seen = 0  # optimizer steps offered for measurement
         self.failure: Optional[str] = None
+        self._problem: Optional[str] = None  # why this rank could not measure a step, until the ranks agree
+        self._any_rank_failed: Optional[torch.Tensor] = None  # device bool, since the last agreement
+        self._steps_across_ranks = 0
 
     def state_dict(self) -> dict[str, Any]:
         """Plain types only (checkpoints load with ``weights_only=True``)."""
@@ -140,15 +200,22 @@ class GradientNoiseScaleMeter:
             "method": self.method,
             "ema": self.ema.state_dict(),
             "run": self.run.state_dict(),
+            "critical": self.critical.state_dict(),
+            "losses_given": self.losses_given,
             "steps_seen": self.steps_seen,
             "failure": self.failure,
+            "switched_from": self.switched_from,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.ema.load_state_dict(state["ema"])
         self.run.load_state_dict(state["run"])
+        if state.get("critical"):
+            self.critical.load_state_dict(state["critical"])
+            self.losses_given = bool(state.get("losses_given"))
         self.steps_seen = int(state["steps_seen"])
         self.failure = state.get("failure")
+        self.switched_from = state.get("switched_from")
 
     # ------------------------------------------------------------------ per optimizer step
     def step(
@@ -156,54 +223,120 @@ class GradientNoiseScaleMeter:
         micro_batch_size: BatchSizes = None,
         loss_scale: Union[torch.Tensor, float, None] = None,
         loss_divisor: Optional[float] = None,
+        loss: Union[torch.Tensor, float, None] = None,
     ) -> None:
         """Measure the optimizer step whose backward pass(es) just ran; call before ``zero_grad``.
 
         Args:
-            micro_batch_size: examples per backward pass (an int for all, or one per pass). Needed by
+            micro_batch_size: examples per backward pass (an int for all, or one per pass; None: unknown). Needed by
                 ``micro_batch``; ``per_example`` reads sizes off its hooks and checks them against it if given.
             loss_scale: the AMP GradScaler's scale the backward passes ran with (the optimizer's ``.grad`` must
                 be unscaled by now, as after ``scaler.unscale_(optimizer)``); None without a scaler.
             loss_divisor: what each backward pass's loss was divided by (None: the number of passes, as in
                 ``(loss / accumulate).backward()``; Lightning: ``accumulate_grad_batches``).
+            loss: the step's training loss (any constant factor is fine). With it, :attr:`critical_batch` reads the
+                critical batch off the noise scale as a function of the loss; without it, that is the run average.
         """
         if self.failure is not None:
             return self.discard_pending()
         window = self._collect(_as_sizes(micro_batch_size), loss_divisor)
-        if window is None or (window.empty and self.reduce is None):
+        if self.reduce is not None:
+            return self._step_across_ranks(window, loss_scale, loss)
+        if self._problem is not None:
+            return self._give_up(self._problem)
+        if window.empty:
             return
         self.steps_seen += 1
-        if self.reduce is None and not window.measurable(self.loss_reduction):
-            return  # e.g. one micro-batch on one device: nothing to compare (counted as skipped)
-        self._measure(window, loss_scale)
+        if window.measurable(self.loss_reduction):  # else e.g. one micro-batch on one device (counted as skipped)
+            self._measure(window, loss_scale, loss)
 
-    def _collect(self, sizes: Optional[list[int]], loss_divisor: Optional[float]) -> Optional[AccumulationWindow]:
+    def _step_across_ranks(self, window: AccumulationWindow, loss_scale: Union[torch.Tensor, float, None],
+                           loss: Union[torch.Tensor, float, None]) -> None:
+        """Every rank joins the step's one all-reduce, even with nothing measured or a problem found."""
+        self.steps_seen += 1
+        self._steps_across_ranks += 1
+        self._measure(window, loss_scale, loss)
+        if self._steps_across_ranks <= AGREE_FIRST or self._steps_across_ranks % AGREE_EVERY == 0:
+            self.settle()
+
+    def settle(self) -> None:
+        """Agree across ranks on the problems found since the last agreement, and stop or switch method together.
+
+        A host sync; with ``reduce``, call it on every rank at the same step (:meth:`step` does so on its own
+        schedule; the Lightning callback also calls it at fit end). Without ``reduce`` it does nothing."""
+        flag, self._any_rank_failed = self._any_rank_failed, None
+        if flag is not None and bool(flag):
+            self._give_up(self._problem or "another data-parallel rank found a step it could not measure (its "
+                                            "warning says why)")
+
+    def _collect(self, sizes: Optional[list[Optional[int]]], loss_divisor: Optional[float]) -> AccumulationWindow:
         window = AccumulationWindow()
         try:
             passes = self.collector.pop_into(window, batch_sizes=sizes, loss_divisor=loss_divisor,
                                              loss_reduction=self.loss_reduction)
-        except RuntimeError as error:  # the hooks found the model unmeasurable: never kill the run
-            self.stop(str(error))
-            return None
+        except RuntimeError as error:  # the hooks found the step unmeasurable: never kill the run
+            self._problem = self._problem or str(error)
+            self.discard_pending()
+            return AccumulationWindow()  # this rank adds nothing to the step
         window.loss_divisor = float(loss_divisor or max(passes, 1))
         return window
 
-    def _measure(self, window: AccumulationWindow, loss_scale: Union[torch.Tensor, float, None]) -> None:
+    def _measure(self, window: AccumulationWindow, loss_scale: Union[torch.Tensor, float, None],
+                 loss: Union[torch.Tensor, float, None] = None) -> None:
         grads = [p.grad for p in self.collector.measured_parameters() if p.grad is not None]
         device = grads[0].device if grads else None
         packed = window.packed(device, loss_scale)
+        step_loss = _loss_tensor(loss, packed)
         if self.reduce is not None:
-            packed = self.reduce(packed)  # the one collective per step, joined by every rank
+            packed, step_loss = self._reduce(packed, step_loss)  # the one collective per step, joined by every rank
         if not grads:
             return
         step_grad_sq = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
         trace, grad_sq, valid = step_estimates(packed, step_grad_sq, self.loss_reduction)
+        if self._any_rank_failed is not None:
+            valid = valid & ~self._any_rank_failed.to(valid.device)
         step = step_vector(trace, grad_sq)  # shared by both accumulators; a non-finite step adds nothing
         self.ema.update_vector(step, valid)
         self.run.update_vector(step, valid)
+        self.critical.update(trace, grad_sq, step_loss, valid)  # the ranks' mean loss: identical state everywhere
+        self.losses_given = self.losses_given or loss is not None
+
+    def _reduce(self, packed: torch.Tensor, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sum ``packed`` over ranks with this rank's loss and problem flag appended; remember (on the device) if
+        any rank had a problem; return the summed ``packed`` and the ranks' mean loss."""
+        flag = torch.tensor([float(self._problem is not None)], dtype=packed.dtype).to(packed.device)
+        summed = self.reduce(torch.cat([packed, loss.view(1), flag]))
+        failed = summed[-1] > 0
+        self._any_rank_failed = failed if self._any_rank_failed is None else self._any_rank_failed | failed
+        return summed[:-2], summed[-2] / summed[PACKED_FIELDS.index("ranks")]
+
+    def _give_up(self, reason: str) -> None:
+        """Switch to the fallback method (all ranks at once), or stop measuring."""
+        if self.fallback_method is None:
+            return self.stop(reason)
+        self._switch_to(self.fallback_method, reason)
+
+    def _switch_to(self, method: str, reason: str) -> None:
+        """Measure with ``method`` from the next step on; the steps measured so far are forgotten (they measured
+        another method's share of the parameters, with hooks that have just proved unreliable on this model)."""
+        warnings.warn(
+            f"gns_callback switched from method={self.method!r} to {method!r} for the rest of the run (the estimate "
+            f"restarts from the next step), because the per-step check found: {reason}",
+            stacklevel=4,
+        )
+        enabled = self.enabled
+        self.collector.detach()
+        self.collector = COLLECTORS[method](self.model, max_examples=self.per_example_max_examples)
+        self.enabled = enabled
+        if self._attached:
+            self.collector.attach()
+        self.switched_from, self.method, self.fallback_method = self.method, method, None
+        self.reset()
 
     def stop(self, reason: str) -> None:
-        """Stop measuring for the rest of the run: warn once; estimates read "not measured" from now on."""
+        """Stop measuring for the rest of the run: warn once; estimates read "not measured" from now on.
+
+        With ``reduce``, call it on every rank at the same step (the meter's own stops are agreed across ranks)."""
         if self.failure is None:
             self.failure = reason
             warnings.warn(f"gns_callback stopped measuring the gradient noise scale: {reason}", stacklevel=3)
@@ -238,35 +371,38 @@ class GradientNoiseScaleMeter:
         return estimate if self.failure is None else estimate.not_measured(self.failure)
 
     @property
+    def critical_batch(self) -> CriticalBatchEstimate:
+        """The critical batch of the run so far (:mod:`gns_callback.critical_batch`): what a fixed batch size
+        should aim at, whatever batch this run measured at. One device-to-host copy."""
+        estimate = self.critical.summary(self.confidence)
+        if not self.losses_given:
+            estimate = dataclasses.replace(estimate, method="run average (no training loss was passed to step())")
+        if self.failure is not None:
+            estimate = dataclasses.replace(estimate, b_crit=math.nan, ci_low=math.nan, ci_high=math.nan,
+                                           method=f"not measured ({self.failure})")
+        return estimate
+
+    @property
     def coverage(self) -> dict[str, Any]:
         """Measured vs trainable parameter counts and why the rest is left out."""
         return self.collector.coverage().to_dict()
 
 
-def _as_sizes(micro_batch_size: BatchSizes) -> Optional[list[int]]:
+def _loss_tensor(loss: Union[torch.Tensor, float, None], like: torch.Tensor) -> torch.Tensor:
+    """The step's loss as a 0-d float64 tensor on ``like``'s device (1 when not given: a flat loss, so the
+    critical batch is the run average)."""
+    if loss is None:
+        return torch.ones((), dtype=torch.float64, device=like.device)
+    return torch.as_tensor(loss).detach().to(device=like.device, dtype=torch.float64).reshape(())
+
+
+def _as_sizes(micro_batch_size: BatchSizes) -> Optional[list[Optional[int]]]:
+    """One entry per backward pass, or one for all; ``None`` entries: that size is unknown."""
     if micro_batch_size is None:
         return None
     if isinstance(micro_batch_size, int):
         return [micro_batch_size]
-    return [int(b) for b in micro_batch_size]
+    return [None if b is None else int(b) for b in micro_batch_size]
 
 
-def _validate(method: str, ema_decay: float, confidence: float, loss_reduction: str, max_examples: Any) -> None:
-    if method not in MEASURING_METHODS:
-        raise ValueError(f"method={method!r}: use one of {', '.join(map(repr, MEASURING_METHODS))}.")
-    if isinstance(ema_decay, bool) or not isinstance(ema_decay, (int, float)) or not 0.0 <= ema_decay < 1.0:
-        raise ValueError(f"ema_decay={ema_decay!r}: a number in [0, 1), e.g. 0.99 (about the last 200 steps).")
-    if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0.0 < confidence < 1.0:
-        raise ValueError(f"confidence={confidence!r}: a number in (0, 1), e.g. 0.95.")
-    if loss_reduction not in LOSS_REDUCTIONS:
-        raise ValueError(
-            f"loss_reduction={loss_reduction!r}: 'mean' (the loss is averaged over the batch) or 'sum'."
-        )
-    if max_examples is not None and (isinstance(max_examples, bool) or not isinstance(max_examples, int)
-                                     or max_examples < 2):
-        raise ValueError(
-            f"per_example_max_examples={max_examples!r}: an int ≥ 2, or None to measure every example of each batch."
-        )
-
-
-__all__ = ["GradientNoiseScaleMeter", "all_reduce_sum", "LOSS_REDUCTIONS", "MEASURING_METHODS"]
+__all__ = ["ARGUMENTS", "GradientNoiseScaleMeter", "all_reduce_sum", "LOSS_REDUCTIONS", "MEASURING_METHODS"]

@@ -24,7 +24,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: Top-level keys of a report written by the callback (any one of them makes a JSON object a report).
 REPORT_SECTIONS = (
-    "estimate", "run_estimate", "history", "recommendation", "probe", "adaptations", "coverage", "config", "run",
+    "estimate", "run_estimate", "batch_target", "history", "recommendation", "probe", "adaptations", "coverage",
+    "config", "run",
 )
 #: ``args`` attributes of the flags that recompute the recommendation.
 RECOMPUTE_FLAGS = (
@@ -143,7 +144,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="round the recommended batch to a power of two (acts only when the status is ok)")
     g.add_argument("--price-per-device-hour", type=_positive_float,
                    help="for cost per epoch (needs the probe's throughput and an epoch length)")
-    g.add_argument("--estimate", help="report section to recommend from (default: run_estimate, the run average)")
+    g.add_argument("--estimate", help="report section to recommend from (default: batch_target, the critical batch the callback "
+                        "recommended from; in older reports run_estimate, the run average)")
     return p
 
 
@@ -237,9 +239,9 @@ def _estimate_section(report: Mapping[str, Any], args: argparse.Namespace, sourc
             raise FlagError(f"--estimate {args.estimate}: the report has no such estimate; it has: {', '.join(names)}")
         sources["estimate"] = "--estimate"
         return args.estimate
-    for name in ("run_estimate", "estimate"):
+    for name in ("batch_target", "run_estimate", "estimate"):
         if isinstance(report.get(name), Mapping):
-            sources["estimate"] = "default" if name == "run_estimate" else "the only estimate in the report"
+            sources["estimate"] = "default" if name != "estimate" else "the only estimate in the report"
             return name
     raise FlagError("the report has no estimate section (run_estimate or estimate) to recommend from")
 

@@ -242,3 +242,24 @@ def test_manual_optimization_is_refused_clearly(digits):
     x, y = digits
     with pytest.raises(MisconfigurationException, match="automatic optimization"):
         quiet_trainer(callbacks=[micro()], max_steps=2).fit(ManualClassifier(mlp()), with_replacement_loader(x, y, 8, 64))
+
+
+def test_each_optimizer_step_hands_the_meter_what_lightning_knows(digits, monkeypatch):
+    """Wiring: one meter.step per optimizer step, with the micro-batch sizes, the loss divisor (accumulate) and the
+    GradScaler's scale."""
+    from gns_callback.meter import GradientNoiseScaleMeter
+
+    calls = []
+    real_step = GradientNoiseScaleMeter.step
+
+    def spy(self, micro_batch_size=None, loss_scale=None, loss_divisor=None, loss=None):
+        calls.append((list(micro_batch_size), None if loss_scale is None else float(loss_scale), loss_divisor))
+        assert loss is not None and loss.ndim == 0  # the step's mean training loss, for the critical batch
+        return real_step(self, micro_batch_size, loss_scale, loss_divisor, loss)
+
+    monkeypatch.setattr(GradientNoiseScaleMeter, "step", spy)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    cb, trainer, _ = fit_with_gns(mlp(), *digits, steps=10, callback=micro(),
+                                  plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    assert calls == [([8, 8, 8, 8], 2.0**12, 4)] * 10
+    assert cb.meter.method == "micro_batch" and cb.run_estimate.steps == 10

@@ -167,3 +167,96 @@ def test_unmeasurable_model_stops_measuring_and_warns_once(digits):
 def test_bad_arguments_name_themselves(kwargs, match):
     with pytest.raises(ValueError, match=match):
         GradientNoiseScaleMeter(mlp(), **kwargs)
+
+
+def _accumulated_steps(meter, net, x, y, steps, seed, passes=4, batch=8):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for _ in range(passes):
+            i = torch.randint(0, len(x), (batch,), generator=g)
+            meter.expect_batch_size(batch)
+            (F.cross_entropy(net(x[i]), y[i]) / passes).backward()
+        meter.step(micro_batch_size=batch)
+        net.zero_grad()
+
+
+def test_fallback_switches_once_and_measures_the_whole_model(digits, exact_gns):
+    net = Twice()
+    exact = exact_gns(net, F.cross_entropy, *digits)[0]
+    with GradientNoiseScaleMeter(net, fallback_method="micro_batch") as meter, \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _accumulated_steps(meter, net, *digits, steps=201, seed=0)
+    switched = [str(w.message) for w in caught if "switched from method='per_example' to 'micro_batch'" in str(w.message)]
+    assert len(switched) == 1 and "applied more than once" in switched[0]
+    assert meter.method == "micro_batch" and meter.switched_from == "per_example" and meter.failure is None
+    est = meter.run_estimate
+    assert est.steps == 200 and est.ci_low <= exact <= est.ci_high, (est, exact)
+    assert not net.body._forward_hooks and not net.head._forward_hooks  # the per-example hooks came off
+
+
+class SometimesTwice(Twice):
+    """Applies ``body`` twice only once ``twice`` is set (a data- or step-dependent branch)."""
+
+    twice = False
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        return self.head(torch.tanh(self.body(h)) if self.twice else h)
+
+
+def _two_ranks(nets, steps, fail_at):
+    """Two meters in two threads whose ``reduce`` sums across a barrier (a two-rank all-reduce); rank 0's model
+    becomes unmeasurable at step ``fail_at``. Returns each rank's meter and how many reduces it joined."""
+    import threading
+
+    barrier, slots, calls = threading.Barrier(2, timeout=60), [None, None], [0, 0]
+    meters = [None, None]
+
+    def worker(rank, x, y):
+        def reduce(tensor):
+            slots[rank] = tensor.clone()
+            calls[rank] += 1
+            barrier.wait()
+            total = slots[0] + slots[1]
+            barrier.wait()
+            return total
+
+        net = nets[rank]
+        g = torch.Generator().manual_seed(rank)
+        with GradientNoiseScaleMeter(net, reduce=reduce) as meter:
+            meters[rank] = meter
+            for step in range(steps):
+                net.twice = rank == 0 and step >= fail_at
+                i = torch.randint(0, len(x), (16,), generator=g)
+                meter.expect_batch_size(16)
+                F.cross_entropy(net(x[i]), y[i]).backward()
+                meter.step()
+                net.zero_grad()
+
+    return meters, calls, worker
+
+
+@pytest.mark.parametrize("fail_at, agreed_at", [(0, 1), (11, 32)])
+def test_ranks_agree_to_stop_at_the_same_step(digits, fail_at, agreed_at):
+    """No rank is left waiting in an all-reduce the others stopped joining (a hang, i.e. a crashed run), and the
+    steps between the finding and the agreement are left out on every rank."""
+    import threading
+
+    x, y = digits
+    nets = [SometimesTwice(), SometimesTwice()]
+    meters, calls, worker = _two_ranks(nets, steps=40, fail_at=fail_at)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        threads = [threading.Thread(target=worker, args=(rank, x, y)) for rank in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+    assert calls == [agreed_at, agreed_at]  # both joined every reduce until they stopped together
+    assert "applied more than once" in meters[0].failure and "another data-parallel rank" in meters[1].failure
+    assert meters[0].run_estimate.failure and meters[1].run_estimate.failure
+    stopped = [str(w.message) for w in caught if "stopped measuring" in str(w.message)]
+    assert len(stopped) == 2  # one warning per rank
+    # Only the steps before the finding were measured, on both ranks (the steps after it were left out).
+    assert [round(meter.run.sums[0].item()) for meter in meters] == [fail_at, fail_at]

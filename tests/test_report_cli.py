@@ -232,14 +232,14 @@ def test_help_documents_how_the_flags_depend_on_each_other(capsys):
 def test_warmup_steps_come_from_the_dataset_size(tmp_path, capsys):
     """No epoch length in the report (an IterableDataset): the command says how to get warmup steps."""
     big = estimate(600.0, 500.0, 700.0)
-    report = report_sections.report(big, dataset_size=None)
+    report = report_sections.report(big, dataset_size=None, optimizer="Adam")  # Adam: the LR rises with the batch
     saved = Recommendation.from_dict(report["recommendation"])
     assert saved.warmup_steps is None and saved.warmup_epochs > 0  # the LR grows enough to need a warmup
     path = write(tmp_path / "r.json", report)
     text = run(capsys, path, "--no-plots")
     assert "Rerun this command with --dataset-size N" in text
     text = run(capsys, path, "--no-plots", "--dataset-size", "60000")
-    rec = recommend(big, probe=report["probe"], **{**CALLBACK_INPUTS, "dataset_size": 60000})
+    rec = recommend(big, probe=report["probe"], **{**CALLBACK_INPUTS, "optimizer": "Adam", "dataset_size": 60000})
     assert rec.warmup_steps and f"Warmup: {rec.warmup_steps} steps" in text and "Rerun this command" not in text
 
 
@@ -315,7 +315,7 @@ def test_a_real_run_end_to_end(digits, tmp_path, capsys):
     text = run(capsys, tmp_path / "run", "--out", tmp_path / "pngs")
     assert sorted(p.name for p in (tmp_path / "pngs").iterdir()) == sorted(PNGS)
     assert cb.recommendation.summary_table() in text
-    text = run(capsys, tmp_path / "run", "--no-plots", "--estimate", "run_estimate")
+    text = run(capsys, tmp_path / "run", "--no-plots")  # default: the batch target the callback recommended from
     saved = cb.recommendation
     for label, value in (("global batch size", saved.batch_size), ("learning rate", f"{saved.learning_rate:.4g}")):
         assert row(text, label)[1] == str(value)

@@ -1,7 +1,8 @@
 """Where small-batch gradient norms come from: one module per method, chosen here and nowhere else.
 
 Every collector has the same small interface (:class:`Collector`): ``attach``/``detach`` its hooks,
-``measured_parameters``, ``coverage``, ``enabled``, ``discard`` (hooks inert while False), and ``pop_into(window, ...)``,
+``measured_parameters``, ``coverage``, ``enabled`` (hooks inert while False), ``discard``, ``expect_batch_size`` (the
+next micro-batch's size, before its forward pass), and ``pop_into(window, ...)``,
 which adds the committed backward passes since the last call to an
 :class:`~gns_callback.accumulation.AccumulationWindow`, each scaled by the collector's own rule. A third method
 is one new module plus one entry in :data:`COLLECTORS`.
@@ -38,6 +39,8 @@ class Collector(Protocol):
 
     def discard(self) -> None: ...
 
+    def expect_batch_size(self, size: Optional[int]) -> None: ...
+
     def measured_parameters(self) -> list[nn.Parameter]: ...
 
     def coverage(self) -> Coverage: ...
@@ -67,6 +70,7 @@ class MethodChoice:
     method: str
     note: Optional[str] = None  # why auto chose this method (info)
     warning: Optional[str] = None  # something the user must see (partial coverage)
+    fallback: Optional[str] = None  # the method to switch to if the hooks find ``method`` can't measure a step
 
 
 def per_example_problem(model: nn.Module) -> tuple[Optional[str], float]:
@@ -104,8 +108,10 @@ def choose_method(requested: str, model: nn.Module, *, several_micro_batches: bo
 
 
 def _choose_auto(problem: Optional[str], fraction: float, several_micro_batches: bool) -> MethodChoice:
+    """per_example where it is valid and covers the model (then micro_batch as the fallback if the run allows it:
+    the hooks may still find mid-run what no inspection of the model shows), else micro_batch where possible."""
     if problem is None and fraction >= MIN_COVERAGE:
-        return MethodChoice("per_example")
+        return MethodChoice("per_example", fallback="micro_batch" if several_micro_batches else None)
     if several_micro_batches:
         why = problem or f"per-example norms would cover only {fraction:.1%} of the trainable parameters"
         return MethodChoice("micro_batch", note=f"method='auto' uses 'micro_batch' ({why}).")

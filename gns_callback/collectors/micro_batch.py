@@ -50,6 +50,9 @@ class MicroBatchCollector:
     def attached(self) -> bool:
         return bool(self._handles)
 
+    def expect_batch_size(self, size: Optional[int]) -> None:
+        """Unused: parameter hooks see whole micro-batch gradients (the size comes with :meth:`pop_into`)."""
+
     def measured_parameters(self) -> list[nn.Parameter]:
         return list(self._params)
 
@@ -99,11 +102,14 @@ class MicroBatchCollector:
         return len(passes)
 
 
-def _sizes_for(passes: Sequence[object], batch_sizes: Optional[Sequence[int]]) -> list[int]:
+def _sizes_for(passes: Sequence[object], batch_sizes: Optional[Sequence[Optional[int]]]) -> list[int]:
     if not batch_sizes or None in batch_sizes:
         raise RuntimeError(
-            "method='micro_batch' needs the micro-batch size and none could be read off the batch (no tensor in it?): "
-            "pass micro_batch_size=<examples per backward pass> to meter.step(), or give the DataLoader tensors."
+            "method='micro_batch' needs each micro-batch's size and it could not be read off the batch: the batch "
+            "holds no tensor (e.g. raw strings tokenized in training_step), or its tensors' leading dims disagree "
+            "with no majority. Let the DataLoader yield tensors with the batch as dim 0 (e.g. tokenize in a "
+            "collate_fn), or use method='per_example', which reads the size off its layers (in a plain loop: pass "
+            "micro_batch_size to meter.step)."
         )
     if len(batch_sizes) == 1:
         return list(batch_sizes) * len(passes)
@@ -112,4 +118,4 @@ def _sizes_for(passes: Sequence[object], batch_sizes: Optional[Sequence[int]]) -
             f"micro_batch_size lists {len(batch_sizes)} sizes but {len(passes)} backward passes were measured: "
             "give one size per backward pass, or one int for all."
         )
-    return list(batch_sizes)
+    return [int(b) for b in batch_sizes]

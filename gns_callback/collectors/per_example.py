@@ -33,6 +33,10 @@ class PerExampleCollector:
     def enabled(self, value: bool) -> None:
         self.tracker.enabled = value
 
+    def expect_batch_size(self, size: Optional[int]) -> None:
+        """The next micro-batch's size (None: unknown): the hooks find each layer's batch dim with it."""
+        self.tracker.expected_batch_size = size
+
     def attach(self) -> None:
         self.tracker.attach()
 
@@ -62,7 +66,7 @@ class PerExampleCollector:
         """Add each committed pass's per-example norms to ``window``; returns the pass count.
 
         Raises ``RuntimeError`` when the hooks found the model unmeasurable, or when the batch size they saw
-        differs from ``batch_sizes`` (the batch is not dim 0 of the layers' inputs)."""
+        differs from ``batch_sizes`` (``None`` entries: unknown, not checked)."""
         passes = self.tracker.pop_passes()
         if not passes:
             return 0
@@ -76,13 +80,14 @@ class PerExampleCollector:
         return len(passes)
 
 
-def _check_size(seen: int, batch_sizes: Optional[Sequence[int]], index: int) -> None:
+def _check_size(seen: int, batch_sizes: Optional[Sequence[Optional[int]]], index: int) -> None:
     if not batch_sizes:
         return
     expected = batch_sizes[0] if len(batch_sizes) == 1 else batch_sizes[index]
-    if seen != expected:
+    if expected is not None and seen != expected:
         raise RuntimeError(
-            f"the measured layers saw {seen} examples per batch in dim 0 but the micro-batch holds {expected}: "
-            "the batch is not the first dimension of the layers' inputs (a sequence-first model, e.g. "
-            "nn.TransformerEncoderLayer(batch_first=False)?). Use batch_first=True or method='micro_batch'."
+            f"the measured layers saw {seen} examples per batch but the micro-batch holds {expected}: the layers' "
+            "inputs do not hold the batch in dim 0 (tell the meter the size before the forward pass with "
+            "expect_batch_size, so that sequence-first inputs are found), or examples are reshaped into rows; "
+            "use method='micro_batch' with several backward passes per optimizer step."
         )

@@ -2,8 +2,12 @@
 
 The decision is pure (:class:`gns_callback.recommendation.AdaptPolicy`); here it is applied: the Trainer's
 ``accumulate_grad_batches`` changes at an epoch start (as ``GradientAccumulationScheduler`` does), and the LR moves
-by the rule's factor along a linear warmup, scaling the param groups and the schedulers' ``base_lrs`` together
-(:mod:`gns_callback.lr_multiplier`) so the user's schedule keeps working.
+by the rule's factor along a linear warmup, scaling the param groups and every absolute LR of the schedulers
+together (:mod:`gns_callback.lr_multiplier`) so the user's schedule keeps working, exactly ×factor.
+
+Refused at fit start (:meth:`Adapter.unsupported`): schedulers whose LRs can't be scaled exactly (the factor
+reported would not be the factor applied). Under ``micro_batch`` on one device accumulation never goes below 2:
+with a single micro-batch per step there is nothing to compare, and measuring would stop.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import math
 from typing import Any, Optional
 
 from gns_callback.json_values import json_safe
-from gns_callback.lr_multiplier import rescale_learning_rates
+from gns_callback.lr_multiplier import SCALABLE_SCHEDULERS, rescale_learning_rates, unscalable_schedulers
 from gns_callback.recommendation import AdaptPolicy, Recommendation, warmup_epochs_for, warmup_lr
 
 
@@ -25,15 +29,31 @@ class Adapter:
         self.ramp: Optional[dict[str, float]] = None
         self.events: list[dict[str, Any]] = []
 
+    @staticmethod
+    def unsupported(trainer: Any) -> Optional[str]:
+        """Why adaptation can't be applied faithfully to this run (None: it can)."""
+        names = unscalable_schedulers(config.scheduler for config in trainer.lr_scheduler_configs)
+        if not names:
+            return None
+        known = ", ".join(cls.__name__ for cls in SCALABLE_SCHEDULERS)
+        return (
+            f"the LR scheduler {', '.join(sorted(set(names)))} may compute learning rates of its own, so the LR factor "
+            f"adapt applies could silently differ from the one it reports. Use one of torch's schedulers ({known}), "
+            "or set adapt=False and apply the recommendation (cb.recommendation) yourself."
+        )
+
     def resume(self, trainer: Any) -> None:
         """After a restore the Trainer starts from its constructor's accumulation: re-apply the last change."""
         if self.events:
             trainer.accumulate_grad_batches = int(self.events[-1]["accumulate_grad_batches"][1])
 
-    def consider(self, trainer: Any, rec: Recommendation, micro_batch_size: int, steps_per_epoch: Optional[int]
-                 ) -> Optional[dict[str, Any]]:
-        """Change accumulation now if the policy says so; the event (also kept in :attr:`events`), or None."""
+    def consider(self, trainer: Any, rec: Recommendation, micro_batch_size: int, steps_per_epoch: Optional[int],
+                 method: str) -> Optional[dict[str, Any]]:
+        """Change accumulation now if the policy says so; the event (also kept in :attr:`events`), or None.
+
+        ``method``: the one measuring now; ``micro_batch`` on one device keeps at least 2 micro-batches per step."""
         current = trainer.accumulate_grad_batches
+        self.policy.min_accumulate = 2 if method == "micro_batch" and trainer.world_size == 1 else 1
         decision = self.policy.decide(current, rec, micro_batch_size=micro_batch_size, num_devices=trainer.world_size)
         if not decision.change:
             return None

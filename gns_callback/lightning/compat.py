@@ -1,8 +1,11 @@
 """The Lightning namespace in use: ``pytorch_lightning`` or the unified ``lightning.pytorch`` (or both).
 
-Both packages ship their own ``Callback`` class and exceptions; the Trainer of either only accepts its own. The
-callback subclasses every installed namespace's ``Callback`` (:data:`CALLBACK_BASES`), and raises errors of the
-namespace whose Trainer runs it (:func:`misconfiguration`).
+Both packages ship their own ``Callback``, ``Trainer``, callbacks, strategies and exceptions, and the classes of one
+are not the classes of the other: ``lightning.pytorch.Trainer`` rejects a ``pytorch_lightning.Callback``, and
+``isinstance`` against one package's ``GradientAccumulationScheduler`` misses the other's. So the callback subclasses
+every installed namespace's ``Callback`` (:data:`CALLBACK_BASES`), looks classes up in every namespace
+(:func:`callback_types`, :func:`strategy_types`), and raises errors of the namespace whose Trainer runs it
+(:func:`misconfiguration`).
 """
 
 from __future__ import annotations
@@ -29,12 +32,12 @@ def _installed() -> list[ModuleType]:
     return found
 
 
-MODULES = _installed()
+MODULES: list[ModuleType] = _installed()
 CALLBACK_BASES: tuple[type, ...] = tuple(module.Callback for module in MODULES)
 
 
 def namespace_of(trainer: Any) -> ModuleType:
-    """The Lightning package whose ``Trainer`` ``trainer`` is (the first installed one if unknown)."""
+    """The Lightning package whose ``Trainer`` ``trainer`` is (the first installed one if neither)."""
     for module in MODULES:
         if isinstance(trainer, module.Trainer):
             return module
@@ -42,27 +45,30 @@ def namespace_of(trainer: Any) -> ModuleType:
 
 
 def misconfiguration(trainer: Any, message: str) -> Exception:
-    """A ``MisconfigurationException`` of the trainer's namespace (``lightning_fabric``'s under ``lightning``)."""
+    """``MisconfigurationException(message)`` of the trainer's namespace: ``lightning.fabric``'s class under
+    ``lightning.pytorch``, ``lightning_fabric``'s under ``pytorch_lightning`` (each re-exported by its
+    ``<namespace>.utilities.exceptions``, where users catch it)."""
     name = namespace_of(trainer).__name__
     exceptions = importlib.import_module(f"{name}.utilities.exceptions")
     return exceptions.MisconfigurationException(message)
 
 
-def callback_types(trainer: Any, name: str) -> tuple[type, ...]:
-    """``name`` (e.g. ``"GradientAccumulationScheduler"``) from every installed namespace's ``callbacks``."""
+def _classes(submodule: str, name: str) -> tuple[type, ...]:
     found = []
     for module in MODULES:
-        cls = getattr(importlib.import_module(f"{module.__name__}.callbacks"), name, None)
-        if cls is not None:
+        cls = getattr(importlib.import_module(f"{module.__name__}.{submodule}"), name, None)
+        if isinstance(cls, type):
             found.append(cls)
     return tuple(found)
+
+
+def callback_types(name: str) -> tuple[type, ...]:
+    """Callback class ``name`` (e.g. ``"GradientAccumulationScheduler"``) from every installed namespace that has
+    it (empty if none)."""
+    return _classes("callbacks", name)
 
 
 def strategy_types(name: str) -> tuple[type, ...]:
-    """Strategy class ``name`` (e.g. ``"FSDPStrategy"``) from every installed namespace that has it."""
-    found = []
-    for module in MODULES:
-        cls = getattr(importlib.import_module(f"{module.__name__}.strategies"), name, None)
-        if cls is not None:
-            found.append(cls)
-    return tuple(found)
+    """Strategy class ``name`` (e.g. ``"FSDPStrategy"``) from every installed namespace that has it (empty if
+    none)."""
+    return _classes("strategies", name)

@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from gns_callback.lightning.compat import callback_types, namespace_of
+from gns_callback.lightning.compat import callback_types, namespace_of, strategy_types
 
 
 def loss_scale(trainer: Any) -> Optional[torch.Tensor]:
@@ -29,11 +29,42 @@ def sum_across_ranks(trainer: Any) -> Optional[Callable[[torch.Tensor], torch.Te
 
 def accumulation_schedule(trainer: Any) -> Optional[dict[int, int]]:
     """``{epoch: accumulate}`` of a ``GradientAccumulationScheduler`` (either Lightning namespace), or None."""
-    types = callback_types(trainer, "GradientAccumulationScheduler")
+    types = callback_types("GradientAccumulationScheduler")
     for callback in trainer.callbacks:
-        if types and isinstance(callback, types):
+        if isinstance(callback, types):
             return dict(callback.scheduling)
     return None
+
+
+#: Strategies that split parameters, gradients or optimizer state across ranks (by class name, looked up in every
+#: installed namespace): no rank's ``.grad`` holds the whole gradient, and DeepSpeed's engine also runs backward
+#: and accumulation itself.
+SHARDED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy")
+
+#: Strategies whose ranks each hold the whole gradient, averaged over ranks before the optimizer step (DDP and
+#: its subclasses, e.g. XLA's; one device). DeepSpeed subclasses DDP but is sharded: see SHARDED_STRATEGIES.
+DATA_PARALLEL_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
+
+
+def sharded_strategy(trainer: Any) -> Optional[str]:
+    """The name of the Lightning strategy class in :data:`SHARDED_STRATEGIES` that ``trainer.strategy`` is an
+    instance of (either namespace, subclasses included), or None."""
+    for name in SHARDED_STRATEGIES:
+        if isinstance(trainer.strategy, strategy_types(name)):
+            return name
+    return None
+
+
+def data_parallel_strategy(trainer: Any) -> bool:
+    """Whether every rank holds the whole gradient: one of :data:`DATA_PARALLEL_STRATEGIES` and not sharded."""
+    types = tuple(cls for name in DATA_PARALLEL_STRATEGIES for cls in strategy_types(name))
+    return isinstance(trainer.strategy, types) and sharded_strategy(trainer) is None
+
+
+def progress_bar_enabled(trainer: Any) -> bool:
+    """Whether the Trainer shows a progress bar (``enable_progress_bar``): other progress output follows it, as
+    Lightning's tuner does."""
+    return getattr(trainer, "progress_bar_callback", None) is not None
 
 
 def several_micro_batches(trainer: Any) -> bool:

@@ -19,6 +19,7 @@ from gns_callback.backward_passes import PassLedger, current_pass, in_functorch_
 
 from .conv import conv_sq_norms
 from .embedding import embedding_sq_norms, embedding_unsupported_reason
+from .layout import LayoutError, batch_dim, is_sequence_first, position_dims
 from .linear import linear_sq_norms
 from .normalization import group_norm_sq_norms, layer_norm_sq_norms, rms_norm_sq_norms
 
@@ -41,7 +42,10 @@ SUPPORTED_MODULES: dict[type[nn.Module], SqNormFunction] = {
 #: The layer functions measure exactly these parameters of a supported module.
 _MEASURED_PARAM_NAMES = frozenset({"weight", "bias"})
 
-_MICRO_BATCH_HINT = 'use method="micro_batch" for this model'
+_MICRO_BATCH_HINT = (
+    "measure this model with method='micro_batch', which needs several backward passes per optimizer step "
+    "(gradient accumulation, e.g. Lightning's accumulate_grad_batches=2, or several devices)"
+)
 
 
 @dataclass
@@ -52,6 +56,7 @@ class PassNorms:
     batch_size: int | None = None
     source: str = ""
     fired: set = field(default_factory=set)
+    failure: str | None = None  # why this pass can't be measured (matters only if it fills ``.grad``)
 
     def add(self, sq_norms: Tensor) -> None:
         self.sq_norms = sq_norms if self.sq_norms is None else self.sq_norms + sq_norms
@@ -81,11 +86,16 @@ class PerExampleNormTracker:
     between modules (tied weights) and embeddings with unsupported options are left out and listed in
     :attr:`excluded_reasons`.
 
-    Errors are raised (from ``backward``) instead of returning wrong numbers when a covered module's
-    output gradient arrives twice in one backward pass (the module was applied more than once: the
-    norm of a summed gradient is not the sum of norms), when a covered parameter receives a gradient
-    without its module's output gradient (used outside the module's forward, e.g. ``F.linear(x,
-    lin.weight)``), and when modules disagree about the batch size (batch dim must be dim 0).
+    Errors are raised (from :meth:`pop_passes`; hooks never raise inside ``backward``) instead of returning
+    wrong numbers when a covered module's output gradient arrives twice in one backward pass (the module was
+    applied more than once: the norm of a summed gradient is not the sum of norms), when a covered parameter
+    receives a gradient without its module's output gradient (used outside the module's forward, e.g.
+    ``F.linear(x, lin.weight)``), when a ``create_graph=True`` pass reaches a covered module, and when the batch
+    dim of a module's input can't be told (:mod:`~gns_callback.per_example.layout`).
+
+    Set :attr:`expected_batch_size` to the micro-batch's size before its forward pass: each module's batch dim is
+    then checked against it, and sequence-first inputs ``(T, B, ...)`` are measured along dim 1. Left None, dim 0
+    is taken, all modules must agree on it, and a model with ``batch_first=False`` modules is refused.
 
     The tracker must be :attr:`enabled` during both forward and backward. While disabled, hooks
     return immediately. Coverage is decided at :meth:`attach`; re-attach after changing
@@ -100,6 +110,8 @@ class PerExampleNormTracker:
         #: Measure only the first ``max_examples`` examples of each batch (None: all). Their mean squared
         #: norm is still unbiased for i.i.d. batches, at a fraction of the cost.
         self.max_examples = max_examples
+        #: Examples in the micro-batch whose forward/backward runs next (None: unknown, see the class docstring).
+        self.expected_batch_size: int | None = None
         #: Full batch size of the backward pass(es) returned by the last :meth:`pop`.
         self.last_batch_size: int | None = None
         #: Why measuring stopped (set by a hook, which never raises inside the user's backward), or None.
@@ -112,6 +124,7 @@ class PerExampleNormTracker:
         self._attached = False
         self._passes: PassLedger[PassNorms] = PassLedger()
         self._saw_tracked_forward = False
+        self._sequence_first = False
         self._analyse()
 
     # ------------------------------------------------------------------ coverage
@@ -123,6 +136,7 @@ class PerExampleNormTracker:
                 owners.setdefault(id(param), []).append((module_name, module, local_name))
 
         self.excluded_reasons = {}
+        self._sequence_first = is_sequence_first(self.model)
         self._covered_modules = {}
         self._covered_params = []
         self._uncovered_params = []
@@ -227,13 +241,12 @@ class PerExampleNormTracker:
         """One :class:`PassNorms` per backward pass that accumulated into ``.grad`` since the last pop (passes of
         ``torch.autograd.grad`` are dropped). Raises ``RuntimeError`` with the reason if a hook found the model
         unmeasurable (hooks never raise inside ``backward``). Does not sync the device."""
-        if self.failure is not None:
-            failure = self.failure
-            self._reset_state()
+        committed = self._passes.pop()
+        failure = self.failure or next((p.failure for p in committed if p.failure is not None), None)
+        self._reset_state()
+        if failure is not None:
             raise RuntimeError(f"PerExampleNormTracker: {failure}")
-        passes = [p for p in self._passes.pop() if p.sq_norms is not None]
-        self._saw_tracked_forward = False
-        return passes
+        return [p for p in committed if p.sq_norms is not None]
 
     def pop(self) -> Tensor | None:
         """Per-example squared norms (B,), float32, summed over covered modules and over the backward
@@ -257,6 +270,13 @@ class PerExampleNormTracker:
         """Stop measuring: remember why (:meth:`pop_passes` raises it) and make every hook inert."""
         if self.failure is None:
             self.failure = reason
+
+    @staticmethod
+    def _fail_pass(record: PassNorms, reason: str) -> None:
+        """This pass can't be measured: :meth:`pop_passes` raises it if the pass fills ``.grad`` (a pass of
+        ``torch.autograd.grad`` that failed, e.g. on a batch of another size, is dropped like any other)."""
+        if record.failure is None:
+            record.failure = reason
 
     # ------------------------------------------------------------------ hooks
 
@@ -296,16 +316,28 @@ class PerExampleNormTracker:
                 f"{_MICRO_BATCH_HINT}."
             )
         record = self._pass_record()
+        if record.failure is not None:
+            return
         if module in record.fired:
-            return self._fail(
+            return self._fail_pass(record,
                 f"module '{covered.name}' ({type(module).__name__}) was applied more than once in the forward "
                 "pass and received several output gradients in one backward pass. The per-example norm of the "
                 f"summed gradient is not the sum of per-call norms, so it can't be measured with hooks; "
                 f"{_MICRO_BATCH_HINT}."
             )
         record.fired.add(module)
-        if not self._check_batch_size(record, grad_output.shape[0], covered.name):
-            return
+        try:
+            if batch_dim(inp.shape, position_dims(module, inp), self.expected_batch_size, self._sequence_first) == 1:
+                inp, grad_output = inp.movedim(1, 0), grad_output.movedim(1, 0)  # (T, B, ...) → (B, T, ...)
+        except LayoutError as error:
+            return self._fail_pass(record,
+                                   f"module '{covered.name}' ({type(module).__name__}): {error}; {_MICRO_BATCH_HINT}.")
+        if self._check_batch_size(record, grad_output.shape[0], covered.name):
+            self._measure(record, module, covered, inp, grad_output)
+
+    def _measure(self, record: PassNorms, module: nn.Module, covered: _CoveredModule, inp: Tensor,
+                 grad_output: Tensor) -> None:
+        """Add ``module``'s per-example squared norms (batch in dim 0 by now) to the pass."""
         if self.max_examples is not None and grad_output.shape[0] > self.max_examples:
             inp, grad_output = inp[: self.max_examples], grad_output[: self.max_examples]
         with torch.no_grad():
@@ -315,8 +347,9 @@ class PerExampleNormTracker:
     def _on_param_grad(self, module: nn.Module, param_name: str, grad: Tensor) -> None:
         if not self._active() or not self._saw_tracked_forward:
             return
-        if module not in self._pass_record().fired:
-            self._fail(
+        record = self._pass_record()
+        if record.failure is None and module not in record.fired:
+            self._fail_pass(record,
                 f"parameter '{param_name}' received a gradient that did not flow through its module's output: "
                 "it is used outside the module's forward (e.g. F.linear(x, module.weight), or a positional "
                 f"table indexed directly), so its per-example norm can't be measured; {_MICRO_BATCH_HINT}."
@@ -326,9 +359,9 @@ class PerExampleNormTracker:
         if record.batch_size is None:
             record.batch_size, record.source = batch_size, source
         elif batch_size != record.batch_size:
-            self._fail(
-                f"module '{source}' saw batch size {batch_size} but '{record.source}' saw {record.batch_size}. "
-                "Every covered module must receive inputs with the batch as dim 0; "
+            self._fail_pass(record,
+                f"module '{source}' saw batch size {batch_size} but '{record.source}' saw {record.batch_size} in "
+                "dim 0 (the micro-batch's size was not known beforehand to tell which dim holds it); "
                 f"{_MICRO_BATCH_HINT}."
             )
             return False

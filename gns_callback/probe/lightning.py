@@ -188,10 +188,11 @@ def _ddp_no_sync(trainer: "pl.Trainer") -> Any:
 
 
 def _check_strategy(trainer: "pl.Trainer") -> None:
-    from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy
+    """Single-device and DDP strategies of either Lightning namespace (``pytorch_lightning``, ``lightning.pytorch``)."""
+    from gns_callback.lightning.trainer_facts import data_parallel_strategy
 
     strategy = trainer.strategy
-    if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) or "DeepSpeed" in type(strategy).__name__:
+    if not data_parallel_strategy(trainer):
         raise NotImplementedError(
             f"the micro-batch probe supports single-device and DDP strategies, not {type(strategy).__name__} "
             "(sharded parameters would need the strategy's own forward)."

@@ -5,9 +5,13 @@
     print(rec.summary_table())
 
 Modules: :mod:`.tradeoff` (McCandlish et al.'s steps/examples factors, throughput interpolation),
-:mod:`.sizing` (size grids, ``micro × accumulate × devices`` splits, probe input), :mod:`.rules` (LR scaling
-by optimizer family, warmup), :mod:`.result` (the ``Recommendation`` dataclass), :mod:`.core`
-(``recommend``), :mod:`.adapt` (hysteresis for opt-in adaptation during training).
+:mod:`.sizing` (size grids, ``micro × accumulate × devices`` splits, the typed probe view), :mod:`.rules` (LR
+scaling by optimizer family, warmup), :mod:`.result` (the ``Recommendation`` dataclass), :mod:`.core`
+(``recommend``, a pipeline of the stages below), :mod:`.adapt` (hysteresis for opt-in adaptation during training).
+
+Stages of ``recommend``: :mod:`.trust` (read the estimate, assess it), :mod:`.current` (the current split),
+:mod:`.hardware` (micro-batch cap and throughput from the probe), :mod:`.batch` (choose the global batch and
+split it), :mod:`.learning_rate` (rule, new LR, warmup), :mod:`.operating_point` (predictions per configuration).
 """
 
 from gns_callback.recommendation.adapt import AdaptDecision, AdaptPolicy
@@ -21,7 +25,7 @@ from gns_callback.recommendation.rules import (
     warmup_lambda,
     warmup_lr,
 )
-from gns_callback.recommendation.sizing import ProbeSummary, candidates, probe_inputs, split
+from gns_callback.recommendation.sizing import ProbeSummary, ProbeView, candidates, probe_inputs, split
 from gns_callback.recommendation.tradeoff import (
     examples_factor,
     steps_factor,
@@ -34,6 +38,7 @@ __all__ = [
     "AdaptPolicy",
     "OperatingPoint",
     "ProbeSummary",
+    "ProbeView",
     "Recommendation",
     "STATUSES",
     "assess",

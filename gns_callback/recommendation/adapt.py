@@ -23,17 +23,26 @@ from gns_callback.recommendation.rules import scale_lr, warmup_lr
 
 @dataclass(frozen=True)
 class AdaptDecision:
-    """What :meth:`AdaptPolicy.decide` says: ``change`` and, if so, the new ``accumulate_grad_batches``."""
+    """What :meth:`AdaptPolicy.decide` says: ``change`` and, if so, the new ``accumulate_grad_batches``.
+
+    ``b_noise``: the noise scale of the recommendation decided on (``inf`` when a plain batch size was given),
+    for the noise-aware LR rules; ``lr_ceiling_factor``: the largest LR factor it allows (its ``lr_ceiling``
+    over its current LR; ``inf``: unbounded).
+    """
 
     change: bool
     accumulate_grad_batches: int
     batch_size: int
     batch_ratio: float  # new global batch / current global batch (1.0 without a change)
     reason: str
+    b_noise: float = math.inf
+    lr_ceiling_factor: float = math.inf
 
     def new_lr(self, old_lr: float, rule: str) -> float:
-        """The LR for the new batch by ``rule`` (``"linear"``, ``"sqrt"``, ``"none"``)."""
-        return scale_lr(old_lr, 1.0, self.batch_ratio, rule)
+        """The LR for the new batch by ``rule`` (see :mod:`.rules`), the noise-aware ones at :attr:`b_noise`; an
+        increase stops at ``old_lr·lr_ceiling_factor``."""
+        new = scale_lr(old_lr, self.batch_size / self.batch_ratio, self.batch_size, rule, self.b_noise)
+        return new if new <= old_lr else min(new, old_lr * self.lr_ceiling_factor)
 
     def lr_schedule(self, old_lr: float, rule: str, warmup_steps: int) -> Callable[[int], float]:
         """``lr(step)``, ``step`` counted from the change: linear ramp from ``old_lr`` to :meth:`new_lr`.
@@ -85,6 +94,8 @@ class AdaptPolicy:
         def keep(reason: str) -> AdaptDecision:
             return AdaptDecision(False, current_accumulate, current, 1.0, reason)
 
+        b_noise, ceiling = _noise_and_ceiling(recommendation)
+
         if self._cooldown_left > 0:
             self._cooldown_left -= 1
             self.reset()
@@ -122,6 +133,8 @@ class AdaptPolicy:
             new / current_accumulate,
             f"recommended batch persisted {self.patience} checks beyond ×{self.factor:g}: accumulate "
             f"{current_accumulate} → {new}",
+            b_noise,
+            ceiling,
         )
 
     # Checkpointable state: plain Python types only.
@@ -132,3 +145,13 @@ class AdaptPolicy:
         self._direction = int(state.get("direction", 0))
         self._pending = [int(x) for x in state.get("pending", [])]
         self._cooldown_left = int(state.get("cooldown_left", 0))
+
+
+def _noise_and_ceiling(recommendation: Any) -> tuple[float, float]:
+    """``(B_noise, LR ceiling factor)`` of a :class:`Recommendation`; ``(inf, inf)`` for a plain batch size."""
+    if isinstance(recommendation, (int, float)):
+        return math.inf, math.inf
+    ceiling = getattr(recommendation, "lr_ceiling", None)
+    current = recommendation.current.learning_rate
+    factor = ceiling / current if (ceiling is not None and current) else math.inf
+    return float(recommendation.b_noise), factor

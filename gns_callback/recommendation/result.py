@@ -104,6 +104,11 @@ class Recommendation:
         time_to_target_ratio: predicted wall time to the same loss, recommended/current
             (``E/E_min`` over throughput; needs the throughput table).
         notes: adjustments made on the way (rounding, clipping, divisibility, assumptions).
+        sharpness, lr_stability_limit: the top Hessian eigenvalue ``λ_max`` passed in and the SGD stability
+            limit ``2(1+β)/λ_max`` that bounds an LR increase (``None`` when not given, not an SGD rule, or
+            no positive curvature).
+        lr_ceiling: the largest LR this recommendation allows at any batch: ``max(current LR, stability
+            limit)``, or the current LR for the SGD family's default rule without a sharpness; ``None``: no bound.
     """
 
     status: str
@@ -131,6 +136,9 @@ class Recommendation:
     recommended: OperatingPoint
     time_to_target_ratio: Optional[float] = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    sharpness: Optional[float] = None
+    lr_stability_limit: Optional[float] = None
+    lr_ceiling: Optional[float] = None
 
     @property
     def trusted(self) -> bool:
@@ -226,6 +234,10 @@ class Recommendation:
         lines += [f"{a:<{w0}}{b:<{w1}}{c}" for a, b, c in rows]
         lines.append("")
         lines.append(f"LR rule: {self.lr_rule} ({self.lr_rule_source}) — {self.citation}")
+        if self.lr_stability_limit is not None:
+            lines.append(
+                f"Stability limit: lr ≤ {_num(self.lr_stability_limit, 4)} (SGD, λ_max = {_num(self.sharpness, 4)})"
+            )
         if self.warmup_steps:
             lines.append(
                 f"Warmup: {self.warmup_steps} steps ({self.warmup_epochs:.3g} epochs), linear from "

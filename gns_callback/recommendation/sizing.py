@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Optional, Protocol, Sequence
+from typing import Any, Iterator, Mapping, NamedTuple, Optional, Protocol, Sequence
 
 _MAX_CANDIDATES = 200_000
 
@@ -95,12 +95,24 @@ def probe_throughput(probe: Any) -> dict[int, float]:
     return {k: v for k, v in table.items() if math.isfinite(v) and v > 0}
 
 
-def probe_inputs(probe: Any) -> tuple[Optional[int], dict[int, float]]:
-    """``(max_micro_batch, {micro: samples/s})`` from a probe result (only sizes that fit and were timed)."""
+class ProbeView(NamedTuple):
+    """What a recommendation reads from a probe: the largest micro-batch that fits the memory budget (``None``:
+    unknown) and ``{micro: samples/s per device}`` for the sizes that fit and were timed (empty: not timed)."""
+
+    max_micro_batch: Optional[int]
+    throughput: dict[int, float]
+
+
+def probe_inputs(probe: Any) -> ProbeView:
+    """The one typed view of a probe result (object, its ``to_dict()``, or a duck; ``None``: nothing known).
+
+    Every read of the probe by the recommendation goes through here, so a change in the probe's format is
+    handled in this one place.
+    """
     if probe is None:
-        return None, {}
+        return ProbeView(None, {})
     max_micro = _get(probe, "max_micro_batch")
-    return (None if max_micro is None else int(max_micro)), probe_throughput(probe)
+    return ProbeView(None if max_micro is None else int(max_micro), probe_throughput(probe))
 
 
 def preferred_micro(

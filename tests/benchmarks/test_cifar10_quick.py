@@ -50,7 +50,7 @@ def test_quick_run_has_three_phases_estimate_and_recommendation(quick_run):
     assert "b_simple" in run and "ci_low" in run and "ci_high" in run
     rec = result["recommendation"]
     assert rec is not None and rec["batch_size"] >= 1 and rec["learning_rate"] > 0
-    assert rec["lr_rule"] == "sqrt"  # LAMB is in the adaptive family
+    assert rec["lr_rule"] == "noise_sqrt"  # LAMB is in the adaptive family
     assert rec["micro_batch_size"] * rec["accumulate_grad_batches"] == rec["batch_size"]
     final = phases[2]
     assert (final.micro_batch_size, final.accumulate) == (rec["micro_batch_size"], rec["accumulate_grad_batches"])
@@ -107,7 +107,8 @@ def test_phase_three_follows_a_trusted_recommendation_with_warmup(bench):
     args = bench.parse_args(["--synthetic"])
     estimate = {"b_simple": 1024.0, "ci_low": 800.0, "ci_high": 1300.0, "steps": 1000}
     rec = recommend(estimate, current_batch_size=64, current_lr=1e-3, optimizer="Lamb", current_micro_batch_size=32,
-                    current_accumulate=2, max_micro_batch=256, dataset_size=50_000, steps_per_epoch=781)
+                    current_accumulate=2, max_micro_batch=256, dataset_size=50_000, steps_per_epoch=781,
+                    lr_rule="sqrt")  # the blog's rule (the default, noise_sqrt, gives ×√8.5 here)
     assert rec.status == "ok" and rec.batch_size == 1024 and rec.lr_rule == "sqrt"
     micro, accumulate, lr, warmup, start = bench.recommended_settings(rec, args)
     assert micro * accumulate == 1024 and micro <= 256

@@ -373,3 +373,34 @@ def test_has_batchnorm_in_training() -> None:
     assert not PerExampleNormTracker(make_mlp()).has_batchnorm_in_training()
     sync_bn = nn.Sequential(nn.Linear(2, 2), nn.SyncBatchNorm(2))
     assert PerExampleNormTracker(sync_bn).has_batchnorm_in_training()
+
+
+def test_a_failure_in_a_pass_that_does_not_fill_grad_is_dropped() -> None:
+    """An ``autograd.grad`` pass over a batch of another size (e.g. a saliency map on a probe batch) finds the
+    layout wrong; it never reaches ``.grad``, so it must not stop the measurement of the real backward pass."""
+    lin = nn.Linear(3, 3).double()
+    inputs = torch.randn(BATCH, 3, dtype=torch.float64)
+    weights = torch.randn(BATCH, 3, dtype=torch.float64)
+    with PerExampleNormTracker(lin) as tracker:
+        tracker.expected_batch_size = BATCH
+        other = torch.randn(BATCH + 3, 3, dtype=torch.float64, requires_grad=True)
+        torch.autograd.grad(lin(other).sum(), other)
+        (lin(inputs) * weights).sum().backward()
+        got = tracker.pop()
+    expected = per_example_sq_norms_reference(lin, inputs, weights).float()
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=0)
+
+
+def test_sequence_first_input_is_measured_along_dim_1() -> None:
+    """``(T, B, D)`` into a Linear: per-example norms of the B examples, equal to the batch-first computation."""
+    lin = nn.Linear(3, 2).double()
+    inputs = torch.randn(BATCH, 5, 3, dtype=torch.float64)
+    weights = torch.randn(BATCH, 5, 2, dtype=torch.float64)
+    with PerExampleNormTracker(lin) as tracker:
+        (lin(inputs) * weights).sum().backward()
+        batch_first = tracker.pop()
+        tracker.expected_batch_size = BATCH
+        (lin(inputs.transpose(0, 1)) * weights.transpose(0, 1)).sum().backward()
+        sequence_first = tracker.pop()
+    torch.testing.assert_close(sequence_first, batch_first, rtol=1e-6, atol=0)
+    assert sequence_first.shape == (BATCH,)

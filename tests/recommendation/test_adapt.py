@@ -1,3 +1,5 @@
+import math
+
 import pytest
 
 from gns_callback.recommendation import AdaptPolicy, recommend
@@ -81,3 +83,23 @@ def test_invalid_policy():
         AdaptPolicy(factor=1.0)
     with pytest.raises(ValueError):
         AdaptPolicy(patience=0)
+
+
+def test_new_lr_uses_the_noise_scale_and_ceiling_of_the_recommendation():
+    est = synthetic_estimate(b=256.0, lo=220.0, hi=300.0)
+    rec = recommend(est, current_batch_size=64, current_lr=0.1, optimizer="SGD", lr_rule="noise_linear")
+    d = AdaptPolicy(patience=1).decide(4, rec, micro_batch_size=16)
+    assert d.change and d.batch_size == 256 and d.b_noise == 256.0 and d.lr_ceiling_factor == math.inf
+    # From 64 to 256 at B_noise 256: (1 + 4)/(1 + 1) = 2.5, as recommend() says; the plain rules as before.
+    assert d.new_lr(0.1, "noise_linear") == pytest.approx(0.25) and rec.learning_rate == pytest.approx(0.25)
+    assert d.new_lr(0.1, "noise_sqrt") == pytest.approx(0.1 * 2.5**0.5)
+    assert d.new_lr(0.1, "linear") == pytest.approx(0.4)
+    # The SGD default without a sharpness holds the LR; with one, it stops at the stability limit.
+    held = recommend(est, current_batch_size=64, current_lr=0.1, optimizer="SGD")
+    d = AdaptPolicy(patience=1).decide(4, held, micro_batch_size=16)
+    assert d.lr_ceiling_factor == 1.0 and d.new_lr(1.0, held.lr_rule) == 1.0
+    capped = recommend(est, current_batch_size=64, current_lr=0.1, optimizer="SGD", sharpness=10.0)  # limit 0.2
+    d = AdaptPolicy(patience=1).decide(4, capped, micro_batch_size=16)
+    assert d.new_lr(1.0, capped.lr_rule) == pytest.approx(2.0) and capped.learning_rate == pytest.approx(0.2)
+    # A plain batch size carries no noise scale: the noise-aware rules take their small-batch limit.
+    assert AdaptPolicy(patience=1).decide(4, 256, micro_batch_size=16).new_lr(0.1, "noise_linear") == pytest.approx(0.4)

@@ -115,6 +115,21 @@ def test_micro_batch_from_probe_throughput():
     assert r5.micro_batch_size == 64 and any("no micro-batch that fits" in n for n in r5.notes)
 
 
+def test_without_probe_no_accumulation_unless_the_user_already_accumulates():
+    """Issue 12 item 3: no memory measurement and no accumulation now → one micro-batch, and a note on how to check."""
+    r = rec_for(72.0, current_batch_size=24, current_micro_batch_size=24, current_accumulate=1)
+    assert (r.batch_size, r.micro_batch_size, r.accumulate_grad_batches) == (72, 72, 1)
+    note = next(n for n in r.notes if n.startswith("memory not measured"))
+    assert "grows from 24 to 72" in note and "probe=True" in note and "micro-batch 24 × accumulate 3" in note
+    # Already accumulating: memory presumably limits the micro-batch, which stays the cap.
+    r = rec_for(72.0, current_batch_size=48, current_micro_batch_size=24, current_accumulate=2)
+    assert (r.micro_batch_size, r.accumulate_grad_batches) == (24, 3)
+    assert not any(n.startswith("memory not measured") for n in r.notes)
+    # A probe says what fits: accumulation only beyond it.
+    r = rec_for(72.0, current_batch_size=24, current_accumulate=1, max_micro_batch=40)
+    assert (r.micro_batch_size, r.accumulate_grad_batches) == (36, 2)
+
+
 def test_micro_batch_without_probe_keeps_current_micro():
     r = rec_for(200.0, current_batch_size=64, current_micro_batch_size=16, current_accumulate=4)
     assert r.micro_batch_size <= 16
@@ -175,42 +190,90 @@ def test_untrusted_but_probe_allows_fewer_accumulation_steps():
 
 # --- learning rate and warmup ---------------------------------------------------------------------------------
 def test_lr_rules_by_optimizer_and_override():
+    # B_simple 256 (the estimate passed in) from batch 64: noise-aware factor (1 + 256/64)/(1 + 256/256) = 2.5.
+    r = rec_for(256.0, current_batch_size=64, current_lr=0.1, optimizer=torch.optim.SGD, lr_rule="noise_linear")
+    assert r.lr_rule == "noise_linear" and r.learning_rate == pytest.approx(0.25)
+    assert "McCandlish" in r.citation and "small-batch limit" in r.citation
+    assert any("would give ×4" in n for n in r.notes)  # the linear limit, for comparison
+    # The SGD family's default does not raise the LR without the curvature (see the next tests).
     r = rec_for(256.0, current_batch_size=64, current_lr=0.1, optimizer=torch.optim.SGD)
-    assert r.lr_rule == "linear" and r.learning_rate == pytest.approx(0.4) and "Goyal" in r.citation
+    assert r.lr_rule == "noise_linear" and r.learning_rate == 0.1 and r.lr_ceiling == 0.1
+    assert any("not raised (the noise_linear rule gave 0.25)" in n for n in r.notes)
     r = rec_for(256.0, current_batch_size=64, current_lr=1e-3, optimizer=torch.optim.AdamW)
-    assert r.lr_rule == "sqrt" and r.learning_rate == pytest.approx(2e-3) and "Malladi" in r.citation
-    assert any("β" in n for n in r.notes)
+    assert r.lr_rule == "noise_sqrt" and r.learning_rate == pytest.approx(1e-3 * math.sqrt(2.5))
+    assert "Malladi" in r.citation and any("β" in n for n in r.notes)
     r = rec_for(256.0, current_batch_size=64, current_lr=1e-3, optimizer="RMSprop")
-    assert r.lr_rule == "sqrt"
+    assert r.lr_rule == "noise_sqrt"
     r = rec_for(256.0, current_batch_size=64, current_lr=1e-3, optimizer=torch.optim.AdamW, lr_rule="linear")
     assert r.learning_rate == pytest.approx(4e-3) and r.lr_rule_source == "user override"
+    r = rec_for(256.0, current_batch_size=64, current_lr=1e-3, optimizer=torch.optim.SGD, lr_rule="sqrt")
+    assert r.learning_rate == pytest.approx(2e-3) and "Malladi" in r.citation
     r = rec_for(256.0, current_batch_size=64, current_lr=1e-3, lr_rule="none")
     assert r.learning_rate == 1e-3
     r = rec_for(256.0, current_batch_size=64, current_lr=1e-3, optimizer="Lion")
-    assert r.lr_rule == "sqrt" and any("Lion" in n for n in r.notes)
+    assert r.lr_rule == "noise_sqrt" and any("Lion" in n for n in r.notes)
     assert rec_for(256.0, current_batch_size=64, current_lr=None).learning_rate is None
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="lr_rule"):
         rec_for(256.0, lr_rule="cubic")
 
 
-def test_warmup_thresholds_in_steps():
-    # SGD 32 → 256: LR ×8 → 3 epochs of warmup at the new batch: ceil(3 · 10000/256) steps.
-    r = rec_for(256.0, current_batch_size=32, dataset_size=10_000)
+def test_lr_follows_the_noise_scale_in_both_directions():
+    """The issue's two failures of linear scaling, with the estimate's B_simple as B_noise."""
+    kw = dict(lo=28.0, hi=38.0, current_batch_size=8, current_lr=0.531, dataset_size=1797)
+    up = rec_for(32.0, lr_rule="noise_linear", **kw)
+    assert up.batch_size == 32 and up.learning_rate == pytest.approx(0.531 * (1 + 32 / 8) / (1 + 32 / 32))
+    assert up.warmup_steps > 0  # the LR rises
+    # By default an SGD increase stops at the stability limit 2/λ_max, here λ_max = 2.38 (the peak measured along
+    # the tuned batch-8 run on digits) → 0.84; unknown curvature: kept, no warmup needed.
+    capped = rec_for(32.0, sharpness=2.38, **kw)
+    assert capped.learning_rate == pytest.approx(2 / 2.38) and capped.lr_stability_limit == pytest.approx(2 / 2.38)
+    kept = rec_for(32.0, **kw)
+    assert kept.learning_rate == 0.531 and kept.warmup_steps == 0
+    # A decrease follows the noise-aware rule by default (no curvature needed to lower an LR).
+    down = rec_for(16.0, lo=14.0, hi=19.0, current_batch_size=512, current_lr=1.5, max_micro_batch=512)
+    assert down.batch_size == 16 and down.learning_rate == pytest.approx(1.5 * (1 + 16 / 512) / (1 + 16 / 16))
+    assert down.warmup_steps == 0
+
+
+def test_sharpness_caps_an_sgd_increase_at_the_stability_limit():
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1, momentum=0.9)
+    uncapped = 0.1 * (1 + 1024 / 64) / 2  # 0.85
+    r = rec_for(1024.0, current_batch_size=64, current_lr=0.1, optimizer=sgd, sharpness=8.0)
+    assert r.lr_stability_limit == pytest.approx(2 * 1.9 / 8.0) and r.sharpness == 8.0
+    assert r.learning_rate == pytest.approx(0.475) and any("capped" in n for n in r.notes)
+    assert "Stability limit: lr ≤ 0.475" in r.summary_table()
+    assert r.warmup_start_factor == pytest.approx(0.1 / 0.475)  # the warmup ends at the capped LR
+    # Below the limit, or a decrease, or an adaptive optimizer: unchanged.
+    assert rec_for(1024.0, current_batch_size=64, current_lr=0.1, optimizer=sgd, sharpness=1.0).learning_rate == (
+        pytest.approx(uncapped))
+    assert rec_for(16.0, current_batch_size=64, current_lr=0.1, sharpness=400.0).learning_rate < 0.1
+    adam = rec_for(1024.0, current_batch_size=64, current_lr=1e-3, optimizer="Adam", sharpness=4e4)
+    assert adam.learning_rate == pytest.approx(1e-3 * math.sqrt(8.5)) and adam.lr_stability_limit is None
+    # The current LR already past the limit: kept, never lowered.
+    r = rec_for(1024.0, current_batch_size=64, current_lr=0.6, optimizer=sgd, sharpness=8.0)
+    assert r.learning_rate == 0.6
+
+
+def test_warmup_whenever_the_lr_rises_in_steps():
+    # SGD 32 → 256 at B_noise 256 (linear rule, to isolate the warmup): LR ×8 → 3 epochs at the new batch.
+    r = rec_for(256.0, current_batch_size=32, dataset_size=10_000, lr_rule="linear")
     assert r.warmup_epochs == pytest.approx(3.0) and r.warmup_steps == math.ceil(3 * 10_000 / 256)
     assert r.warmup_start_factor == pytest.approx(1 / 8)
     assert r.lr_at(0) == pytest.approx(0.1) and r.lr_at(r.warmup_steps) == pytest.approx(0.8)
     assert 0.1 < r.lr_at(r.warmup_steps // 2) < 0.8
     # steps_per_epoch (at the current batch) works as well as dataset_size.
-    assert rec_for(256.0, current_batch_size=32, steps_per_epoch=10_000 // 32).warmup_steps == math.ceil(
-        3 * (10_000 // 32) * 32 / 256
-    )
+    assert rec_for(256.0, current_batch_size=32, steps_per_epoch=10_000 // 32, lr_rule="linear").warmup_steps == (
+        math.ceil(3 * (10_000 // 32) * 32 / 256))
     # Unknown epoch length: epochs only.
-    r = rec_for(256.0, current_batch_size=32)
+    r = rec_for(256.0, current_batch_size=32, lr_rule="linear")
     assert r.warmup_steps is None and r.warmup_epochs == pytest.approx(3.0)
-    # ≤ 2× LR: none. Adam 64 → 256 is a 2× LR (sqrt rule): none.
-    assert rec_for(128.0, current_batch_size=64, dataset_size=10_000).warmup_steps == 0
-    assert rec_for(256.0, current_batch_size=64, optimizer="Adam", dataset_size=10_000).warmup_steps == 0
-    # A decrease: none.
+    # Any increase gets a warmup, in proportion to log2 of the factor: noise_linear's ×(1 + 4)/2 = 2.5 here.
+    r = rec_for(256.0, current_batch_size=64, dataset_size=10_000, lr_rule="noise_linear")
+    assert r.learning_rate == pytest.approx(0.25) and r.warmup_epochs == pytest.approx(math.log2(2.5))
+    r = rec_for(128.0, current_batch_size=64, dataset_size=10_000, lr_rule="sqrt")
+    assert r.warmup_epochs == pytest.approx(0.5) and r.warmup_steps == math.ceil(0.5 * 10_000 / 128)
+    # The old threshold is still available; a decrease never gets a warmup.
+    assert rec_for(128.0, current_batch_size=64, dataset_size=10_000, warmup_threshold=2.0).warmup_steps == 0
     assert rec_for(32.0, current_batch_size=1024, dataset_size=10_000).warmup_steps == 0
 
 
@@ -265,13 +328,16 @@ def test_round_trip_without_estimate():
 
 def test_summary_table_has_settings_to_paste():
     r = rec_for(256.0, current_batch_size=32, num_devices=2, max_micro_batch=32, dataset_size=10_000,
-                throughput={32: 900.0}, price_per_device_hour=2.0)
+                throughput={32: 900.0}, price_per_device_hour=2.0, lr_rule="noise_linear")
     table = r.summary_table()
-    for s in ("current", "recommended", "95% CI", "S/S_min", "E/E_min", "linear", "Goyal",
+    # noise_linear from 32 to 256 at B_noise 256: ×(1 + 8)/2 = 4.5 → 0.45, warmup from 0.1 (start factor 1/4.5).
+    for s in ("current", "recommended", "95% CI", "S/S_min", "E/E_min", "noise_linear", "Goyal", "small-batch limit",
               "Trainer(devices=2, accumulate_grad_batches=4)", "DataLoader(dataset, batch_size=32)",
-              "SGD(params, lr=0.8)", "LinearLR(optimizer, start_factor=0.125", "time per epoch", "cost per epoch"):
+              "SGD(params, lr=0.45)", "LinearLR(optimizer, start_factor=0.2222", "time per epoch", "cost per epoch"):
         assert s in table, s
     assert str(r) == table
+    kept = rec_for(256.0, current_batch_size=32, dataset_size=10_000).summary_table()
+    assert "SGD(params, lr=0.1)" in kept and "not raised" in kept and "Warmup: none needed" in kept
     untrusted = rec_for(256.0, hi=math.inf).summary_table()
     assert "unbounded" in untrusted and "∞" in untrusted
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from gns_callback.recommendation import lr_rule_for, optimizer_name, scale_lr, warmup_epochs_for, warmup_lambda, warmup_lr
+from gns_callback.recommendation.rules import lr_factor
 
 
 def _params():
@@ -11,33 +12,33 @@ def _params():
 
 
 @pytest.mark.parametrize("cls", [torch.optim.SGD, torch.optim.ASGD])
-def test_sgd_family_linear_by_class_instance_and_name(cls):
-    assert lr_rule_for(cls) == ("linear", None)
-    assert lr_rule_for(cls(_params(), lr=0.1)) == ("linear", None)
-    assert lr_rule_for(cls.__name__) == ("linear", None)
-    assert lr_rule_for(f"torch.optim.{cls.__name__}") == ("linear", None)
+def test_sgd_family_noise_linear_by_class_instance_and_name(cls):
+    assert lr_rule_for(cls) == ("noise_linear", None)
+    assert lr_rule_for(cls(_params(), lr=0.1)) == ("noise_linear", None)
+    assert lr_rule_for(cls.__name__) == ("noise_linear", None)
+    assert lr_rule_for(f"torch.optim.{cls.__name__}") == ("noise_linear", None)
 
 
-def test_sgd_with_momentum_and_nesterov_is_linear():
+def test_sgd_with_momentum_and_nesterov_is_noise_linear():
     opt = torch.optim.SGD(_params(), lr=0.1, momentum=0.9, nesterov=True)
-    assert lr_rule_for(opt)[0] == "linear"
+    assert lr_rule_for(opt)[0] == "noise_linear"
     for name in ("LARS", "LARC", "SGDW", "FusedSGD", "nesterov", "momentum"):
-        assert lr_rule_for(name)[0] == "linear", name
+        assert lr_rule_for(name)[0] == "noise_linear", name
 
 
 @pytest.mark.parametrize(
     "cls", [torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adamax,
             torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta]
 )
-def test_adaptive_family_sqrt_by_class_instance_and_name(cls):
-    assert lr_rule_for(cls) == ("sqrt", None)
-    assert lr_rule_for(cls(_params(), lr=1e-3)) == ("sqrt", None)
-    assert lr_rule_for(cls.__name__.lower()) == ("sqrt", None)
+def test_adaptive_family_noise_sqrt_by_class_instance_and_name(cls):
+    assert lr_rule_for(cls) == ("noise_sqrt", None)
+    assert lr_rule_for(cls(_params(), lr=1e-3)) == ("noise_sqrt", None)
+    assert lr_rule_for(cls.__name__.lower()) == ("noise_sqrt", None)
 
 
 @pytest.mark.parametrize("name", ["LAMB", "Lamb", "Adafactor", "AdamW8bit", "FusedAdam", "DeepSpeedCPUAdam", "NovoGrad"])
-def test_other_adaptive_names_sqrt(name):
-    assert lr_rule_for(name) == ("sqrt", None)
+def test_other_adaptive_names_noise_sqrt(name):
+    assert lr_rule_for(name) == ("noise_sqrt", None)
 
 
 def test_subclass_inherits_family_through_mro():
@@ -45,8 +46,8 @@ def test_subclass_inherits_family_through_mro():
         pass
 
     assert optimizer_name(MyOptimizer) == "MyOptimizer"
-    assert lr_rule_for(MyOptimizer)[0] == "linear"
-    assert lr_rule_for(MyOptimizer(_params(), lr=0.1))[0] == "linear"
+    assert lr_rule_for(MyOptimizer)[0] == "noise_linear"
+    assert lr_rule_for(MyOptimizer(_params(), lr=0.1))[0] == "noise_linear"
 
 
 def test_lightning_optimizer_wrapper_is_unwrapped():
@@ -54,13 +55,13 @@ def test_lightning_optimizer_wrapper_is_unwrapped():
 
     wrapped = LightningOptimizer(torch.optim.AdamW(_params(), lr=1e-3))
     assert optimizer_name(wrapped) == "AdamW"
-    assert lr_rule_for(wrapped)[0] == "sqrt"
+    assert lr_rule_for(wrapped)[0] == "noise_sqrt"
 
 
-def test_unknown_optimizer_defaults_to_sqrt_with_a_note_and_lbfgs_none():
+def test_unknown_optimizer_defaults_to_noise_sqrt_with_a_note_and_lbfgs_none():
     rule, note = lr_rule_for("Lion")
-    assert rule == "sqrt" and "Lion" in note and "lr_rule" in note
-    assert lr_rule_for(None)[0] == "sqrt"
+    assert rule == "noise_sqrt" and "Lion" in note and "lr_rule" in note
+    assert lr_rule_for(None)[0] == "noise_sqrt"
     assert lr_rule_for(torch.optim.LBFGS)[0] == "none"
 
 
@@ -74,11 +75,12 @@ def test_scale_lr():
 
 
 def test_warmup_thresholds():
-    # No warmup up to 2x (and never for a decrease); Goyal's 5 epochs from a 32x LR jump on, log-proportional below.
+    # Warmup for any increase (never for a decrease); Goyal's 5 epochs from a 32x LR jump on, log-proportional below.
     assert warmup_epochs_for(0.25) == 0.0
     assert warmup_epochs_for(1.0) == 0.0
-    assert warmup_epochs_for(2.0) == 0.0
-    assert warmup_epochs_for(2.01) > 0.0
+    assert warmup_epochs_for(1.01) == pytest.approx(math.log2(1.01))
+    assert warmup_epochs_for(2.0) == pytest.approx(1.0)
+    assert warmup_epochs_for(2.0, threshold=2.0) == 0.0 and warmup_epochs_for(2.01, threshold=2.0) > 0.0
     assert warmup_epochs_for(4.0) == pytest.approx(2.0)
     assert warmup_epochs_for(8.0) == pytest.approx(3.0)
     assert warmup_epochs_for(16.0) == pytest.approx(4.0)
@@ -100,3 +102,72 @@ def test_warmup_lr_ramp_matches_torch_linear_lr():
     assert warmup_lr(0, start_lr=start, target_lr=target, warmup_steps=0) == target
     factor = warmup_lambda(0.25, 4)
     assert [factor(s) for s in (0, 2, 4, 100)] == pytest.approx([0.25, 0.625, 1.0, 1.0])
+
+
+def test_any_wrapper_exposing_optimizer_is_unwrapped_generically():
+    class Wrapper:  # no framework class name involved: only an ``.optimizer`` that is a torch optimizer
+        def __init__(self, inner):
+            self.optimizer = inner
+
+    inner = torch.optim.SGD(_params(), lr=0.1)
+    assert optimizer_name(Wrapper(inner)) == "SGD" and lr_rule_for(Wrapper(inner))[0] == "noise_linear"
+
+    class NotAWrapper:
+        optimizer = "adam"  # not a torch optimizer: not followed
+
+    assert optimizer_name(NotAWrapper()) == "NotAWrapper"
+
+
+# --- the noise-aware transfer: ε(B) = ε_max/(1 + B_noise/B)^p, p = 1 (SGD) or ½ (Adam) -------------------------
+def _closed_form(b0, b1, b_noise, p):
+    return ((1 + b_noise / b0) / (1 + b_noise / b1)) ** p
+
+
+@pytest.mark.parametrize("rule, p", [("noise_linear", 1.0), ("noise_sqrt", 0.5)])
+@pytest.mark.parametrize("b0, b1, b_noise", [(8, 32, 40.0), (512, 16, 16.0), (64, 4096, 100.0), (100, 100, 7.0)])
+def test_noise_rules_closed_form_in_both_directions(rule, p, b0, b1, b_noise):
+    up = lr_factor(b0, b1, rule, b_noise)
+    assert up == pytest.approx(_closed_form(b0, b1, b_noise, p), rel=1e-12)
+    # Back and forth is the identity: the transfer is a ratio of one curve ε(B)/ε_max.
+    assert up * lr_factor(b1, b0, rule, b_noise) == pytest.approx(1.0, rel=1e-12)
+
+
+def test_the_issue_cases():
+    # SGD batch 8, lr 0.531 → 32 at B_noise 40: ×(1 + 5)/(1 + 1.25) = 2.667 (linear: ×4 → 2.12, which diverged).
+    assert scale_lr(0.531, 8, 32, "noise_linear", 40.0) == pytest.approx(0.531 * 6 / 2.25)
+    assert scale_lr(0.531, 8, 32, "linear") == pytest.approx(2.124)
+    # SGD batch 512, lr 1.5 → 16 at B_noise 16: ×(1 + 1/32)/2 ≈ 0.516 (linear: ×1/32 → 0.047).
+    assert scale_lr(1.5, 512, 16, "noise_linear", 16.0) == pytest.approx(1.5 * (1 + 16 / 512) / 2)
+    assert scale_lr(1.5, 512, 16, "linear") == pytest.approx(0.046875)
+    # Adam batch 8, lr 0.011 → 64 at B_noise 40: ×√(6/1.625) ≈ 1.92 (sqrt: ×√8 ≈ 2.83).
+    assert scale_lr(0.011, 8, 64, "noise_sqrt", 40.0) == pytest.approx(0.011 * math.sqrt(6 / 1.625))
+
+
+@pytest.mark.parametrize("rule, limit, p", [("noise_linear", "linear", 1.0), ("noise_sqrt", "sqrt", 0.5)])
+def test_small_batch_limit_and_saturation(rule, limit, p):
+    # B ≪ B_noise: the plain rule, to first order in B/B_noise (relative error ≤ B1/B_noise).
+    for b_noise in (1e4, 1e6, 1e8):
+        got, plain = lr_factor(8, 32, rule, b_noise), lr_factor(8, 32, limit)
+        assert plain == pytest.approx(4.0**p)
+        assert abs(got / plain - 1) <= p * 32 / b_noise
+    assert lr_factor(8, 32, rule, math.inf) == lr_factor(8, 32, limit)
+    # B ≫ B_noise: flat; a batch 1000× the noise scale and another 10× further move the LR by < 0.1%.
+    assert lr_factor(10_000, 100_000, rule, 10.0) == pytest.approx(1.0, abs=1e-3)
+    # In between, always between flat and the plain rule, and monotone in B_noise.
+    factors = [lr_factor(64, 256, rule, b) for b in (1.0, 10.0, 64.0, 256.0, 1e3, 1e5)]
+    assert all(1.0 < f < 4.0**p for f in factors) and factors == sorted(factors)
+    # The same for a decrease: between 1 and the plain rule's 1/κ^p.
+    assert 0.25**p < lr_factor(256, 64, rule, 64.0) < 1.0
+    # No noise at all: the LR does not move.
+    assert lr_factor(8, 32, rule, 0.0) == 1.0
+
+
+def test_noise_rules_need_a_usable_b_noise():
+    for bad in (None, math.nan, -1.0):
+        with pytest.raises(ValueError, match="b_noise"):
+            lr_factor(8, 32, "noise_linear", bad)
+    assert lr_factor(8, 32, "linear", None) == 4.0  # the plain rules ignore it
+    with pytest.raises(ValueError, match="batch sizes"):
+        lr_factor(0, 32, "linear")
+    with pytest.raises(ValueError, match="lr_rule"):
+        lr_factor(8, 32, "cubic")

@@ -1,0 +1,96 @@
+"""The training problems of the critical-batch study: real scikit-learn data, a network, a target loss.
+
+Each problem gives the exact per-step quantities the study needs: ``|G|²`` and ``tr Σ`` over the whole
+training set at the current parameters (per-example norms from :class:`PerExampleNormTracker`, the full
+gradient from one summed backward pass).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gns_callback.per_example import PerExampleNormTracker
+from tests.helpers import small_cnn
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A data set, a network factory, a target training loss and the LR grid searched per batch size."""
+
+    name: str
+    description: str
+    make_net: Callable[[], nn.Module]
+    data: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+    target_loss: float
+    lrs: tuple[float, ...]
+    optimizer: str = "sgd"
+
+
+def digits(train_size: int = 1500, split_seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """scikit-learn's digits (pixels/16), a fixed random subset of ``train_size`` images."""
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(data.target)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(split_seed))[:train_size]
+    return x[perm].contiguous(), y[perm].contiguous()
+
+
+def mlp(hidden: int = 64, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, hidden), nn.Tanh(), nn.Linear(hidden, 10))
+
+
+def cnn(seed: int = 0) -> nn.Module:
+    """Conv(8) + GroupNorm + ReLU, strided Conv(8) + ReLU, Linear on 1×8×8 digit images (the tests' small CNN)."""
+    return small_cnn(seed=seed)
+
+
+def lr_grid(low: float, high: float) -> tuple[float, ...]:
+    """Log grid with factor √2 from ``low`` to (at most) ``high``."""
+    out, k = [], 0
+    while low * 2 ** (k / 2) <= high * (1 + 1e-9):
+        out.append(round(low * 2 ** (k / 2), 4))
+        k += 1
+    return tuple(out)
+
+
+PROBLEMS = {
+    "mlp_momentum": Problem("mlp_momentum",
+                            "digits MLP 64-64-10 (tanh), SGD momentum 0.9, target full-data cross-entropy 0.05",
+                            partial(mlp, 64), digits, 0.05, lr_grid(0.02, 1.6), optimizer="momentum"),
+    "mlp": Problem("mlp", "digits MLP 64-64-10 (tanh), SGD, target full-data cross-entropy 0.05",
+                   partial(mlp, 64), digits, 0.05, lr_grid(0.1, 2.3)),
+    "cnn": Problem("cnn", "digits CNN (2 conv + GroupNorm + linear, ReLU), SGD, target full-data cross-entropy 0.03",
+                   cnn, digits, 0.03, lr_grid(0.05, 0.8)),
+}
+
+
+class ExactSums:
+    """Exact ``(|G|², tr Σ)`` of a network over a whole data set at its current parameters.
+
+    ``tr Σ = mean_i |g_i|² − |G|²`` (sampling with replacement), ``G = mean_i g_i``; the per-example squared
+    norms come from the tracker, without materialising per-example gradients.
+    """
+
+    def __init__(self, tracker: PerExampleNormTracker, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.tracker, self.x, self.y = tracker, x, y
+
+    def __call__(self, net: nn.Module) -> tuple[float, float]:
+        saved = self.tracker.max_examples
+        self.tracker.max_examples = None
+        params = [p for p in net.parameters() if p.requires_grad]
+        loss = F.cross_entropy(net(self.x), self.y, reduction="sum")
+        grads = torch.autograd.grad(loss, params)
+        sq = self.tracker.pop().double()
+        self.tracker.max_examples = saved
+        n = len(self.x)
+        grad_sq = sum(g.double().pow(2).sum() for g in grads).item() / n**2
+        return grad_sq, sq.mean().item() - grad_sq

@@ -1,0 +1,76 @@
+"""Which Lightning setups the callback can measure, and what to do instead when it cannot.
+
+Checked when a fit starts (the callback's ``setup("fit")``: before the strategy wraps or shards the model), so a
+setup that would give a wrong number is refused before any training time is spent:
+
+* sharded strategies (FSDP, DeepSpeed, model parallel): no rank's ``.grad`` holds the whole gradient, so
+  ``|G_B|²`` and every micro-batch norm would be partial sums (:func:`sharded_refusal`);
+* manual optimization: the callback reads gradients at the optimizer step Lightning makes (:func:`manual_refusal`);
+* ``adapt=True`` beside a ``GradientAccumulationScheduler``: both would set ``accumulate_grad_batches``.
+
+A strategy that is neither known data-parallel nor known sharded (a custom one) is measured with a warning
+(:func:`unverified_strategy_warning`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from gns_callback.lightning import trainer_facts as facts
+
+WHAT_WORKS = (
+    "Use one device or a DDP strategy (strategy='ddp', 'ddp_spawn' or 'ddp_fork'), where every rank holds the whole "
+    "gradient; or measure in your own loop (Lightning Fabric, plain PyTorch) with gns_callback.GradientNoiseScaleMeter "
+    "on a model that is not sharded."
+)
+
+
+def sharded_refusal(trainer: Any) -> Optional[str]:
+    """Why a sharded strategy cannot be measured, and what works instead; None if the strategy is not sharded."""
+    name = facts.sharded_strategy(trainer)
+    if name is None:
+        return None
+    own = type(trainer.strategy).__name__
+    strategy = name if own == name else f"{own} (a {name})"
+    return (
+        f"GradientNoiseScaleCallback cannot measure under {strategy}: it shards "
+        "parameters, gradients or optimizer state across ranks, so no rank holds the whole gradient and B_simple "
+        f"would be computed from partial norms (a wrong number). {WHAT_WORKS}"
+    )
+
+
+def manual_refusal(pl_module: Any) -> Optional[str]:
+    """Why manual optimization cannot be measured; None under automatic optimization."""
+    if pl_module.automatic_optimization:
+        return None
+    return (
+        "GradientNoiseScaleCallback needs automatic optimization (one optimizer stepped by Lightning); "
+        f"{type(pl_module).__name__} sets `automatic_optimization = False`. Remove the callback or use "
+        "automatic optimization, or measure in your own loop with gns_callback.GradientNoiseScaleMeter."
+    )
+
+
+def adapt_refusal(trainer: Any, adapt: bool) -> Optional[str]:
+    """Why ``adapt=True`` cannot run beside a ``GradientAccumulationScheduler`` (either namespace); else None."""
+    if not adapt or facts.accumulation_schedule(trainer) is None:
+        return None
+    return (
+        "GradientNoiseScaleCallback(adapt=True) changes accumulate_grad_batches itself; remove the "
+        "GradientAccumulationScheduler callback or set adapt=False."
+    )
+
+
+def refusal(trainer: Any, pl_module: Any, adapt: bool) -> Optional[str]:
+    """The first reason this fit cannot be measured (in the order above), or None."""
+    return sharded_refusal(trainer) or manual_refusal(pl_module) or adapt_refusal(trainer, adapt)
+
+
+def unverified_strategy_warning(trainer: Any) -> Optional[str]:
+    """A warning for a strategy that is neither known data-parallel nor known sharded; None otherwise."""
+    if facts.data_parallel_strategy(trainer) or facts.sharded_strategy(trainer) is not None:
+        return None
+    return (
+        f"GradientNoiseScaleCallback has not been checked with {type(trainer.strategy).__name__}. It assumes every "
+        "rank's .grad holds the whole gradient, averaged over ranks, at the optimizer step (as under DDP); if this "
+        f"strategy shards parameters or gradients, B_simple is wrong. {WHAT_WORKS}"
+    )

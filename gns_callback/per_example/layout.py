@@ -1,0 +1,90 @@
+"""Which dimension of a layer's input holds the examples: dim 0 (batch-first) or dim 1 (sequence-first).
+
+PyTorch's sequence modules default to ``(T, B, ...)`` (``nn.TransformerEncoderLayer``, ``nn.MultiheadAttention``,
+``nn.LSTM``: ``batch_first=False``), so the ``nn.Linear``/``nn.LayerNorm`` layers around them see the batch in
+dim 1. Taking dim 0 there gives per-*position* norms and a confidently wrong noise scale (2.7 against an exact
+35.9 on a small encoder). The batch dim of each hooked input is therefore checked against the real batch size
+(read off the batch), never assumed:
+
+* dim 0 holds it (and dim 1 does not, or nothing in the model is sequence-first): dim 0;
+* dim 1 holds it and dim 0 does not: dim 1, the ``(T, B, ...)`` layout, handled by moving dim 1 to the front;
+* anything else (neither holds it; both do in a sequence-first model; or the size is unknown and the model is
+  sequence-first): :class:`LayoutError`, and measuring stops with the reason instead of guessing.
+
+Torch only, no Lightning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Optional
+
+from torch import Tensor, nn
+
+__all__ = ["LayoutError", "batch_dim", "is_sequence_first", "position_dims"]
+
+
+class LayoutError(ValueError):
+    """The batch dim of a layer's input can't be told; the message says why."""
+
+
+#: How many leading dims of a module's input index examples and positions (the rest are its features). A
+#: channels-first layer (convolution, GroupNorm) has only dim 0 for the batch.
+_POSITION_DIMS: dict[type[nn.Module], Callable[[nn.Module, Tensor], int]] = {
+    nn.Linear: lambda module, inp: inp.dim() - 1,
+    nn.Embedding: lambda module, inp: inp.dim(),
+    nn.LayerNorm: lambda module, inp: inp.dim() - len(module.normalized_shape),
+    nn.RMSNorm: lambda module, inp: inp.dim() - len(module.normalized_shape),
+}
+
+
+def position_dims(module: nn.Module, inp: Tensor) -> int:
+    """Leading dims of ``inp`` that are batch or sequence dims for ``module`` (1 for channels-first layers)."""
+    rule = _POSITION_DIMS.get(type(module))
+    return rule(module, inp) if rule is not None else 1
+
+
+def is_sequence_first(model: nn.Module) -> bool:
+    """Whether any submodule declares ``batch_first=False`` (RNNs, attention, transformer layers)."""
+    return any(getattr(module, "batch_first", None) is False for module in model.modules())
+
+
+def batch_dim(shape: Sequence[int], position_dims: int, expected: Optional[int], sequence_first: bool) -> int:
+    """0 or 1: the dim of an input of ``shape`` that holds the ``expected`` examples (see the module docstring).
+
+    Args:
+        shape: the layer input's shape.
+        position_dims: its leading batch/sequence dims (:func:`position_dims`); dim 1 is a candidate only if ≥ 2.
+        expected: the micro-batch's size read off the batch, or None if it could not be read.
+        sequence_first: the model has a ``batch_first=False`` module (:func:`is_sequence_first`).
+
+    Raises:
+        LayoutError: the batch dim can't be told.
+    """
+    shape = tuple(int(size) for size in shape)
+    dim1 = position_dims >= 2
+    if expected is None:
+        if sequence_first and dim1:
+            raise LayoutError(
+                f"its input has shape {shape} and the model has sequence-first modules (batch_first=False), but the "
+                "micro-batch's size is unknown (it could not be read off the batch, or was not given to "
+                "expect_batch_size), so the batch dim can't be told"
+            )
+        return 0
+    zero_holds, one_holds = shape[0] == expected, dim1 and shape[1] == expected
+    if zero_holds and (not one_holds or not sequence_first):
+        return 0
+    if one_holds and not zero_holds:
+        return 1
+    if zero_holds:
+        raise LayoutError(
+            f"its input has shape {shape}: dims 0 and 1 both equal the batch size {expected} and the model has "
+            "sequence-first modules (batch_first=False), so the batch dim can't be told; use a batch size that "
+            "differs from the sequence length, or batch_first=True"
+        )
+    where = "neither dim 0 nor dim 1" if dim1 else "dim 0 does not"
+    raise LayoutError(
+        f"its input has shape {shape}: {where} hold{'s' if dim1 else ''} the batch of {expected} examples (the layer "
+        "runs on something other than the examples, e.g. a learned table or positions shared by all examples, or "
+        "the examples are reshaped so that positions become rows)"
+    )

@@ -1,0 +1,124 @@
+"""Can a batch size be based on this estimate? The estimate as :func:`recommend` reads it, and its verdict.
+
+An estimate is trusted when something was measured over enough steps and its confidence interval is bounded and
+narrow (``ci_high/ci_low ≤ max_ci_ratio``). A trusted estimate whose interval already holds the current batch
+keeps it: McCandlish et al.'s trade-off is flat near the knee ``B = B_noise``, so a move inside the interval
+buys nothing the measurement can resolve.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from gns_callback.recommendation import result as R
+
+DEFAULT_MAX_CI_RATIO = 4.0
+DEFAULT_MIN_STEPS = 20
+
+
+@dataclass(frozen=True)
+class EstimateView:
+    """The fields of a noise-scale estimate that a recommendation uses.
+
+    ``b_simple``/``ci_high`` are ``inf`` when unbounded (JSON ``null`` after steps were measured), ``nan`` when
+    nothing was measured; ``steps`` is ``None`` when not given (not checked).
+    """
+
+    b_simple: float
+    ci_low: float
+    ci_high: float
+    steps: Optional[int]
+    confidence: float = 0.95
+    averaging: str = "unknown"
+
+
+NO_ESTIMATE = EstimateView(math.nan, math.nan, math.nan, 0, 0.95, "none")
+
+
+def read_estimate(estimate: Any) -> EstimateView:
+    """A :class:`EstimateView` from a ``GNSEstimate``, its ``to_dict()``, a duck with the same names, or ``None``.
+
+    ``None`` (JSON ``null``) reads as in ``GNSEstimate.from_dict``: unbounded (``inf``) for ``b_simple`` and
+    ``ci_high`` once steps were measured, unknown (``nan``) otherwise.
+    """
+    if estimate is None:
+        return NO_ESTIMATE
+
+    def get(name: str) -> Any:
+        return estimate.get(name) if isinstance(estimate, Mapping) else getattr(estimate, name, None)
+
+    steps = get("steps")
+    steps = None if steps is None else int(steps)
+    unbounded = math.inf if steps != 0 else math.nan
+    b, lo, hi = get("b_simple"), get("ci_low"), get("ci_high")
+    b = unbounded if b is None else float(b)
+    return EstimateView(
+        b_simple=b,
+        ci_low=math.nan if lo is None else float(lo),
+        ci_high=(unbounded if not math.isnan(b) else math.nan) if hi is None else float(hi),
+        steps=steps,
+        confidence=float(get("confidence") or 0.95),
+        averaging=str(get("averaging") or "unknown"),
+    )
+
+
+def assess(
+    b_simple: float,
+    ci_low: float,
+    ci_high: float,
+    steps: Optional[int],
+    *,
+    max_ci_ratio: float = DEFAULT_MAX_CI_RATIO,
+    min_steps: int = DEFAULT_MIN_STEPS,
+) -> tuple[str, str]:
+    """``(status, reason)`` for an estimate: can a batch size be based on it? (``steps=None``: not checked.)"""
+    if math.isnan(b_simple) or steps == 0:
+        return R.NO_ESTIMATE, "no gradient noise scale was measured: keeping the current batch size"
+    if steps is not None and steps < min_steps:
+        return R.TOO_FEW_STEPS, (
+            f"only {steps} measured steps (< {min_steps}): keeping the current batch size; measure longer"
+        )
+    if math.isinf(b_simple) or not math.isfinite(ci_high):
+        return R.UNBOUNDED, _unbounded_reason(ci_low)
+    ratio = ci_high / ci_low if ci_low > 0 else math.inf
+    if not ratio <= max_ci_ratio:
+        return R.TOO_WIDE, (
+            f"the interval is too wide to trust (ci_high/ci_low = {ratio:.3g} > {max_ci_ratio:g}): keeping the "
+            "current batch size; measure over more steps"
+        )
+    return R.OK, (
+        f"B_simple is resolved (ci_high/ci_low = {ratio:.3g} ≤ {max_ci_ratio:g}): recommending B ≈ B_simple, the "
+        "knee where S/S_min = E/E_min = 2"
+    )
+
+
+def _unbounded_reason(ci_low: float) -> str:
+    hint = ""
+    if math.isfinite(ci_low) and ci_low > 0:
+        hint = f" (B_noise is at least {ci_low:.4g}, the interval's lower bound)"
+    return (
+        "the interval is unbounded above (|G|² not resolved from the noise): keeping the current batch "
+        f"size; measure over more steps{hint}"
+    )
+
+
+def verdict(
+    est: EstimateView,
+    current_batch_size: int,
+    *,
+    max_ci_ratio: float = DEFAULT_MAX_CI_RATIO,
+    min_steps: int = DEFAULT_MIN_STEPS,
+    keep_within_interval: bool = True,
+) -> tuple[str, str]:
+    """:func:`assess`, then ``within_interval`` when a trusted interval already holds the current batch."""
+    status, reason = assess(
+        est.b_simple, est.ci_low, est.ci_high, est.steps, max_ci_ratio=max_ci_ratio, min_steps=min_steps
+    )
+    if status == R.OK and keep_within_interval and est.ci_low <= current_batch_size <= est.ci_high:
+        return R.WITHIN_INTERVAL, (
+            f"the current batch {current_batch_size} already lies inside the interval "
+            f"[{est.ci_low:.4g}, {est.ci_high:.4g}]: kept (the trade-off is flat near the knee)"
+        )
+    return status, reason

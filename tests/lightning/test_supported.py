@@ -1,0 +1,104 @@
+"""What the callback refuses at fit start, in the namespace of the Trainer, and what it says works instead.
+
+FSDP and model parallel are refused in real fits: Lightning refuses FSDP on CPU by exact type
+(``type(strategy) is FSDPStrategy``), so a subclass gets through to the callback's ``setup("fit")``, which runs
+after the process group starts and before the strategy wraps the model. DeepSpeed's strategy cannot be built
+without the deepspeed package, so a bare instance stands in for it on a real Trainer.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch.distributed as dist
+
+from gns_callback import GradientNoiseScaleCallback
+from gns_callback.lightning import supported
+from tests.lightning.modules import digits_net
+
+
+def quiet(**kwargs) -> GradientNoiseScaleCallback:
+    return GradientNoiseScaleCallback(verbose=False, **kwargs)
+
+
+@pytest.fixture
+def single_process_group():
+    """Lightning starts a one-process gloo group for these strategies and leaves it (and its environment
+    variables) behind after an error in a hook: both are put back."""
+    environment = dict(os.environ)
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environment)
+
+
+def assert_says_what_works(message: str) -> None:
+    assert "strategy='ddp'" in message and "GradientNoiseScaleMeter" in message
+
+
+@pytest.mark.parametrize("name", ["FSDPStrategy", "ModelParallelStrategy"])
+def test_sharded_strategy_is_refused_at_fit_start(namespace, name, single_process_group):
+    cls = getattr(namespace.sub("strategies"), name)
+    strategy = type(f"CPU{name}", (cls,), {})()
+    trainer = namespace.trainer(strategy=strategy, max_steps=2, callbacks=[quiet()])
+    module = namespace.classifier(lr=0.1)
+    with pytest.raises(namespace.MisconfigurationException, match=f"cannot measure under CPU{name} \\(a {name}\\)") as err:
+        trainer.fit(module)
+    assert_says_what_works(str(err.value))
+    assert trainer.global_step == 0
+
+
+def test_deepspeed_is_refused(namespace, monkeypatch):
+    cls = namespace.sub("strategies").DeepSpeedStrategy
+    trainer, module = namespace.trainer(), namespace.classifier()
+    monkeypatch.setattr(trainer._accelerator_connector, "strategy", cls.__new__(cls))
+    with pytest.raises(namespace.MisconfigurationException, match="cannot measure under DeepSpeedStrategy") as err:
+        quiet().setup(trainer, module, "fit")
+    assert_says_what_works(str(err.value))
+
+
+def test_a_custom_strategy_is_measured_with_a_warning(namespace, monkeypatch):
+    custom = type("MyStrategy", (namespace.sub("strategies").Strategy,), {"is_global_zero": True})
+    custom.__abstractmethods__ = frozenset()  # a stand-in: only its type is checked
+    trainer, module = namespace.trainer(), namespace.classifier()
+    monkeypatch.setattr(trainer._accelerator_connector, "strategy", custom.__new__(custom))
+    with pytest.warns(UserWarning, match="has not been checked with MyStrategy") as record:
+        quiet().setup(trainer, module, "fit")
+    assert_says_what_works(str(record[0].message))
+
+
+def test_ddp_and_single_device_are_measured_silently(namespace, recwarn):
+    for trainer in (namespace.trainer(), namespace.trainer(strategy="ddp_spawn", devices=2)):
+        assert supported.refusal(trainer, namespace.classifier(), adapt=False) is None
+        assert supported.unverified_strategy_warning(trainer) is None
+
+
+def test_adapt_beside_either_namespace_scheduler_is_refused(namespace):
+    scheduler = namespace.sub("callbacks").GradientAccumulationScheduler({0: 2})
+    trainer = namespace.trainer(callbacks=[quiet(adapt=True), scheduler])
+    with pytest.raises(namespace.MisconfigurationException, match="adapt=True.*GradientAccumulationScheduler"):
+        trainer.fit(namespace.classifier(micro_batches=4))
+
+
+def test_manual_optimization_is_refused(namespace):
+    module = namespace.classifier()
+    module.automatic_optimization = False
+    with pytest.raises(namespace.MisconfigurationException, match="automatic optimization"):
+        namespace.trainer(callbacks=[quiet()]).fit(module)
+
+
+def test_batch_norm_with_either_namespace_scheduler_is_measured_by_micro_batches(namespace):
+    """BatchNorm rules out per-example norms; the scheduler's accumulation makes micro-batches possible."""
+    scheduler = namespace.sub("callbacks").GradientAccumulationScheduler({0: 2})
+    cb = quiet()
+    trainer = namespace.trainer(callbacks=[cb, scheduler])
+    trainer.fit(namespace.classifier(batch_norm=True, lr=0.05, micro_batches=40))
+    assert cb.resolved_method == "micro_batch"
+    assert cb.run_estimate.steps == trainer.global_step == 20  # 40 micro-batches, 2 per step: every step measured
+
+
+def test_batch_norm_without_accumulation_is_refused_in_the_namespace(namespace):
+    with pytest.raises(namespace.MisconfigurationException, match="BatchNorm.*accumulate_grad_batches=2"):
+        namespace.trainer(callbacks=[quiet()]).fit(namespace.classifier(batch_norm=True, micro_batches=4))

@@ -1,0 +1,55 @@
+"""Which dim of a layer's input holds the batch: every branch of ``batch_dim`` and the per-module position dims."""
+
+import pytest
+import torch
+from torch import nn
+
+from gns_callback.per_example.layout import LayoutError, batch_dim, is_sequence_first, position_dims
+
+
+@pytest.mark.parametrize(
+    "shape, dims, expected, sequence_first, dim",
+    [
+        ((32, 8, 16), 2, 32, False, 0),  # batch-first sequence
+        ((8, 32, 16), 2, 32, False, 1),  # (T, B, D)
+        ((8, 32, 16), 2, 32, True, 1),
+        ((32, 16), 1, 32, True, 0),  # (B, D) after pooling, in a sequence-first model
+        ((32, 32, 16), 2, 32, False, 0),  # T == B: dim 0 by convention when nothing is sequence-first
+        ((32, 8, 16), 2, None, False, 0),  # size unknown: dim 0
+        ((8, 32, 16), 2, None, False, 0),  # (it is then checked across layers and at the step)
+    ],
+)
+def test_batch_dim(shape, dims, expected, sequence_first, dim):
+    assert batch_dim(shape, dims, expected, sequence_first) == dim
+
+
+@pytest.mark.parametrize(
+    "shape, dims, expected, sequence_first, match",
+    [
+        ((32, 32, 16), 2, 32, True, "both equal the batch size 32"),
+        ((8, 4, 16), 2, 32, False, "neither dim 0 nor dim 1 holds the batch of 32"),
+        ((10, 64), 1, 32, False, "dim 0 does not hold the batch of 32"),  # a learned table
+        ((32 * 8, 16), 1, 32, False, "dim 0 does not hold"),  # positions reshaped into rows
+        ((8, 32, 16), 2, None, True, "size is unknown"),
+    ],
+)
+def test_batch_dim_refuses_what_it_cannot_tell(shape, dims, expected, sequence_first, match):
+    with pytest.raises(LayoutError, match=match):
+        batch_dim(shape, dims, expected, sequence_first)
+
+
+def test_position_dims_per_layer_type():
+    x3 = torch.zeros(8, 4, 6)
+    assert position_dims(nn.Linear(6, 2), x3) == 2
+    assert position_dims(nn.LayerNorm(6), x3) == 2
+    assert position_dims(nn.LayerNorm((4, 6)), x3) == 1
+    assert position_dims(nn.Embedding(5, 3), torch.zeros(8, 4, dtype=torch.long)) == 2
+    assert position_dims(nn.Conv1d(8, 2, 3), x3) == 1  # channels first: the batch is dim 0 only
+    assert position_dims(nn.GroupNorm(2, 4), x3) == 1
+
+
+def test_sequence_first_modules_are_found():
+    assert is_sequence_first(nn.Sequential(nn.Linear(2, 2), nn.TransformerEncoderLayer(8, 2)))
+    assert is_sequence_first(nn.LSTM(2, 2))
+    assert not is_sequence_first(nn.TransformerEncoderLayer(8, 2, batch_first=True))
+    assert not is_sequence_first(nn.Linear(2, 2))

@@ -1,0 +1,71 @@
+import math
+
+import pytest
+import torch
+
+from gns_callback.recommendation.learning_rate import choose_lr, pick_rule, plan_warmup, sgd_ceiling, transfer
+
+
+def test_pick_rule_by_family_override_and_unknown():
+    assert pick_rule(torch.optim.SGD, None)[:2] == ("noise_linear", "SGD family: SGD")
+    rule, source, notes = pick_rule("AdamW", None)
+    assert (rule, source) == ("noise_sqrt", "adaptive (Adam) family: AdamW") and "Malladi" in notes[0]
+    assert pick_rule("AdamW", "linear") == ("linear", "user override", ())
+    rule, source, notes = pick_rule("Lion", None)
+    assert source == "unknown optimizer: default" and "Lion" in notes[0]
+    with pytest.raises(ValueError, match="lr_rule"):
+        pick_rule("SGD", "cubic")
+
+
+def test_choose_lr_scales_and_cites():
+    lr = choose_lr(0.1, 256, 64, torch.optim.SGD, None, b_noise=64.0)  # a decrease: the rule as is
+    assert lr.learning_rate == pytest.approx(0.1 * 1.25 / 2) and "McCandlish" in lr.citation
+    assert "small-batch limit" in lr.citation and "Goyal" in lr.citation
+    assert "×0.625 = noise_linear" in lr.notes[0] and "would give ×0.25" in lr.notes[0]
+    assert choose_lr(0.1, 64, 256, torch.optim.SGD, "linear", b_noise=64.0).learning_rate == pytest.approx(0.4)
+    assert choose_lr(None, 64, 256, "SGD", None, b_noise=64.0).learning_rate is None
+    assert choose_lr(1e-3, 64, 256, "SGD", "sqrt", b_noise=64.0).citation.startswith("user override (Malladi")
+
+
+def test_sgd_increase_needs_the_curvature_unless_the_rule_is_explicit():
+    held = choose_lr(0.1, 64, 256, torch.optim.SGD, None, b_noise=64.0)
+    assert held.learning_rate == 0.1 and held.ceiling.lr == 0.1 and "not raised" in held.notes[-1]
+    explicit = choose_lr(0.1, 64, 256, torch.optim.SGD, "noise_linear", b_noise=64.0)
+    assert explicit.learning_rate == pytest.approx(0.1 * 2 / 1.25) and explicit.ceiling.lr is None
+    capped = choose_lr(0.1, 64, 256, torch.optim.SGD, None, b_noise=64.0, sharpness=14.0)  # limit 2/14
+    assert capped.learning_rate == pytest.approx(1 / 7) and "capped" in capped.notes[-1]
+    free = choose_lr(0.1, 64, 256, torch.optim.SGD, None, b_noise=64.0, sharpness=1.0)  # limit 2
+    assert free.learning_rate == pytest.approx(0.16) and free.ceiling.stability_limit == pytest.approx(2.0)
+    adam = choose_lr(1e-3, 64, 256, "Adam", None, b_noise=64.0)
+    assert adam.learning_rate == pytest.approx(1e-3 * (2 / 1.25) ** 0.5) and adam.ceiling.lr is None
+
+
+def test_transfer_without_a_usable_noise_scale_falls_back_to_the_limit_with_a_note():
+    lr, notes = transfer(0.1, 64, 256, "noise_linear", float("nan"))
+    assert lr == pytest.approx(0.4) and "small-batch limit" in notes[0]
+    assert transfer(0.1, 64, 64, "noise_sqrt", float("nan")) == (0.1, ())
+    assert transfer(0.1, 64, 256, "noise_linear", float("inf"))[0] == pytest.approx(0.4)
+
+
+def test_sgd_ceiling_for_sgd_only():
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5, momentum=0.9)
+    ceiling, notes = sgd_ceiling(0.5, "noise_linear", 2.0, sgd, automatic=True)
+    assert ceiling.stability_limit == pytest.approx(1.9) and ceiling.lr == pytest.approx(1.9) and notes == ()
+    ceiling, notes = sgd_ceiling(0.5, "linear", 2.0, "SGD", automatic=False)  # momentum unknown: 2/λ
+    assert ceiling.lr == pytest.approx(1.0) and "momentum unknown" in notes[0]
+    assert sgd_ceiling(1.5, "noise_linear", 2.0, "SGD", automatic=True)[0].lr == 1.5  # never below the current
+    assert sgd_ceiling(0.5, "noise_linear", None, "SGD", automatic=True)[0].lr == 0.5
+    assert sgd_ceiling(0.5, "noise_linear", None, "SGD", automatic=False)[0].lr is None
+    ceiling, notes = sgd_ceiling(1e-3, "noise_sqrt", 2.0, "Adam", automatic=True)
+    assert ceiling.lr is None and "not used" in notes[0]
+
+
+def test_warmup_in_steps_epochs_only_or_none():
+    w = plan_warmup(0.1, 0.8, 256, 10_000.0, threshold=2.0, warmup_epochs=5.0)
+    assert w.epochs == pytest.approx(3.0) and w.steps == math.ceil(3 * 10_000 / 256)
+    assert w.start_factor == pytest.approx(0.125)
+    w = plan_warmup(0.1, 0.8, 256, None, threshold=2.0, warmup_epochs=5.0)
+    assert w.steps is None and "dataset_size" in w.notes[0]
+    assert plan_warmup(0.1, 0.2, 256, 1e4, threshold=2.0, warmup_epochs=5.0).steps == 0
+    assert plan_warmup(0.8, 0.1, 256, 1e4, threshold=2.0, warmup_epochs=5.0).steps == 0
+    assert plan_warmup(None, None, 256, 1e4, threshold=2.0, warmup_epochs=5.0).epochs == 0.0

@@ -1,0 +1,133 @@
+"""Models that real users bring and that a per-example hook can get wrong (each item of issue 10 has one)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.helpers import Classifier
+
+
+class SequenceFirstEncoder(nn.Module):
+    """Digits as 8 rows of 8 pixels, sequence-first all the way: ``(T, B, ·)`` into ``nn.TransformerEncoderLayer``
+    with its default ``batch_first=False``, mean over positions, a Linear head on ``(B, ·)``."""
+
+    def __init__(self, dim: int = 16, freeze_attention: bool = False, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Linear(8, dim)
+        self.encoder = nn.TransformerEncoderLayer(dim, nhead=2, dim_feedforward=32, dropout=0.0)
+        self.head = nn.Linear(dim, 10)
+        if freeze_attention:  # its projections are not per-example-covered layer types: freezing them leaves 100%
+            self.encoder.self_attn.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(x.shape[0], 8, 8).transpose(0, 1)  # (T=8, B, 8)
+        return self.head(self.encoder(self.embed(rows)).mean(0))
+
+
+class LinearTwice(nn.Module):
+    """One Linear applied twice (weight sharing across depth). Weights ×4 at init: B_simple ≈ 31, resolved in a
+    short test run."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp, self.body, self.head = nn.Linear(64, 32), nn.Linear(32, 32), nn.Linear(32, 10)
+        with torch.no_grad():
+            self.inp.weight.mul_(4.0)
+            self.head.weight.mul_(4.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        return self.head(torch.tanh(self.body(torch.tanh(self.body(h)))))
+
+
+class PositionalEmbedding(nn.Module):
+    """nanoGPT-style: token embedding plus a position embedding looked up on ``arange(T)`` (the same for every
+    example, so the position table's gradient has no per-example rows of its own); a Linear head on the flattened
+    sequence (×2 at init: B_simple ≈ 31)."""
+
+    def __init__(self, dim: int = 4, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.tokens, self.positions = nn.Embedding(17, dim), nn.Embedding(64, dim)
+        self.head = nn.Linear(64 * dim, 10)
+        with torch.no_grad():
+            self.head.weight.mul_(2.0)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tokens(tokens) + self.positions(torch.arange(tokens.shape[1], device=tokens.device))
+        return self.head(torch.tanh(h).flatten(1))
+
+
+class LinearOnLearnedTable(nn.Module):
+    """A Linear applied both to the data and to a learned table (e.g. class prototypes) in the same forward."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.project = nn.Linear(64, 128)  # its weights are > 90% of the parameters: auto takes per_example
+        self.prototypes = nn.Parameter(torch.randn(10, 64) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(x) @ self.project(self.prototypes).T
+
+
+class LstmClassifier(nn.Module):
+    """Digits as 8 rows into an LSTM (sequence-first), last hidden state into a Linear: per-example hooks cover
+    only the Linear (the LSTM's weights are most of the model)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.lstm, self.head = nn.LSTM(8, 32), nn.Linear(32, 10)
+        with torch.no_grad():  # larger gradients at init: B_simple ≈ 30, resolved in a short test run
+            self.head.weight.mul_(8.0)
+            self.lstm.weight_ih_l0.mul_(2.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(x.reshape(x.shape[0], 8, 8).transpose(0, 1))
+        return self.head(out[-1])
+
+
+class GradientPenaltyClassifier(Classifier):
+    """Cross-entropy plus ``λ·|∂ℓ_i/∂x_i|²`` per example (an input-gradient penalty, ``create_graph=True``)."""
+
+    PENALTY = 0.1
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        x = x.clone().requires_grad_(True)
+        losses = F.cross_entropy(self.net(x), y, reduction="none")
+        (grad_x,) = torch.autograd.grad(losses.sum(), x, create_graph=True)  # row i: ∂ℓ_i/∂x_i
+        return (losses + self.PENALTY * grad_x.square().sum(1)).mean()
+
+
+def penalised_loss_of_one(net: nn.Module):
+    """``loss(params, x_i, y_i)`` of :class:`GradientPenaltyClassifier` for one example, for ``torch.func``."""
+    from torch.func import functional_call, grad
+
+    def loss(params, xi, yi):
+        def ce(x):
+            return F.cross_entropy(functional_call(net, params, (x.unsqueeze(0),)), yi.unsqueeze(0))
+
+        return ce(xi) + GradientPenaltyClassifier.PENALTY * grad(ce)(xi).square().sum()
+
+    return loss
+
+
+def exact_b_simple_of_loss(loss_of_one, net: nn.Module, x: torch.Tensor, y: torch.Tensor, chunk: int = 256):
+    """``(B_simple, |G|², tr Σ)`` by brute force: every example's gradient of ``loss_of_one(params, x_i, y_i)``
+    over the whole data set (:func:`gns_callback.exact.exact_noise_scale` of them)."""
+    from torch.func import grad, vmap
+
+    from gns_callback.exact import exact_noise_scale
+
+    params = {k: v.detach() for k, v in net.named_parameters() if v.requires_grad}
+    rows = []
+    for start in range(0, x.shape[0], chunk):
+        g = vmap(grad(loss_of_one), in_dims=(None, 0, 0))(params, x[start:start + chunk], y[start:start + chunk])
+        rows.append(torch.cat([v.reshape(v.shape[0], -1) for v in g.values()], dim=1))
+    return exact_noise_scale(torch.cat(rows).double())

@@ -1,0 +1,59 @@
+"""Run a setup twice: without the callback (it trains on its own), then with it. Shared by the trust tests."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Optional
+
+import pytorch_lightning as pl
+
+from tests.helpers import quiet_trainer
+
+BASELINE_STEPS = 5
+
+
+def fit(module: pl.LightningModule, loaders: Any, ours: tuple = (), **trainer_kwargs: Any) -> pl.Trainer:
+    """``loaders``: the train DataLoader, or ``{"train_dataloaders": ..., "val_dataloaders": ...}``; ``ours``: our
+    callback(s), put before the user's ``callbacks``."""
+    trainer_kwargs["callbacks"] = [*ours, *trainer_kwargs.get("callbacks", [])]
+    trainer = quiet_trainer(**trainer_kwargs)
+    trainer.fit(module, **(loaders if isinstance(loaders, dict) else {"train_dataloaders": loaders}))
+    return trainer
+
+
+def trains_without_callback(make_module: Callable[[], pl.LightningModule], make_loader: Callable[[], Any],
+                            steps: int = BASELINE_STEPS, **trainer_kwargs: Any) -> pl.Trainer:
+    """The setup itself trains: ``steps`` optimizer steps and fit end, with no callback of ours (every crash of the
+    issue happened at the first step or at fit end, so a short run proves the point at a fraction of the cost)."""
+    trainer = fit(make_module(), make_loader(), max_steps=steps, **trainer_kwargs)
+    assert trainer.state.finished and trainer.global_step == steps, (trainer.state, trainer.global_step)
+    return trainer
+
+
+def with_and_without(make_module: Callable[[], pl.LightningModule], make_loader: Callable[[], Any], callback: Any,
+                     **trainer_kwargs: Any) -> tuple[pl.Trainer, list[warnings.WarningMessage]]:
+    """Fit without the callback (:func:`trains_without_callback`), then with it for the whole loader; the second
+    trainer and every warning it raised."""
+    trains_without_callback(make_module, make_loader, **trainer_kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = fit(make_module(), make_loader(), (callback,), **trainer_kwargs)
+    assert trainer.state.finished
+    return trainer, list(caught)
+
+
+def messages(caught: list[warnings.WarningMessage], containing: str) -> list[str]:
+    return [str(w.message) for w in caught if containing in str(w.message)]
+
+
+def assert_withheld(estimate: Any, *phrases: str) -> None:
+    """"Not measured": NaN with the reason, which names each of ``phrases`` (the problem and the fix)."""
+    assert not estimate.measured and estimate.failure, estimate
+    assert estimate.to_dict()["b_simple"] is None
+    for phrase in phrases:
+        assert phrase in estimate.failure, (phrase, estimate.failure)
+
+
+def single(items: list[str], what: Optional[str] = None) -> str:
+    assert len(items) == 1, (what, items)
+    return items[0]

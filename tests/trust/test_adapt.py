@@ -1,0 +1,121 @@
+"""Issue 10 items 12–14: ``adapt=True`` must leave the run as the user asked, or refuse at fit start.
+
+12. With ``OneCycleLR`` it reported ×8 but applied ×1.18 (OneCycle recomputes from ``max_lr``/``min_lr``). Every
+    torch scheduler's absolute LRs are now scaled together (``tests/test_lr_multiplier.py`` checks each one's
+    trajectory); schedulers of unknown type are refused at fit start.
+13. With ``GradientAccumulationScheduler({0: 1})`` it was not refused (the LR went ×64 while the schedule held
+    accumulation at 1).
+14. Under ``micro_batch`` on one device it could lower accumulation to 1, and measuring then stopped silently.
+"""
+
+import pytest
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from pytorch_lightning.callbacks import GradientAccumulationScheduler
+from pytorch_lightning.utilities.exceptions import MisconfigurationException
+
+from gns_callback import GradientNoiseScaleCallback
+from gns_callback.recommendation import warmup_lr
+from tests.helpers import Classifier, assert_matches_exact, mlp, with_replacement_loader
+from tests.trust.setups import fit, trains_without_callback
+
+S = torch.optim.lr_scheduler
+TOTAL_STEPS = 800
+
+
+class Scheduled(Classifier):
+    """SGD under a per-step scheduler made by ``make_scheduler(optimizer)``."""
+
+    def __init__(self, net, make_scheduler, lr=0.01):
+        super().__init__(net, lr=lr)
+        self.make_scheduler = make_scheduler
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.make_scheduler(optimizer), "interval": "step"}}
+
+
+def one_cycle(optimizer):
+    return S.OneCycleLR(optimizer, max_lr=1e-4, total_steps=TOTAL_STEPS)  # tiny: parameters barely move
+
+
+class LearningRates(pl.Callback):
+    """The LR each optimizer step runs at (after the callback's own ``on_before_optimizer_step``)."""
+
+    def __init__(self):
+        self.lrs = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.lrs.append(optimizer.param_groups[0]["lr"])
+
+
+def shuffled_digits(digits, batch_size=8):
+    x, y = digits
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[:1504], y[:1504]), batch_size=batch_size,
+                                       shuffle=True, generator=torch.Generator().manual_seed(0))
+
+
+def test_one_cycle_lr_applies_exactly_the_reported_factor(digits):
+    """The LR at every step is OneCycle's own value times the reported factor along its warmup ramp."""
+    trains_without_callback(lambda: Scheduled(mlp(), one_cycle), lambda: shuffled_digits(digits))
+    # The linear rule, uncapped (no sharpness): a large factor, so the test sees the scheduler follow it exactly.
+    callback = GradientNoiseScaleCallback(adapt=True, adapt_patience=1, verbose=False, lr_rule="linear", sharpness=False)
+    recorded = LearningRates()
+    fit(Scheduled(mlp(), one_cycle), shuffled_digits(digits), (callback,), max_epochs=4, callbacks=[recorded])
+    (event,) = callback.adaptations  # B_simple ≈ 60 at batch 8: a larger batch, once
+    assert event["lr_factor"] > 4
+
+    reference_optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.01)
+    reference = one_cycle(reference_optimizer)
+    for step, lr in enumerate(recorded.lrs):
+        since = step - event["global_step"]
+        factor = 1.0 if since < 0 else warmup_lr(since + 1, start_lr=1.0, target_lr=event["lr_factor"],
+                                                  warmup_steps=event["warmup_steps"])
+        assert lr == pytest.approx(reference_optimizer.param_groups[0]["lr"] * factor, rel=1e-9), step
+        reference_optimizer.step()
+        reference.step()
+    assert recorded.lrs[-1] > 1.5 * reference_optimizer.param_groups[0]["lr"]  # the factor really was applied
+
+
+class OwnSchedule(S.LambdaLR):
+    """A user's own scheduler class: it may compute LRs of its own."""
+
+
+def test_an_unknown_scheduler_is_refused_at_fit_start(digits):
+    own = lambda optimizer: OwnSchedule(optimizer, lambda step: 1.0)  # noqa: E731
+    trains_without_callback(lambda: Scheduled(mlp(), own), lambda: shuffled_digits(digits))
+    with pytest.raises(MisconfigurationException, match=r"adapt=True.*OwnSchedule.*adapt=False"):
+        fit(Scheduled(mlp(), own), shuffled_digits(digits), (GradientNoiseScaleCallback(adapt=True),))
+
+
+def test_an_accumulation_schedule_is_refused_at_fit_start_even_a_constant_one(digits):
+    schedule = lambda: GradientAccumulationScheduler({0: 1})  # noqa: E731
+    trains_without_callback(lambda: Classifier(mlp()), lambda: shuffled_digits(digits), callbacks=[schedule()])
+    with pytest.raises(MisconfigurationException, match="GradientAccumulationScheduler"):
+        fit(Classifier(mlp()), shuffled_digits(digits), (GradientNoiseScaleCallback(adapt=True),),
+            callbacks=[schedule()])
+
+
+def small_noise_mlp():
+    """B_simple ≈ 8: the recommended batch is a single micro-batch of 8."""
+    net = mlp()
+    with torch.no_grad():
+        net[0].weight.mul_(2.0)
+        net[2].weight.mul_(6.0)
+    return net
+
+
+def test_micro_batch_on_one_device_keeps_two_micro_batches(digits, exact_gns):
+    x, y = digits
+    loader = lambda: with_replacement_loader(x, y, 8, 8 * 8 * 40, seed=0)  # noqa: E731
+    trains_without_callback(lambda: Classifier(small_noise_mlp()), loader, accumulate_grad_batches=8)
+    callback = GradientNoiseScaleCallback(method="micro_batch", adapt=True, adapt_patience=1, verbose=False)
+    trainer = fit(Classifier(small_noise_mlp()), loader(), (callback,), max_epochs=4, accumulate_grad_batches=8)
+    (event,) = callback.adaptations
+    assert event["accumulate_grad_batches"] == [8, 2] and event["b_simple"] < 12  # 1 would have been recommended
+    assert trainer.accumulate_grad_batches == 2
+    run = callback.run_estimate
+    assert run.failure is None and run.skipped_steps == 0
+    assert run.steps == 40 + 3 * 160  # every step measured: 40 at ×8, then 160 per epoch at ×2
+    assert_matches_exact(run, exact_gns(small_noise_mlp(), F.cross_entropy, x, y)[0])

@@ -1,0 +1,68 @@
+"""Issue 10 item 7: DDP with the default ``report_path`` crashed at fit end under ``ddp`` and ``ddp_spawn``, with or
+without a logger: ``on_fit_end`` called ``trainer.log_dir`` (a collective broadcast) on rank 0 only. The path is now
+resolved on every rank at fit start. Every existing DDP test passed an explicit ``report_path``; these use the
+defaults. One of them also has a model per-example hooks can't measure: both ranks agree to switch to
+``micro_batch`` at the same step (any disagreement would hang the run in its next all-reduce)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.nn.functional as F
+
+from gns_callback import load_estimate
+from tests.helpers import assert_matches_exact
+from tests.trust.ddp_fit import MODELS, ddp_fit, digits, reports
+
+pytestmark = pytest.mark.usefixtures("file_system_sharing")
+STEPS = 150
+REPO = Path(__file__).resolve().parents[2]
+
+
+_EXACT = {}
+
+
+def load_exact(model):
+    if model not in _EXACT:
+        from gns_callback.exact import exact_b_simple
+
+        _EXACT[model] = exact_b_simple(MODELS[model](), F.cross_entropy, *digits())[0]
+    return _EXACT[model]
+
+
+@pytest.mark.parametrize("model, logger, method", [("linear_twice", True, "micro_batch"), ("mlp", False, "per_example")])
+def test_ddp_spawn_with_the_default_report_path(tmp_path, model, logger, method):
+    baseline = ddp_fit(str(tmp_path / "baseline"), "ddp_spawn", model, logger, with_callback=False, steps=5)
+    assert baseline.state.finished
+    ddp_fit(str(tmp_path), "ddp_spawn", model, logger, with_callback=True, steps=STEPS)
+    (report,) = reports(str(tmp_path))
+    expected_dir = tmp_path / "lightning_logs" / "version_0" if logger else tmp_path
+    assert Path(report) == expected_dir / "gns_report.json"
+    run = load_estimate(report, "run_estimate")
+    assert run.method == method and json.loads(Path(report).read_text())["run"]["world_size"] == 2
+    assert run.steps == (STEPS - 1 if model == "linear_twice" else STEPS)  # the switch costs the first step
+    assert_matches_exact(run, load_exact(model))
+
+
+def run_script(root, model, logger, with_callback, steps):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "tests.trust.ddp_fit", str(root), model, str(int(logger)),
+                           str(int(with_callback)), str(steps)], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads((Path(root) / "result.json").read_text())
+
+
+def test_ddp_script_with_the_default_report_path(tmp_path):
+    (tmp_path / "baseline").mkdir()
+    assert run_script(tmp_path / "baseline", "linear_twice", True, False, 5)["global_step"] == 5
+    result = run_script(tmp_path, "linear_twice", True, True, STEPS)
+    assert result["global_step"] == STEPS
+    assert result["reports"] == [result["report_file"]]
+    assert result["report_file"] == str(tmp_path / "lightning_logs" / "version_0" / "gns_report.json")
+    run = load_estimate(result["report_file"], "run_estimate")
+    assert run.method == "micro_batch" and run.steps == STEPS - 1
+    assert_matches_exact(run, load_exact("linear_twice"))
