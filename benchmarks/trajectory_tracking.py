@@ -17,7 +17,9 @@ Recent estimators compared, each read at the same steps:
 * ``log-parts filter``: an extended Kalman filter on ``log tr Σ`` and on ``log |G|²`` (random-walk level, process
   variance q per step, two values), each step's observation noise sd = its scale times the RMS of earlier
   ``v/scale``;
-* ``LocalLinearRatio``: ``gns_callback.tracking`` (the chosen estimator), and its base-window trend fit alone.
+* ``LocalLinearRatio``: ``gns_callback.tracking`` (the chosen estimator), and its base-window trend fit alone;
+* ``GradientNoiseScaleMeter.estimate``: the meter itself at its defaults (``per_example``, 16 of the 32 examples,
+  ``ema_decay`` 0.99), hooked on the model and stepped on the optimizer's batch (replica 0), end to end.
 
 Scores over steps ≥ 50 (as in issue 14): geometric mean of estimate/exact over readings that are finite and
 positive, the share of readings that are not (unresolved: ``inf``/0), the typical per-step error factor
@@ -52,11 +54,13 @@ from sklearn.datasets import load_breast_cancer, load_diabetes, load_digits, loa
 from benchmarks.results import replace_section  # noqa: E402
 from gns_callback.estimators import grad_sq_norm_estimate, trace_sigma_estimate  # noqa: E402
 from gns_callback.exact import exact_noise_scale, per_example_gradients  # noqa: E402
+from gns_callback.meter import GradientNoiseScaleMeter  # noqa: E402
 from gns_callback.smoothing import summarize_ratio  # noqa: E402
 from gns_callback.tracking import LocalLinearRatio, choose_fit  # noqa: E402
 
 HEADING = "## Trajectory tracking: the recent estimate on a moving run (issue 14 item 2)"
 BATCH, MICRO, WIDE = 32, 8, 256
+METER = "meter at its defaults (per_example, 16 of 32)"
 DECAY = 0.99
 START = 50
 LOCAL = 21  # steps in the local value: exact tr Σ and |G|² averaged over the last 21 steps
@@ -120,10 +124,12 @@ CASES = [
 # ---------------------------------------------------------------------------------------------- simulation
 @dataclass
 class Trajectory:
-    """exact: (T, 3) = (B_simple, |G|², tr Σ); per method, (T, R, 2) = per-step (tr Σ̂, |Ĝ|²) per replica."""
+    """exact: (T, 3) = (B_simple, |G|², tr Σ); per method, (T, R, 2) = per-step (tr Σ̂, |Ĝ|²) per replica;
+    meter: (T, 3) = the meter's recent estimate and interval after each step (replica 0)."""
 
     exact: np.ndarray
     measured: dict[str, np.ndarray]
+    meter: np.ndarray
 
 
 def _pair(small: torch.Tensor, big: torch.Tensor, b_small: float, b_big: float) -> np.ndarray:
@@ -151,23 +157,29 @@ def simulate(case: Case, seed: int, replicas: int, steps: int) -> Trajectory:
     optimizer = case.optimizer(list(model.parameters()))
     draws = torch.Generator().manual_seed(10_000 + seed)
     fixed = all(group["lr"] == 0.0 for group in optimizer.param_groups)
-    exact = np.zeros((steps, 3))
+    exact, meter_readings = np.zeros((steps, 3)), np.zeros((steps, 3))
     measured: dict[str, np.ndarray] = {}
     rows = None
-    for t in range(steps):
-        if rows is None or not fixed:
-            rows = per_example_gradients(model, case.loss, x, y)
-            exact[t] = exact_noise_scale(rows)
-        else:
-            exact[t] = exact[t - 1]
-        index = torch.randint(0, x.shape[0], (replicas, BATCH), generator=draws)
-        wide = torch.randint(0, x.shape[0], (replicas, WIDE), generator=draws)
-        for method, values in _step_estimates(rows[index], rows[wide]).items():
-            measured.setdefault(method, np.zeros((steps, replicas, 2)))[t] = values
-        optimizer.zero_grad()
-        case.loss(model(x[index[0]]), y[index[0]]).backward()
-        optimizer.step()
-    return Trajectory(exact, measured)
+    with GradientNoiseScaleMeter(model) as meter:
+        for t in range(steps):
+            if rows is None or not fixed:
+                with meter.paused():
+                    rows = per_example_gradients(model, case.loss, x, y)
+                exact[t] = exact_noise_scale(rows)
+            else:
+                exact[t] = exact[t - 1]
+            index = torch.randint(0, x.shape[0], (replicas, BATCH), generator=draws)
+            wide = torch.randint(0, x.shape[0], (replicas, WIDE), generator=draws)
+            for method, values in _step_estimates(rows[index], rows[wide]).items():
+                measured.setdefault(method, np.zeros((steps, replicas, 2)))[t] = values
+            optimizer.zero_grad()
+            case.loss(model(x[index[0]]), y[index[0]]).backward()
+            meter.step()
+            optimizer.step()
+            if t >= START:
+                reading = meter.estimate
+                meter_readings[t] = reading.b_simple, reading.ci_low, reading.ci_high
+    return Trajectory(exact, measured, meter_readings)
 
 
 # ---------------------------------------------------------------------------------------------- estimators
@@ -343,6 +355,14 @@ def estimators(x: np.ndarray, y: np.ndarray, read: np.ndarray) -> dict[str, Read
     return out
 
 
+def meter_readings(meter: np.ndarray, read: np.ndarray) -> Readings:
+    """The meter's (T, 3) readings as :data:`Readings` of one replica, NaN where not read."""
+    out = _empty((meter.shape[0], 1))
+    for array, column in zip(out, meter.T):
+        array[read, 0] = column[read]
+    return tuple(out)
+
+
 def evaluate(case: Case, seeds: int, replicas: int, steps: int, every: int) -> dict:
     """Per method and estimator: pooled scores over steps ≥ 50, per-phase geometric means, exact range."""
     results: dict = {"case": case.name, "steps": steps, "methods": {}, "noise_free": [], "exact": [], "jitter": []}
@@ -355,8 +375,11 @@ def evaluate(case: Case, seeds: int, replicas: int, steps: int, every: int) -> d
         read = (np.arange(steps) >= START) & (np.arange(steps) % every == 0)
         noise_free = ema_of_parts(trajectory.exact[:, 2:3], trajectory.exact[:, 1:2], read)
         results["noise_free"].append(score(noise_free, exact, local))
-        for method, values in trajectory.measured.items():
-            for name, readings in estimators(values[..., 0], values[..., 1], read).items():
+        by_method = {method: estimators(values[..., 0], values[..., 1], read)
+                     for method, values in trajectory.measured.items()}
+        by_method[METER] = {"GradientNoiseScaleMeter.estimate": meter_readings(trajectory.meter, read)}
+        for method, by_name in by_method.items():
+            for name, readings in by_name.items():
                 entry = per_method.setdefault(method, {}).setdefault(name, {"all": [], "phases": []})
                 entry["all"].append(score(readings, exact, local))
                 entry["phases"].append([score(readings, exact, local, a, b) for a, b in PHASES])
@@ -396,9 +419,10 @@ def case_markdown(result: dict) -> list[str]:
                          f"{a['coverage']:.1%} | {a['local_coverage']:.1%} |")
     phases = [(a, min(b, result["steps"])) for a, b in PHASES if a < result["steps"]]
     head = " | ".join(f"steps {a}–{b} [{_exact_range(result['exact'], a, b)}]" for a, b in phases)
-    lines += ["", "Geometric mean of estimate/exact by phase (`per_example`; exact range over seeds in brackets):",
-              "", "| estimator | " + head + " |", "|---|" + "---|" * len(phases)]
-    for name, v in result["methods"]["per_example"].items():
+    lines += ["", "Geometric mean of estimate/exact by phase (`per_example` on every example, then the meter; exact "
+              "range over seeds in brackets):", "", "| estimator | " + head + " |", "|---|" + "---|" * len(phases)]
+    rows = list(result["methods"]["per_example"].items()) + list(result["methods"].get(METER, {}).items())
+    for name, v in rows:
         cells = " | ".join(_fmt(p["gm"]) if p else "—" for p in v["phases"][: len(phases)])
         lines.append(f"| {name} | {cells} |")
     return lines + [""]

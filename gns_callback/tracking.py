@@ -197,6 +197,18 @@ def fit_window(sums: Sequence[float], scale: float, confidence: float, trend: bo
     return TrendFit(RatioSummary(*means, ratio, low, high, n_eff))
 
 
+def fits_of_row(row: Sequence[float], confidence: float) -> list[TrendFit]:
+    """One stream's candidates from its packed values (``windows × TREND_FIELDS`` sums, then the scale state
+    ``(Σ d_s^k·scale, Σ d_s^k)``): the trend fit at the base window, then the level-only fits at every window."""
+    fields = len(TREND_FIELDS)
+    windows = (len(row) - 2) // fields
+    stream = [row[k * fields:(k + 1) * fields] for k in range(windows)]
+    total, count = row[-2:]
+    scale = total / count if count > 0 else math.nan
+    trend = fit_window(stream[0], scale, confidence, trend=True)
+    return [trend] + [fit_window(sums, scale, confidence, trend=False) for sums in stream]
+
+
 def choose_fit(fits: Sequence[TrendFit]) -> RatioSummary:
     """The first fit with a finite, positive ratio (candidates ordered from least to most lag), else the first.
 
@@ -313,16 +325,24 @@ class LocalLinearRatio:
     def fits(self, confidence: float = 0.95) -> list[list[TrendFit]]:
         """Per stream, the candidates in the order :func:`choose_fit` tries them: the trend fit at the base
         window, then the level-only fits at each window (base, 4×, 16×)."""
-        windows = len(self.decays)
-        packed = torch.cat([self.sums.reshape(-1, windows * len(TREND_FIELDS)), self.scale_state.reshape(-1, 2)], -1)
-        out = []
-        for row in packed.tolist():
-            stream = [row[k * len(TREND_FIELDS):(k + 1) * len(TREND_FIELDS)] for k in range(windows)]
-            total, count = row[-2:]
-            scale = total / count if count > 0 else math.nan
-            trend = fit_window(stream[0], scale, confidence, trend=True)
-            out.append([trend] + [fit_window(sums, scale, confidence, trend=False) for sums in stream])
-        return out
+        return [fits_of_row(row, confidence) for row in self.packed().reshape(-1, self.packed_size).tolist()]
+
+    @property
+    def packed_size(self) -> int:
+        """Entries per stream in :meth:`packed`: every window's ``TREND_FIELDS`` sums, then the scale state."""
+        return len(self.decays) * len(TREND_FIELDS) + 2
+
+    def packed(self) -> torch.Tensor:
+        """Everything a reading needs, on the device (``[*batch_shape, packed_size]``): copy it to the host along
+        with other values in one transfer, then read it with :meth:`summary_of`."""
+        sums, scale_state = self._folded()
+        return torch.cat([sums.flatten(-2), scale_state], -1)
+
+    def summary_of(self, row: Sequence[float], confidence: float = 0.95) -> RatioSummary:
+        """:meth:`summary` from one stream's :meth:`packed` values already on the host (no device access)."""
+        if len(row) != self.packed_size:
+            raise ValueError(f"row has {len(row)} values; a packed stream of this tracker has {self.packed_size}.")
+        return choose_fit(fits_of_row(row, confidence))
 
     def state_dict(self) -> dict:
         """Plain types only (checkpoints load with ``weights_only=True``); the buffered steps are kept as they are,
@@ -364,6 +384,6 @@ def _check_decay(name: str, value: float, hint: str, upper_open: bool, lower_ope
         raise ValueError(f"{name}={value!r}: a number in {low}, 1), {hint}.")
 
 
-__all__ = ["LocalLinearRatio", "TrendFit", "TREND_FIELDS", "WINDOW_FACTORS", "BLOCK", "fit_window", "choose_fit",
-           "detrended_moments", "level_moments", "advance_sums", "block_sums", "predictable_scales", "decay_for_window",
-           "window_for_decay"]
+__all__ = ["LocalLinearRatio", "TrendFit", "TREND_FIELDS", "WINDOW_FACTORS", "BLOCK", "fit_window", "fits_of_row",
+           "choose_fit", "detrended_moments", "level_moments", "advance_sums", "block_sums", "predictable_scales",
+           "decay_for_window", "window_for_decay"]
