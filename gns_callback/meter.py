@@ -2,9 +2,10 @@
 
 It owns everything between a gradient and a number: the collector's hooks (:mod:`gns_callback.collectors`),
 each step's window of small-batch norms (:mod:`gns_callback.accumulation`), the step's unbiased ``tr(Σ)`` and
-``|G|²`` (:mod:`gns_callback.estimators`), the recent estimate that follows a moving run (:mod:`gns_callback.tracking`),
-the run average and intervals (:mod:`gns_callback.smoothing`), and checkpoint state. A gradient's path: hook → collector (per pass) → :meth:`step` (window → step estimates →
-accumulators) → :attr:`estimate`. The Lightning callback only tells it what Lightning knows.
+``|G|²`` (:mod:`gns_callback.estimators`), the recent estimate that follows a moving run
+(:mod:`gns_callback.tracking`), the run average and intervals (:mod:`gns_callback.smoothing`), and checkpoint
+state. A gradient's path: hook → collector (per pass) → :meth:`step` (window → step estimates → recent estimate
+and run average) → :attr:`estimate`. The Lightning callback only tells it what Lightning knows.
 
 Use::
 
