@@ -8,8 +8,9 @@ optimizer steps on): with ``per_example`` (b = 1, every example) and ``micro_bat
 
 Recent estimators compared, each read at the same steps:
 
-* ``EMA of parts (current)``: the meter's recent estimate today, separate EMAs (decay 0.99) of ``tr Σ̂`` and
-  ``|Ĝ|²``, read with ``gns_callback.smoothing.summarize_ratio``; and the same EMA of the *exact* parts (no noise);
+* ``EMA of parts (previous meter)``: the meter's recent estimate before state version 3, separate EMAs (decay
+  0.99) of ``tr Σ̂`` and ``|Ĝ|²``, read with ``gns_callback.smoothing.summarize_ratio``; and the same EMA of the
+  *exact* parts (no noise);
 * ``ratio-scale EMA``: steps normalised by a short EMA of ``|x| + |y|`` before the EMA (``LocalLinearRatio``'s
   level-only fit at its base window);
 * ``drift-chosen window``: ratio-scale EMAs at n_eff = 8 … 2048, the longest window whose Fieller interval meets
@@ -191,7 +192,7 @@ def _empty(shape) -> list[np.ndarray]:
 
 
 def ema_of_parts(x: np.ndarray, y: np.ndarray, read: np.ndarray, decay: float = DECAY) -> Readings:
-    """Today's recent estimate: EMA sums (``SUM_FIELDS``) of each stream, read with ``summarize_ratio``."""
+    """The previous meter's recent estimate: EMA sums (``SUM_FIELDS``) of each stream, read with ``summarize_ratio``."""
     out = _empty(x.shape)
     sums = np.zeros(x.shape[1:] + (7,))
     weights = np.array([decay, decay * decay] + [decay] * 5)
@@ -347,7 +348,7 @@ def pooled(scores: list[dict[str, float]]) -> dict[str, float]:
 
 # ---------------------------------------------------------------------------------------------- run
 def estimators(x: np.ndarray, y: np.ndarray, read: np.ndarray) -> dict[str, Readings]:
-    out = {"EMA of parts (current, decay 0.99)": ema_of_parts(x, y, read)}
+    out = {"EMA of parts (previous meter, decay 0.99)": ema_of_parts(x, y, read)}
     out.update(local_linear(x, y, read))
     out["drift-chosen window (ICI, n_eff 8–2048)"] = drift_chosen_window(x, y, read)
     for q in (1e-3, 1e-2):
