@@ -33,6 +33,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.bcrit.training import batch_indices, crossing, full_loss  # noqa: E402
+
 warnings.filterwarnings("ignore")
 
 SECTION_HEADING = "## Critical batch size on digits (McCandlish et al. measurement)"
@@ -97,27 +100,6 @@ def load_data(train_size: int = 1500, split_seed: int = 0) -> tuple[torch.Tensor
 def make_net(hidden: int = 128, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(64, hidden), nn.Tanh(), nn.Linear(hidden, 10))
-
-
-def batch_indices(n: int, batch_size: int, seed: int):
-    """The i.i.d. with-replacement index stream shared by the plain loop and the Lightning replay."""
-    gen = torch.Generator().manual_seed(10_000 + seed)
-    while True:
-        yield torch.randint(0, n, (batch_size,), generator=gen)
-
-
-def full_loss(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    with torch.no_grad():
-        return F.cross_entropy(net(x), y).item()
-
-
-def crossing(prev: tuple[int, float], cur: tuple[int, float], target: float) -> float:
-    """Step where the loss crosses ``target`` between two evaluations (linear in log-loss)."""
-    (s0, l0), (s1, l1) = prev, cur
-    if l1 >= l0 or s1 == s0:
-        return float(s1)
-    frac = (math.log(l0) - math.log(target)) / (math.log(l0) - math.log(l1))
-    return s0 + min(max(frac, 0.0), 1.0) * (s1 - s0)
 
 
 @dataclass

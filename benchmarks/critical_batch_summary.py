@@ -213,7 +213,9 @@ def reading(out: dict) -> str:
             f"summary of the gradient noise does better.{ratio_line}: the examples needed in the noise-limited "
             "regime hardly change, while the steps needed at large batch drop (momentum's larger stable step), so "
             "B_crit = E_min/S_min grows. Heavy-ball theory puts the factor up to (1+β)/(1−β) = 19 at β = 0.9. The "
-            "calibration above holds for plain SGD; a recommendation for momentum or Adam needs its own factor.")
+            "calibration above holds for plain SGD; for momentum and Adam the recommendation takes the reading as a "
+            "lower bound and only raises the batch (`gns_callback/recommendation/calibration.py`; Adam measured in "
+            "`benchmarks/payoff.py`).")
     return "\n\n".join(paras)
 
 

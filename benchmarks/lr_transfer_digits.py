@@ -253,6 +253,7 @@ class Along:
     """Along a tuned run (seed 0): run-average B_simple and λ_max at init, the checkpoints and the end."""
 
     b_run: float  # Σ tr Σ / Σ |G|² over the checkpoints
+    b_early: float  # the same over the checkpoints in the first quarter of the run's log-loss range
     lam_init: float
     lam_end: float
     lam_max: float  # the largest along the run (init included)
@@ -264,12 +265,27 @@ def along_run(data, cfg: Config, tuned: Tuned, optimizer: str) -> Along:
     x, y = data
     n = max(1, int(tuned.steps))
     points = tuple(sorted({max(1, round(n * (i + 1) / cfg.checkpoints)) for i in range(cfg.checkpoints)}))
-    res = train_stack(data, cfg, tuned.batch_size, [RunSpec(tuned.lr, 0)], optimizer, checkpoint_steps=points)
+    early = tuple(sorted({max(1, round(n * (i + 1) / (5 * cfg.checkpoints))) for i in range(cfg.checkpoints)}))
+    res = train_stack(data, cfg, tuned.batch_size, [RunSpec(tuned.lr, 0)], optimizer,
+                      checkpoint_steps=tuple(sorted(set(points + early))))
     snapshots = [init_params(cfg.hidden)] + [[p[0] for p in res.params_at[s]] for s in points if s in res.params_at]
     parts = [exact_parts(p, x, y) for p in snapshots[1:]]
     lams = [top_eigenvalue(p, x, y) for p in snapshots]
     b_run = sum(t for t, _ in parts) / sum(g for _, g in parts)
-    return Along(b_run, lams[0], lams[-1], max(lams), float(np.median(lams)), [tuned.lr * v for v in lams])
+    dense = [init_params(cfg.hidden)] + [[p[0] for p in res.params_at[s]] for s in sorted(set(points + early))
+                                         if s in res.params_at]
+    return Along(b_run, early_noise_scale(dense, x, y, cfg.target), lams[0], lams[-1], max(lams),
+                 float(np.median(lams)), [tuned.lr * v for v in lams])
+
+
+def early_noise_scale(snapshots: list[list[torch.Tensor]], x: torch.Tensor, y: torch.Tensor, target: float) -> float:
+    """Exact ``Σ tr Σ/Σ |G|²`` over the snapshots (init first) in the first quarter of the log-loss range from
+    init to the target: what ``gns_callback.critical_batch.early_window`` estimates from the steps."""
+    losses = [full_losses(stacked(p, 1), x, y).item() for p in snapshots]
+    depth = np.log(losses[0]) - np.minimum.accumulate(np.log(losses))
+    bound = 0.25 * (math.log(losses[0]) - math.log(target))
+    parts = [exact_parts(p, x, y) for p, d in zip(snapshots, depth) if d <= bound]
+    return sum(t for t, _ in parts) / sum(g for _, g in parts)
 
 
 # ------------------------------------------------------------------------------------------------ 3. transfer
@@ -286,6 +302,8 @@ SGD_POLICIES = {
     "default, sharpness = λ_max at init": (None, "lam_init"),
     "default, sharpness = λ_max at the end": (None, "lam_end"),
     "default, sharpness = largest λ_max along the run": (None, "lam_max"),
+    "default with the early-phase B_noise, no sharpness": ("early", None),
+    "default with the early-phase B_noise and the largest λ_max (the callback)": ("early", "lam_max"),
 }
 ADAM_POLICIES = {"sqrt": ("sqrt", None), "noise_sqrt (default)": (None, None)}
 
@@ -301,7 +319,10 @@ def transfers(tuned: dict[int, Tuned], along: dict[int, Along], family: str) -> 
             b_noise = along[b0].b_run
             for label, (rule, lam) in policies.items():
                 lam_value = None if lam is None else getattr(along[b0], lam)
-                lr = choose_lr(t0.lr, b0, b1, optimizer, rule, b_noise=b_noise, sharpness=lam_value).learning_rate
+                early = along[b0].b_early if rule == "early" else math.nan
+                rule = None if rule == "early" else rule
+                lr = choose_lr(t0.lr, b0, b1, optimizer, rule, b_noise=b_noise, sharpness=lam_value,
+                               early_b_noise=early).learning_rate
                 rows.append(dict(b0=b0, b1=b1, rule=label, lr=lr, lr0=t0.lr, b_noise=b_noise, tuned_lr1=tuned[b1].lr))
     return rows
 
@@ -383,7 +404,8 @@ def render(out: dict, command: str, seconds: Optional[float]) -> str:
         f"constant LR; steps to full-data cross-entropy ≤ {cfg['target']}, median of {cfg['seeds']} seeds. "
         "Ratio = median steps of the transferred LR at B1 / median steps of the LR tuned at B1 (∞: diverged or not "
         "reached in the budget). B_noise for the noise-aware rules = the exact run-average B_simple of the tuned "
-        "run at B0.",
+        "run at B0; the *early-phase* rows use the exact B_simple over the first quarter of that run's log-loss "
+        "range (init to target), what `critical_batch.early_window` estimates and the callback passes on.",
         "",
         interpretation(out),
     ]
@@ -392,11 +414,13 @@ def render(out: dict, command: str, seconds: Optional[float]) -> str:
         lines += ["", f"### {family.upper()}", "",
                   f"B_crit fitted to the tuned steps (S = S_min(1 + B_crit/B), least squares): {fam['b_crit']:.1f}.",
                   "",
-                  "| B | tuned lr | steps | run-avg B_simple | λ_max init / end / max | lr·λ_max along the run |",
-                  "|---|---|---|---|---|---|"]
+                  "| B | tuned lr | steps | run-avg B_simple | early-phase B_simple | λ_max init / end / max "
+                  "| lr·λ_max along the run |",
+                  "|---|---|---|---|---|---|---|"]
         for b, t in fam["tuned"].items():
             a = fam["along"][b]
-            lines.append(f"| {b} | {t['lr']:.4g} | {t['steps']:.0f} | {a['b_run']:.1f} | {a['lam_init']:.3g} / "
+            lines.append(f"| {b} | {t['lr']:.4g} | {t['steps']:.0f} | {a['b_run']:.1f} | {a['b_early']:.1f} "
+                         f"| {a['lam_init']:.3g} / "
                          f"{a['lam_end']:.3g} / {a['lam_max']:.3g} | {min(a['lr_times_lam']):.2f}–"
                          f"{max(a['lr_times_lam']):.2f} |")
         lines += ["", "| LR policy | batch | pairs | median ratio | worst ratio | within 1.25× | failed pairs | "
@@ -432,8 +456,23 @@ def interpretation(out: dict) -> str:
         "λ_max at init or at the "
         "end never binds. Without a sharpness, holding the LR on an increase also never failed (median "
         f"{hold['median_ratio']:.2f}×, worst {hold['worst_ratio']:.2f}×): that is `recommend()`'s SGD default; "
-        "with `sharpness=` it raises the LR up to the stability limit."
+        "with `sharpness=` it raises the LR up to the stability limit. "
+        + early_reading(summary, out)
         + adam_reading(out)
+    )
+
+
+def early_reading(summary: dict, out: dict) -> str:
+    """The default the callback runs: the rule at the early phase's noise scale (and the largest λ_max)."""
+    label = "default with the early-phase B_noise and the largest λ_max (the callback)"
+    up, down = summary[f"{label} | up"], summary[f"{label} | down"]
+    early = [a["b_early"] for a in out["sgd"]["along"].values()]
+    return (
+        f"**The callback's default** takes B_noise from the early phase (exact values {min(early):.1f}–"
+        f"{max(early):.1f} from the runs at every batch, against the fitted B_crit {out['sgd']['b_crit']:.1f}): up, "
+        f"median {up['median_ratio']:.2f}×, worst {_ratio(up['worst_ratio'])}, {up['failed_pairs']} failed pairs; "
+        f"down, median {down['median_ratio']:.2f}×, worst {_ratio(down['worst_ratio'])}, {down['failed_pairs']} "
+        "failed pairs."
     )
 
 

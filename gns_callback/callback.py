@@ -35,6 +35,7 @@ from gns_callback.meter import ARGUMENTS as METER_ARGUMENTS
 from gns_callback.meter import GradientNoiseScaleMeter
 from gns_callback.probe import ProbeResult
 from gns_callback.recommendation import Recommendation, recommend
+from gns_callback.recommendation.objective import BALANCED, OBJECTIVES
 from gns_callback.recommendation.rules import LR_RULES
 from gns_callback.report import DEFAULT_REPORT_NAME, write_report
 
@@ -86,6 +87,11 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             4, 8, …, 1024 on the step's own batch (:mod:`gns_callback.lightning.sharpness`; the run is left exactly
             as it was). A tuned SGD LR sits at the stability limit, so without it the recommendation keeps the LR
             when the batch grows; with it, the LR may rise up to ``2(1+β)/λ_max``.
+        objective: what the recommended batch is for (:mod:`gns_callback.recommendation.objective`):
+            ``"balanced"`` the knee ``B ≈ B_noise``; ``"time"`` the least predicted wall time to the same loss;
+            ``"cost"`` the fewest device-hours. ``"time"``/``"cost"`` use the probe's measured step times, so they
+            need ``probe=True``. The report and the printed table show all three.
+        max_devices: let ``"time"``/``"cost"`` choose the device count up to this (``None``: the run's).
 
     After fit: ``estimate`` (EMA) and ``run_estimate`` (run average) are :class:`GNSEstimate` objects,
     ``probe`` the probe result (or None) and ``recommendation`` the recommendation (or None); with
@@ -121,6 +127,8 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         adapt_factor: float = 1.5,
         adapt_patience: int = 2,
         sharpness: bool = True,
+        objective: str = "balanced",
+        max_devices: Optional[int] = None,
     ) -> None:
         _check_arguments({name: value for name, value in locals().items() if name != "self"})
         self.method = method
@@ -142,6 +150,8 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             "power_of_two": power_of_two,
             "lr_rule": lr_rule,
             "price_per_device_hour": price_per_device_hour,
+            "objective": objective,
+            "max_devices": max_devices,
         }
         self.summary_every_n_epochs = summary_every_n_epochs
         self.adapt = adapt
@@ -589,6 +599,9 @@ _ARGUMENTS: dict[str, args.Rule] = {
                               "a number > 1, e.g. 1.5 (no change while the recommended batch is within ×1.5)"),
     "adapt_patience": args.Rule(args.int_at_least(1), "a positive int, e.g. 2 (consecutive epochs)"),
     "sharpness": args.Rule(args.is_bool, "True or False"),
+    "objective": args.Rule(args.one_of(*OBJECTIVES), "one of " + ", ".join(map(repr, OBJECTIVES)) + ", e.g. "
+                           "'balanced' (the knee) or 'time' (with probe=True)"),
+    "max_devices": args.Rule(_POSITIVE_INT, "a positive int, e.g. 8, or None to keep the run's device count"),
 }
 
 
@@ -601,6 +614,14 @@ def _check_arguments(values: dict[str, Any]) -> None:
             f"{_OWNER}(min_batch_size={low!r}, max_batch_size={high!r}): min_batch_size must not exceed "
             "max_batch_size, e.g. min_batch_size=16, max_batch_size=4096."
         )
+    if values["objective"] != BALANCED and not values["probe"]:
+        raise ValueError(
+            f"{_OWNER}(objective={values['objective']!r}, probe=False): {values['objective']!r} is chosen from the "
+            "probe's measured step time per micro-batch; set probe=True, or objective='balanced'."
+        )
+    if values["adapt"] and values["max_devices"] is not None:
+        raise ValueError(f"{_OWNER}(adapt=True, max_devices={values['max_devices']!r}): adapt changes only "
+                         "accumulate_grad_batches during a run, not the device count; drop one of them.")
     if values["adapt"] and not values["recommend"]:
         raise ValueError(f"{_OWNER}(adapt=True, recommend=False): adapt applies the recommendation; "
                          "set recommend=True or adapt=False.")

@@ -46,7 +46,7 @@ estimate (benchmarks/RESULTS.md).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -79,6 +79,8 @@ class CriticalBatchEstimate:
     ``window_values``: the noise scale in each loss window; ``loss_start``/``loss_end``: the smoothed loss range
     of the run; ``method``: :data:`LOSS_WINDOWS` or :data:`RUN_AVERAGE` (with the reason). ``trust_low`` /
     ``trust_high`` add the measured model error :data:`MODEL_FACTOR` to the interval: how far to trust it.
+    ``early_noise_scale``: ``Σ tr Σ̂/Σ |Ĝ|²`` over the first ``trim`` of the log-loss range (``nan`` when not
+    resolved): the noise scale of the phase that limits a constant SGD learning rate (see :func:`early_window`).
     """
 
     b_crit: float
@@ -90,6 +92,7 @@ class CriticalBatchEstimate:
     loss_end: float
     steps: int
     method: str
+    early_noise_scale: float = math.nan
 
     @property
     def trust_low(self) -> float:
@@ -172,22 +175,36 @@ def summarize_blocks(blocks: torch.Tensor, *, windows: int = 2, trim: float = 0.
         reason = f"the loss fell by less than {MIN_LOSS_FALL:g}× ({loss_start:.3g} → {loss_end:.3g})"
         return _run_average(blocks, loss_start, loss_end, confidence, reason)
     estimate = _windows_estimate(blocks, _window_masks(depth, windows, trim), confidence, loss_start, loss_end)
-    return estimate or _run_average(blocks, loss_start, loss_end, confidence,
-                                    "the middle of the loss range is not resolved")
+    estimate = estimate or _run_average(blocks, loss_start, loss_end, confidence,
+                                        "the middle of the loss range is not resolved")
+    return replace(estimate, early_noise_scale=early_window(blocks, depth, trim, confidence))
+
+
+def early_window(blocks: torch.Tensor, depth: torch.Tensor, trim: float, confidence: float = 0.95) -> float:
+    """``Σ tr Σ̂/Σ |Ĝ|²`` over the blocks in the first ``trim`` of the log-loss depth (``nan`` if not resolved).
+
+    A constant learning rate has to survive the whole run, and for SGD the phase that limits it is the early
+    one, where ``|G|²`` is large and the noise scale small. McCandlish et al.'s ``ε_opt(B) = ε_max/(1 +
+    B_noise/B)`` then transfers the LR with *that* phase's ``B_noise``. Measured on digits (SGD; LRs tuned at
+    every batch 8…512, ``benchmarks/lr_transfer_digits.py``): the tuned LRs of the MLP fit this form with
+    ``B_noise ≈ 11``, and this window read 11–14 from runs at batch 8, 32 and 512, where the run's ``B_crit``
+    is 32–35 (``benchmarks/payoff.py``)."""
+    part = summarize_ratio(blocks[depth <= trim * float(depth[-1]), :7].sum(0).tolist(), confidence)
+    return part.ratio if part.effective_steps > 1.0 and 0.0 < part.ratio < math.inf else math.nan
 
 
 def _windows_estimate(blocks: torch.Tensor, masks: list[torch.Tensor], confidence: float, loss_start: float,
                       loss_end: float) -> CriticalBatchEstimate | None:
     steps = int(round(float(blocks[:, 0].sum())))
     parts = [summarize_ratio(blocks[inside, :7].sum(0).tolist(), confidence) for inside in masks]
-    if all(p.effective_steps > 1.0 for p in parts):
+    if all(p.effective_steps > 1.0 and p.ci_high < math.inf for p in parts):
         g, low, high = geometric_mean_interval(parts)
         if 0.0 < g < math.inf:
             values = tuple(p.ratio for p in parts)
             return CriticalBatchEstimate(g, low, high, confidence, values, loss_start, loss_end, steps, LOSS_WINDOWS)
     whole = summarize_ratio(blocks[torch.stack(masks).any(0), :7].sum(0).tolist(), confidence)
     if whole.effective_steps > 1.0 and 0.0 < whole.ratio < math.inf:  # resolved as one window where K are not
-        method = f"{LOSS_WINDOWS} (one window: {len(masks)} not resolved)"
+        method = f"{LOSS_WINDOWS} (one window: the {len(masks)} windows are not all resolved)"
         return CriticalBatchEstimate(whole.ratio, whole.ci_low, whole.ci_high, confidence, (whole.ratio,),
                                      loss_start, loss_end, steps, method)
     return None
@@ -313,7 +330,8 @@ def critical_batch_size(trace: Values, grad_sq: Values, loss: Values, *, confide
 
 def critical_batch_target(estimate: CriticalBatchEstimate) -> dict[str, Any]:
     """``estimate`` in the shape :func:`gns_callback.recommendation.recommend` reads a noise scale: the batch to
-    aim at (``b_simple``) with its statistical interval; ``averaging`` names where it came from."""
+    aim at (``b_simple``) with its statistical interval; ``averaging`` names where it came from;
+    ``lr_noise_scale`` the early phase's noise scale, for the SGD learning-rate transfer."""
     return {"b_simple": estimate.b_crit, "ci_low": estimate.ci_low, "ci_high": estimate.ci_high,
             "steps": estimate.steps, "confidence": estimate.confidence,
-            "averaging": f"critical batch ({estimate.method})"}
+            "averaging": f"critical batch ({estimate.method})", "lr_noise_scale": estimate.early_noise_scale}

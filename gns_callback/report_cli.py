@@ -50,7 +50,7 @@ how the flags depend on each other:
       pass --lr, or the recommendation gives no learning rate.
   --optimizer picks the LR rule (SGD family or Adam family); --lr-rule overrides the rule. Both act on the
       learning rate only, so they need one (from the report or --lr).
-  --max-batch-size and --power-of-two move the batch only when the estimate is trusted (status ok). Otherwise
+  --max-batch-size and --power-of-two act only when the batch moves (status ok or toward_interval). Otherwise
       the current batch is kept, and the command says that they had no effect.
   --dataset-size sets the epoch length: steps per epoch, warmup steps and time per epoch. Without it, the
       report's steps per epoch are used when the batch is the report's. Runs on an IterableDataset record none:
@@ -139,9 +139,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--dataset-size", type=_positive_int,
                    help="training examples per epoch: steps per epoch, warmup steps, time per epoch")
     g.add_argument("--max-batch-size", type=_positive_int,
-                   help="upper bound on the recommended global batch (acts only when the status is ok)")
+                   help="upper bound on the recommended global batch (acts only when the batch moves: status ok or toward_interval)")
     g.add_argument("--power-of-two", action=argparse.BooleanOptionalAction, default=None,
-                   help="round the recommended batch to a power of two (acts only when the status is ok)")
+                   help="round the recommended batch to a power of two (acts only when the batch moves: status ok or toward_interval)")
     g.add_argument("--price-per-device-hour", type=_positive_float,
                    help="for cost per epoch (needs the probe's throughput and an epoch length)")
     g.add_argument("--estimate", help="report section to recommend from (default: batch_target, the critical batch the callback "
@@ -324,14 +324,14 @@ def recompute(report: Mapping[str, Any], setup: Setup) -> "Recommendation":
 
 def flag_effects(args: argparse.Namespace, rec: "Recommendation") -> list[str]:
     """A sentence for each flag given that could not change the result, saying why."""
-    from gns_callback.recommendation.result import OK
+    from gns_callback.recommendation.result import OK, TOWARD_INTERVAL
 
     notes = []
-    kept = rec.status != OK
+    kept = rec.status not in (OK, TOWARD_INTERVAL)
     for flag, value in (("--max-batch-size", args.max_batch_size), ("--power-of-two", args.power_of_two)):
         if value is not None and kept:
             notes.append(f"{flag} had no effect: status {rec.status} keeps the current batch {rec.current.batch_size}"
-                         " (only a trusted estimate, status ok, moves it)")
+                         " (only status ok or toward_interval moves it)")
     if args.max_batch_size is not None and not kept and rec.target_batch_size <= args.max_batch_size:
         notes.append(f"--max-batch-size {args.max_batch_size} is not binding: the target B_simple = "
                      f"{rec.target_batch_size:.4g} lies below it")

@@ -14,6 +14,7 @@ from gns_callback.critical_batch import (
     RUN_AVERAGE,
     CriticalBatchAccumulator,
     critical_batch_size,
+    critical_batch_target,
     geometric_mean_interval,
     window_edges,
 )
@@ -225,3 +226,19 @@ def test_on_digits_at_fixed_parameters_the_estimate_brackets_the_exact_noise_sca
     assert est.method == LOSS_WINDOWS
     assert est.ci_low <= exact <= est.ci_high, (est, exact)
     assert est.ci_high / est.ci_low < 2.0, est
+
+
+def test_early_noise_scale_is_the_ratio_of_sums_over_the_first_quarter_of_the_loss_range():
+    loss = _geometric_loss(BLOCKS, fall=100.0)
+    depth = np.log(loss[0]) - np.log(loss)
+    grad_sq = np.linspace(3.0, 0.1, BLOCKS)
+    x = np.where(depth <= 0.25 * depth[-1], 6.0, 50.0) * grad_sq
+    est = critical_batch_size(x, grad_sq, loss, smoothing=0)
+    early = depth <= 0.25 * depth[-1]
+    assert est.early_noise_scale == pytest.approx(x[early].sum() / grad_sq[early].sum(), rel=1e-12)
+    assert est.early_noise_scale == pytest.approx(6.0, rel=1e-12) and est.b_crit == pytest.approx(50.0, rel=1e-12)
+    assert critical_batch_target(est)["lr_noise_scale"] == est.early_noise_scale
+    unresolved = critical_batch_size(x, np.where(early, -grad_sq, grad_sq), loss, smoothing=0)
+    assert math.isnan(unresolved.early_noise_scale)
+    flat = critical_batch_size(x, grad_sq, np.full(BLOCKS, 1.0))  # no loss fall: no early phase either
+    assert math.isnan(flat.early_noise_scale)

@@ -17,7 +17,7 @@ from gns_callback.recommendation import Recommendation, recommend  # noqa: E402
 from tests import report_sections  # noqa: E402
 from tests.report_sections import CALLBACK_INPUTS, estimate  # noqa: E402
 
-PNGS = ("gns_history.png", "gns_tradeoff.png", "gns_probe.png")
+PNGS = ("gns_history.png", "gns_tradeoff.png", "gns_probe.png", "gns_objectives.png")
 
 
 def write(path, report):
@@ -161,7 +161,7 @@ def test_max_batch_size_flag(report, report_path, capsys):
 
 
 def test_flags_that_move_the_batch_say_so_when_the_batch_is_kept(tmp_path, capsys):
-    path = write(tmp_path / "r.json", report_sections.report(estimate(300.0, 60.0, 2000.0)))
+    path = write(tmp_path / "r.json", report_sections.report(estimate(300.0, 10.0, 2000.0)))  # holds the batch 16
     text = run(capsys, path, "--no-plots", "--max-batch-size", "48", "--power-of-two")
     for flag in ("--max-batch-size", "--power-of-two"):
         assert f"{flag} had no effect: status too_wide keeps the current batch 16" in text
@@ -225,7 +225,7 @@ def test_help_documents_how_the_flags_depend_on_each_other(capsys):
     for flag in ("--batch-size", "--lr", "--optimizer", "--lr-rule", "--max-batch-size", "--power-of-two",
                  "--dataset-size", "--price-per-device-hour", "--out", "--no-plots"):
         assert flag in dependencies, flag
-    assert "--max-batch-size and --power-of-two move the batch only when the estimate is trusted" in dependencies
+    assert "--max-batch-size and --power-of-two act only when the batch moves (status ok or toward_interval)" in dependencies
     assert "--batch-size is required only when the report has no recommendation section" in dependencies
 
 

@@ -68,6 +68,11 @@ PROBLEMS = {
                             partial(mlp, 64), digits, 0.05, lr_grid(0.02, 1.6), optimizer="momentum"),
     "mlp": Problem("mlp", "digits MLP 64-64-10 (tanh), SGD, target full-data cross-entropy 0.05",
                    partial(mlp, 64), digits, 0.05, lr_grid(0.1, 2.3)),
+    "mlp_adam": Problem("mlp_adam", "digits MLP 64-64-10 (tanh), Adam, target full-data cross-entropy 0.05",
+                        partial(mlp, 64), digits, 0.05, lr_grid(0.002, 0.2), optimizer="adam"),
+    "cnn_adam": Problem("cnn_adam",
+                        "digits CNN (2 conv + GroupNorm + linear, ReLU), Adam, target full-data cross-entropy 0.03",
+                        cnn, digits, 0.03, lr_grid(0.001, 0.1), optimizer="adam"),
     "cnn": Problem("cnn", "digits CNN (2 conv + GroupNorm + linear, ReLU), SGD, target full-data cross-entropy 0.03",
                    cnn, digits, 0.03, lr_grid(0.05, 0.8)),
 }

@@ -28,6 +28,7 @@ class SweepConfig:
     evals_per_run: int = 120
     exact_points: int = 60  # exact |G|², tr Σ at about this many evenly spaced steps per recorded run
     neighbours: int = 1  # grid neighbours of the seed-0 best LR also run all seeds (and are recorded)
+    record: bool = True  # record the per-step traces of the seed runs (the summaries need them)
 
 
 @dataclass
@@ -76,7 +77,7 @@ def sweep_batch(problem: Problem, data, cfg: SweepConfig, b: int, guess: float, 
     seed_runs: dict[float, list[Run]] = {}
 
     def run_seeds(lr: float) -> None:
-        seed_runs[lr] = [train(problem, data, b, lr, s, max_steps=budget, eval_every=every, record=True,
+        seed_runs[lr] = [train(problem, data, b, lr, s, max_steps=budget, eval_every=every, record=cfg.record,
                                exact_every=exact_every)
                         for s in range(cfg.first_seed, cfg.first_seed + cfg.seeds)]
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from benchmarks.bcrit.problems import ExactSums, Problem
 from gns_callback.per_example import PerExampleNormTracker
+from gns_callback.recommendation.rules import warmup_lr
 
 
 @dataclass
@@ -83,8 +84,12 @@ def _optimizer(problem: Problem, params, lr: float) -> torch.optim.Optimizer:
 
 def train(problem: Problem, data, batch_size: int, lr: float, seed: int, *, max_steps: int, eval_every: int,
           cut_after: float = math.inf, record: bool = False, exact_every: int = 1, max_examples: int = 16,
-          diverge_factor: float = 2.0, stall_steps: int = 300) -> Run:
-    """One run to ``problem.target_loss``; with ``record`` its :class:`Trace` up to the crossing step."""
+          diverge_factor: float = 2.0, stall_steps: int = 300, warmup_steps: int = 0,
+          warmup_start_lr: Optional[float] = None) -> Run:
+    """One run to ``problem.target_loss``; with ``record`` its :class:`Trace` up to the crossing step.
+
+    With ``warmup_steps`` the LR ramps linearly from ``warmup_start_lr`` to ``lr`` over that many steps
+    (:func:`gns_callback.recommendation.rules.warmup_lr`, what the recommendation's warmup means)."""
     x, y = data
     net = problem.make_net()
     opt = _optimizer(problem, net.parameters(), lr)
@@ -96,6 +101,10 @@ def train(problem: Problem, data, batch_size: int, lr: float, seed: int, *, max_
     initial, status, found = prev[1], "budget", math.inf
     for step, idx in zip(range(1, max_steps + 1), batch_indices(len(x), batch_size, seed)):
         ex = exact(net) if record and (step - 1) % exact_every == 0 else (math.nan, math.nan)
+        if warmup_steps:
+            for group in opt.param_groups:
+                group["lr"] = warmup_lr(step - 1, start_lr=warmup_start_lr, target_lr=lr,
+                                        warmup_steps=warmup_steps)
         loss = F.cross_entropy(net(x[idx]), y[idx])
         opt.zero_grad(set_to_none=True)
         loss.backward()

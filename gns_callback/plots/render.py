@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from gns_callback.plots.axes import as_float
 from gns_callback.plots.history import plot_history
+from gns_callback.plots.objective import plot_objectives
 from gns_callback.plots.probe import plot_probe
 from gns_callback.plots.tradeoff import plot_tradeoff
 
@@ -19,6 +20,7 @@ if TYPE_CHECKING:  # pragma: no cover
 HISTORY_PNG = "gns_history.png"
 TRADEOFF_PNG = "gns_tradeoff.png"
 PROBE_PNG = "gns_probe.png"
+OBJECTIVES_PNG = "gns_objectives.png"
 
 
 def report_recommendation(report: Mapping[str, Any]) -> Optional["Recommendation"]:
@@ -55,6 +57,7 @@ def render_report(
         "history": (HISTORY_PNG, lambda path: _history(report, recommendation, path)),
         "tradeoff": (TRADEOFF_PNG, lambda path: _tradeoff(report, recommendation, path)),
         "probe": (PROBE_PNG, lambda path: _probe(report, recommendation, path)),
+        "objectives": (OBJECTIVES_PNG, lambda path: _objectives(report, recommendation, path)),
     }
     written = {}
     for name, (filename, draw) in figures.items():
@@ -100,3 +103,9 @@ def _probe(report: Mapping[str, Any], rec: Optional["Recommendation"], path: Pat
     if not report.get("probe"):
         return None
     return plot_probe(report["probe"], chosen_micro_batch=rec.micro_batch_size if rec else None, path=path)
+
+
+def _objectives(report: Mapping[str, Any], rec: Optional["Recommendation"], path: Path) -> Optional["Figure"]:
+    if rec is None or not report.get("probe"):
+        return None
+    return plot_objectives(rec, report["probe"], path=path)

@@ -11,11 +11,13 @@ scaling by optimizer family, warmup), :mod:`.result` (the ``Recommendation`` dat
 
 Stages of ``recommend``: :mod:`.trust` (read the estimate, assess it), :mod:`.current` (the current split),
 :mod:`.hardware` (micro-batch cap and throughput from the probe), :mod:`.batch` (choose the global batch and
-split it), :mod:`.learning_rate` (rule, new LR, warmup), :mod:`.operating_point` (predictions per configuration).
+split it), :mod:`.learning_rate` (rule, new LR, warmup), :mod:`.operating_point` (predictions per configuration),
+:mod:`.objective` (``objective="balanced"/"time"/"cost"``: the three plans side by side).
 """
 
 from gns_callback.recommendation.adapt import AdaptDecision, AdaptPolicy
 from gns_callback.recommendation.core import assess, recommend
+from gns_callback.recommendation.objective import OBJECTIVES, ObjectivePlan, Ratio
 from gns_callback.recommendation.result import STATUSES, OperatingPoint, Recommendation
 from gns_callback.recommendation.rules import (
     lr_rule_for,
@@ -36,9 +38,12 @@ from gns_callback.recommendation.tradeoff import (
 __all__ = [
     "AdaptDecision",
     "AdaptPolicy",
+    "OBJECTIVES",
+    "ObjectivePlan",
     "OperatingPoint",
     "ProbeSummary",
     "ProbeView",
+    "Ratio",
     "Recommendation",
     "STATUSES",
     "assess",

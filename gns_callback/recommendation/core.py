@@ -15,13 +15,29 @@ and :func:`.learning_rate.plan_warmup` → :func:`.operating_point.operating_poi
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any, Mapping, Optional
 
 from gns_callback.recommendation import result as R
 from gns_callback.recommendation.batch import BatchChoice, Bounds, Grid, aim, batch_bounds, keep
+from gns_callback.recommendation.calibration import may_move
 from gns_callback.recommendation.current import CurrentSetup, read_current
-from gns_callback.recommendation.hardware import fit_advice, read_hardware
+from gns_callback.recommendation.hardware import Hardware, fit_advice, read_hardware
 from gns_callback.recommendation.learning_rate import LRChoice, Warmup, choose_lr, plan_warmup
+from gns_callback.recommendation.objective import (
+    BALANCED,
+    GOALS,
+    KEPT,
+    OK,
+    Config,
+    ObjectivePlan,
+    Search,
+    StepTimes,
+    check_objective,
+    device_counts,
+    objective_plans,
+    with_learning_rates,
+)
 from gns_callback.recommendation.operating_point import (
     Economics,
     operating_point,
@@ -35,6 +51,7 @@ from gns_callback.recommendation.trust import (
     DEFAULT_MIN_STEPS,
     EstimateView,
     assess,
+    near_end,
     read_estimate,
     verdict,
 )
@@ -69,6 +86,8 @@ def recommend(
     price_per_device_hour: Optional[float] = None,
     target_epochs: Optional[float] = None,
     sharpness: Optional[float] = None,
+    objective: str = BALANCED,
+    max_devices: Optional[int] = None,
 ) -> Recommendation:
     """Recommend a global batch size ≈ ``B_simple``, its ``micro × accumulate × devices`` split, LR and warmup.
 
@@ -103,17 +122,36 @@ def recommend(
             best the largest seen early in training; caps an SGD-family LR increase at the stability limit
             ``2(1+β)/λ_max`` (:mod:`.stability`). Without it the SGD family's default rule does not raise the LR
             (see :mod:`.learning_rate`); an explicit ``lr_rule`` does.
+        objective: what the recommended batch is for (:mod:`.objective`): ``"balanced"`` the knee ``B ≈ B_noise``;
+            ``"time"`` the least predicted wall time to the same loss; ``"cost"`` the fewest device-hours. The last
+            two need the probe's step times (``probe=`` or ``throughput=``; a ``ValueError`` without either; a
+            probe that measured none gives the balanced batch, with a note). All three are in ``plans``.
+        max_devices: let "time"/"cost" choose the device count, up to this (``None``: keep ``num_devices``);
+            throughput is assumed to scale linearly with devices.
     """
     _check_arguments(current_batch_size, num_devices, multiple_of)
+    check_objective(objective, max_devices)
+    _check_timing_given(objective, probe, throughput)
     est = read_estimate(estimate)
     current = read_current(current_batch_size, num_devices, current_micro_batch_size, current_accumulate)
     status, reason = verdict(est, current_batch_size, max_ci_ratio=max_ci_ratio, min_steps=min_steps,
                              keep_within_interval=keep_within_interval)
+    status, reason = _calibrated(status, reason, est, current_batch_size, optimizer)
     hardware = read_hardware(probe, max_micro_batch, throughput, current)
     bounds = batch_bounds(min_batch_size, max_batch_size, dataset_size)
-    choice = _choose_batch(status, est, bounds, Grid(multiple_of, power_of_two), current, hardware.micro_cap)
-    lr = choose_lr(current_lr, current_batch_size, choice.batch_size, optimizer, lr_rule, b_noise=est.b_simple,
-                   sharpness=sharpness)
+    grid = Grid(multiple_of, power_of_two)
+    choice = _choose_batch(status, est, bounds, grid, current, hardware.micro_cap)
+    search = Search(bounds, grid, hardware.micro_cap, device_counts(num_devices, max_devices))
+    plans = _plans(status, reason, est, choice, current, search, hardware, probe is not None or throughput is not None)
+    choice, devices, status, reason, chosen_notes = _apply_objective(objective, plans[objective], choice,
+                                                                     num_devices, status, reason, est)
+
+    def lr_at(batch_size: int) -> LRChoice:
+        return choose_lr(current_lr, current_batch_size, batch_size, optimizer, lr_rule, b_noise=est.b_simple,
+                         sharpness=sharpness, early_b_noise=est.lr_noise_scale)
+
+    lr = lr_at(choice.batch_size)
+    plans = with_learning_rates(plans, lambda b: lr_at(b).learning_rate)
     econ = Economics(hardware.throughput, _examples_per_epoch(dataset_size, steps_per_epoch, current_batch_size),
                      price_per_device_hour)
     warmup = plan_warmup(current_lr, lr.learning_rate, choice.batch_size, econ.examples_per_epoch,
@@ -121,9 +159,62 @@ def recommend(
     scaling_note = ("throughput assumed to scale linearly with devices (communication not measured)",)
     notes = hardware.notes + choice.notes
     notes += fit_advice(hardware, current, choice.batch_size, choice.micro_batch_size) + lr.notes + warmup.notes
-    notes += scaling_note if (hardware.throughput and num_devices > 1) else ()
-    return _assemble(status, reason, est, current, current_lr, choice, lr, warmup, econ, optimizer, target_epochs,
-                     notes)
+    notes += scaling_note if (hardware.throughput and max(num_devices, devices) > 1) else ()
+    notes += chosen_notes
+    rec = _assemble(status, reason, est, current, current_lr, choice, lr, warmup, econ, optimizer, target_epochs,
+                    notes, devices)
+    return replace(rec, objective=objective, plans=plans, time_to_target_ratio=_plan_time(rec, plans))
+
+
+def _plan_time(rec: Recommendation, plans: Mapping[str, ObjectivePlan]) -> Optional[float]:
+    """The recommended configuration's predicted time ratio from its plan (step times interpolated linearly in
+    the micro-batch, :class:`~gns_callback.recommendation.objective.StepTimes`), else the throughput estimate."""
+    mine = Config(rec.batch_size, rec.micro_batch_size, rec.accumulate_grad_batches, rec.num_devices)
+    for plan in plans.values():
+        if plan.config == mine and plan.time is not None and math.isfinite(plan.time.value):
+            return plan.time.value
+    return rec.time_to_target_ratio
+
+
+def _plans(status: str, reason: str, est: EstimateView, balanced: BatchChoice, current: CurrentSetup,
+           search: Search, hardware: Hardware, probe_given: bool) -> dict[str, ObjectivePlan]:
+    """The three objectives' plans (:func:`~gns_callback.recommendation.objective.objective_plans`)."""
+    times = StepTimes(hardware.throughput) if hardware.throughput else None
+    knee = Config(balanced.batch_size, balanced.micro_batch_size, balanced.accumulate, current.num_devices)
+    return objective_plans(status in R.TRUSTED, reason, est.b_simple, est.ci_low, est.ci_high, knee,
+                           _current_config(current), search, times, probe_given)
+
+
+def _check_timing_given(objective: str, probe: Any, throughput: Optional[Mapping[int, float]]) -> None:
+    if objective != BALANCED and probe is None and throughput is None:
+        raise ValueError(
+            f"recommend(objective={objective!r}) needs measured step times: pass probe= (the callback's "
+            "probe=True result, or gns_callback.probe.probe_micro_batch) or throughput={micro: samples/s per "
+            "device}, or use objective='balanced'"
+        )
+
+
+def _current_config(current: CurrentSetup) -> Config:
+    micro = current.micro_batch_size or max(1, current.batch_size // current.num_devices)
+    return Config(current.batch_size, micro, current.accumulate or 1, current.num_devices)
+
+
+def _apply_objective(
+    objective: str, chosen: ObjectivePlan, balanced: BatchChoice, num_devices: int, status: str, reason: str,
+    est: EstimateView,
+) -> tuple[BatchChoice, int, str, str, tuple[str, ...]]:
+    """``(choice, devices, status, reason, notes)``: the objective's plan when it was computed (status ``ok``);
+    else the balanced batch on the current devices (it keeps the current batch when the estimate is not
+    trusted), with a note when the objective's step times were not measured."""
+    if objective == BALANCED or chosen.status == KEPT:
+        return balanced, num_devices, status, reason, ()
+    if chosen.status != OK:
+        return balanced, num_devices, status, reason, (f"{chosen.reason}; the balanced batch is recommended",)
+    choice = BatchChoice(float(chosen.batch_size), chosen.batch_size, chosen.micro_batch_size,
+                         chosen.accumulate_grad_batches, ())
+    why = (f"objective={objective!r}: {GOALS[objective]}, predicted from the probe's step times at B_simple = "
+           f"{est.b_simple:.4g} (interval {est.ci_low:.4g} – {est.ci_high:.4g})")
+    return choice, chosen.num_devices, R.OK, why, ()
 
 
 def _check_arguments(current_batch_size: int, num_devices: int, multiple_of: int) -> None:
@@ -138,10 +229,24 @@ def _check_arguments(current_batch_size: int, num_devices: int, multiple_of: int
 def _choose_batch(
     status: str, est: EstimateView, bounds: Bounds, grid: Grid, current: CurrentSetup, micro_cap: Optional[int]
 ) -> BatchChoice:
-    """Aim at ``B_simple`` when the verdict is ``ok``; otherwise keep the current batch."""
+    """Aim at ``B_simple`` when the verdict is ``ok``, at the interval's near end when ``toward_interval``;
+    otherwise keep the current batch."""
     if status == R.OK:
         return aim(est.b_simple, bounds, grid, current, micro_cap)
+    if status == R.TOWARD_INTERVAL:
+        return aim(near_end(est, current.batch_size), bounds, grid, current, micro_cap)
     return keep(bounds, current, micro_cap)
+
+
+def _calibrated(status: str, reason: str, est: EstimateView, current_batch_size: int,
+                optimizer: OptimizerLike) -> tuple[str, str]:
+    """``not_calibrated`` (keep) instead of a decrease the critical batch can't support for this optimizer
+    (:mod:`.calibration`)."""
+    if status not in (R.OK, R.TOWARD_INTERVAL):
+        return status, reason
+    target = est.b_simple if status == R.OK else near_end(est, current_batch_size)
+    why = may_move(target, current_batch_size, optimizer)
+    return (status, reason) if why is None else (R.NOT_CALIBRATED, why)
 
 
 def _finite_or_none(value: Optional[float]) -> Optional[float]:
@@ -171,11 +276,12 @@ def _assemble(
     optimizer: OptimizerLike,
     target_epochs: Optional[float],
     notes: tuple[str, ...],
+    devices: int,
 ) -> Recommendation:
     """The operating points of both configurations, and the :class:`Recommendation` holding everything."""
     cur = operating_point(current.batch_size, current.micro_batch_size, current.accumulate, current.num_devices,
                           current_lr, est, econ)
-    rec = operating_point(choice.batch_size, choice.micro_batch_size, choice.accumulate, current.num_devices,
+    rec = operating_point(choice.batch_size, choice.micro_batch_size, choice.accumulate, devices,
                           lr.learning_rate, est, econ)
     ratio = time_to_target_ratio(cur, rec)
     cur, rec = with_target(cur, rec, target_epochs)
@@ -185,7 +291,7 @@ def _assemble(
         batch_size=choice.batch_size,
         micro_batch_size=choice.micro_batch_size,
         accumulate_grad_batches=choice.accumulate,
-        num_devices=current.num_devices,
+        num_devices=devices,
         learning_rate=lr.learning_rate,
         lr_rule=lr.rule,
         lr_rule_source=lr.source,

@@ -1,17 +1,26 @@
 """The learning rate for the recommended batch and the warmup to reach it (the policy around :mod:`.rules`).
 
 The rule comes from ``lr_rule=`` when given (a user override), else from the optimizer's family
-(:func:`~gns_callback.recommendation.rules.lr_rule_for`): noise-aware by default, using the one ``B_noise``
-passed in (the recommendation's estimate).
+(:func:`~gns_callback.recommendation.rules.lr_rule_for`): noise-aware by default, McCandlish et al.'s
+``ε(B) = ε_max/(1 + B_noise/B)`` (its square root for the Adam family).
 
-An SGD-family LR *increase* is bounded by the curvature: given the sharpness ``λ_max``, it stops at the stability
-limit ``2(1+β)/λ_max`` (:mod:`.stability`; never below the current LR). Without it, the family's default keeps
-the current LR: a tuned SGD LR already sits at that limit. Measured on digits (``benchmarks/lr_transfer_digits.py``,
-MLP 64-64-10, LRs tuned at 8…512): from a tuned LR the noise-aware rule alone diverged in 12 of 15 batch
-increases; capped at ``2/λ_max`` with λ_max the largest seen along the run (it peaks early in training) none
-diverged and the median run took 1.2× the steps of the LR tuned at the new batch (worst 1.6×); λ_max at
-initialisation or at the end never bound. Keeping the LR never diverged either (median 1.25×, worst 2.2×).
-An explicit ``lr_rule=`` is applied as asked (capped only when ``sharpness`` is given).
+Which ``B_noise``. A constant LR has to survive the whole run, and an SGD LR is limited by the early phase, where
+``|G|²`` is large and the noise scale small; so an SGD *increase* uses the *early* noise scale when the run
+measured one (``early_b_noise``: :func:`gns_callback.critical_batch.early_window`) and it is the smaller. A
+*decrease* uses the larger of the two: a tuned LR sits at the stability edge, and on digits the early scale alone
+kept the LR too high in 2 of 15 decreases from batch 128 (diverged or 3.7× the steps).
+Measured on digits (``benchmarks/lr_transfer_digits.py``, MLP 64-64-10, LRs tuned at 8…512): the tuned SGD LRs
+fit ``ε_max/(1 + B_noise/B)`` with ``B_noise ≈ 11``, the early window read 11–14 from runs at batch 8, 32 and 512,
+while the run's critical batch is 32–35; with the critical batch as ``B_noise`` the rule diverged in 12 of 15
+batch increases. The Adam family keeps the batch's ``B_noise`` (its tuned LRs kept growing up to batch 48–80
+on the same MLP; ``benchmarks/payoff.py``).
+
+An SGD-family LR *increase* is also bounded by the curvature: given the sharpness ``λ_max``, at the stability limit
+``2(1+β)/λ_max`` (:mod:`.stability`) when the current LR is below it. When the current LR is already above it
+(the largest λ_max of the batch Hessians overstates what binds: tuned digits runs trained at lr·λ_max up to 10),
+the limit is reported and not applied. Without an early noise scale, the family's default keeps the current LR
+on an increase: the rule alone at the batch's ``B_noise`` diverged (above). An explicit ``lr_rule=`` is applied
+as asked (capped only when ``sharpness`` is given).
 
 A warmup ramps linearly from the current LR to the new one whenever the LR factor is above
 ``warmup_threshold`` (Goyal et al. 2017; see :func:`~gns_callback.recommendation.rules.warmup_epochs_for`).
@@ -105,18 +114,40 @@ def choose_lr(
     *,
     b_noise: float,
     sharpness: Optional[float] = None,
+    early_b_noise: float = math.nan,
 ) -> LRChoice:
-    """The current LR moved from ``current_batch_size`` to ``batch_size`` by the chosen rule at ``b_noise``,
-    then bounded by :func:`sgd_ceiling` (SGD rules only)."""
+    """The current LR moved from ``current_batch_size`` to ``batch_size`` by the chosen rule at the noise scale
+    :func:`noise_scale_for` picks, then bounded by :func:`sgd_ceiling` (SGD rules only)."""
     rule, source, notes = pick_rule(optimizer, lr_rule)
     citation = CITATIONS[rule] if source != USER_OVERRIDE else f"{USER_OVERRIDE} ({CITATIONS[rule]})"
     if current_lr is None:
         return LRChoice(rule, source, citation, None, notes)
-    scaled, how = transfer(current_lr, current_batch_size, batch_size, rule, b_noise)
-    ceiling, why = sgd_ceiling(current_lr, rule, sharpness, optimizer, automatic=source != USER_OVERRIDE)
+    scale, which = noise_scale_for(rule, b_noise, early_b_noise, raising=batch_size > current_batch_size)
+    scaled, how = transfer(current_lr, current_batch_size, batch_size, rule, scale)
+    early = rule in SGD_RULES and rule in NOISE_RULES and 0.0 < early_b_noise < math.inf  # measured: no hold
+    how = tuple(f"{note} (B_noise of the early phase: it limits a constant SGD LR)" for note in how) \
+        if which == EARLY else how
+    ceiling, why = sgd_ceiling(current_lr, rule, sharpness, optimizer, automatic=source != USER_OVERRIDE,
+                               early=early)
     new_lr = scaled if ceiling.lr is None else cap_increase(scaled, current_lr, ceiling.lr)
     held = _held_note(rule, scaled, new_lr, ceiling) if new_lr < scaled else ()
     return LRChoice(rule, source, citation, new_lr, notes + how + why + held, ceiling)
+
+
+EARLY = "early phase"
+BATCH = "batch target"
+
+
+def noise_scale_for(rule: str, b_noise: float, early_b_noise: float, *, raising: bool = True) -> tuple[float, str]:
+    """``(B_noise, which)`` for the LR rule. A noise-aware SGD rule with a measured early noise scale (finite and
+    positive) takes the more cautious of the two: the smaller when the batch rises (a smaller LR increase), the
+    larger when it falls (a larger LR decrease). Otherwise the batch's ``B_noise`` (see the module doc)."""
+    if not (rule in SGD_RULES and rule in NOISE_RULES and 0.0 < early_b_noise < math.inf):
+        return b_noise, BATCH
+    if math.isnan(b_noise) or b_noise < 0:
+        return early_b_noise, EARLY
+    cautious = min(early_b_noise, b_noise) if raising else max(early_b_noise, b_noise)
+    return cautious, EARLY if cautious == early_b_noise else BATCH
 
 
 def transfer(
@@ -141,10 +172,12 @@ def transfer(
 
 
 def sgd_ceiling(
-    current_lr: float, rule: str, sharpness: Optional[float], optimizer: OptimizerLike, *, automatic: bool
+    current_lr: float, rule: str, sharpness: Optional[float], optimizer: OptimizerLike, *, automatic: bool,
+    early: bool = False,
 ) -> tuple[Ceiling, tuple[str, ...]]:
-    """The largest LR allowed for an SGD rule: ``max(current, 2(1+β)/λ_max)`` given ``sharpness``; without it,
-    the current LR for the family's default rule (``automatic``), none for an explicit ``lr_rule``. Adaptive
+    """The largest LR allowed for an SGD rule: ``max(current, 2(1+β)/λ_max)`` given ``sharpness`` (none when the
+    current LR is above that limit and the rule ran at the ``early`` noise scale); without a sharpness, the current
+    LR for the family's default rule (``automatic``) unless ``early``, none for an explicit ``lr_rule``. Adaptive
     rules: none (``sharpness`` not used, with a note)."""
     if rule not in SGD_RULES:
         if sharpness is None:
@@ -154,12 +187,17 @@ def sgd_ceiling(
             "optimizer's limit is on the preconditioned Hessian",
         )
     if sharpness is None:
-        return Ceiling(current_lr if automatic else None), ()
+        return Ceiling(current_lr if automatic and not early else None), ()
     momentum = momentum_of(optimizer)
     limit = stability_limit(sharpness, momentum or Momentum())
     unknown = () if momentum is not None else (
         "momentum unknown (pass the optimizer instance): the limit 2/λ_max of plain SGD is assumed",
     )
+    if early and limit <= current_lr:
+        return Ceiling(None, limit, sharpness), unknown + (
+            f"stability limit 2(1+β)/λ_max = {limit:.4g} (λ_max = {sharpness:.4g}) not applied: the run already "
+            f"trains at LR {current_lr:.4g}, above it",
+        )
     return Ceiling(max(current_lr, limit), limit, sharpness), unknown
 
 

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
 from gns_callback.json_values import json_safe
+from gns_callback.recommendation.objective import BALANCED, OBJECTIVES, ObjectivePlan, Ratio
 from gns_callback.recommendation.rules import warmup_lr
 
 #: ``status`` values. The first two are trusted estimates; the others keep the current batch size.
@@ -16,8 +17,11 @@ NO_ESTIMATE = "no_estimate"  # nothing measured (B_simple is nan)
 TOO_FEW_STEPS = "too_few_steps"
 UNBOUNDED = "unbounded"  # |G|² not resolved: ci_high (or B_simple) infinite
 TOO_WIDE = "too_wide"  # ci_high/ci_low above max_ci_ratio
+TOWARD_INTERVAL = "toward_interval"  # too wide or unbounded, but the whole interval lies on one side: moved to its near end
+NOT_CALIBRATED = "not_calibrated"  # a decrease on an optimizer the critical batch is not calibrated for: kept
 TRUSTED = (OK, WITHIN_INTERVAL)
-STATUSES = (OK, WITHIN_INTERVAL, NO_ESTIMATE, TOO_FEW_STEPS, UNBOUNDED, TOO_WIDE)
+STATUSES = (OK, WITHIN_INTERVAL, NO_ESTIMATE, TOO_FEW_STEPS, UNBOUNDED, TOO_WIDE, TOWARD_INTERVAL,
+            NOT_CALIBRATED)
 
 # Float fields whose ``null`` in JSON means "unbounded" (``inf``), unless nothing was measured (``nan``).
 _UNBOUNDED_FIELDS = {
@@ -109,6 +113,8 @@ class Recommendation:
             no positive curvature).
         lr_ceiling: the largest LR this recommendation allows at any batch: ``max(current LR, stability
             limit)``, or the current LR for the SGD family's default rule without a sharpness; ``None``: no bound.
+        objective: what the recommended batch is for (``"balanced"``, ``"time"``, ``"cost"``); ``plans``: the
+            three objectives side by side, ``{objective: ObjectivePlan}`` (:mod:`.objective`).
     """
 
     status: str
@@ -139,6 +145,8 @@ class Recommendation:
     sharpness: Optional[float] = None
     lr_stability_limit: Optional[float] = None
     lr_ceiling: Optional[float] = None
+    objective: str = BALANCED
+    plans: dict[str, ObjectivePlan] = field(default_factory=dict)
 
     @property
     def trusted(self) -> bool:
@@ -164,6 +172,7 @@ class Recommendation:
         data["current"] = self.current.to_dict()
         data["recommended"] = self.recommended.to_dict()
         data["notes"] = list(self.notes)
+        data["plans"] = {name: plan.to_dict() for name, plan in self.plans.items()}
         return json_safe(data)
 
     @classmethod
@@ -176,6 +185,7 @@ class Recommendation:
         values["current"] = OperatingPoint.from_dict(data["current"], missing)
         values["recommended"] = OperatingPoint.from_dict(data["recommended"], missing)
         values["notes"] = tuple(data.get("notes") or ())
+        values["plans"] = {name: ObjectivePlan.from_dict(p) for name, p in (data.get("plans") or {}).items()}
         return cls(**values)
 
     # --- text ----------------------------------------------------------------------------------------------
@@ -252,6 +262,8 @@ class Recommendation:
                 f"Predicted time to the same loss: {self.time_to_target_ratio:.3g}× the current "
                 "(E/E_min over the probe's throughput)"
             )
+        if self.plans:
+            lines += ["", *objectives_table(self.plans, self.objective), ""]
         if self.notes:
             lines.append("Notes:")
             lines += [f"  - {n}" for n in self.notes]
@@ -261,6 +273,41 @@ class Recommendation:
 
     def __str__(self) -> str:
         return self.summary_table()
+
+
+_PLAN_ROWS = (("steps vs current", "steps"), ("examples vs current", "examples"), ("time vs current", "time"),
+              ("device-hours vs current", "device_hours"))
+
+
+def objectives_table(plans: dict[str, ObjectivePlan], chosen: str) -> list[str]:
+    """The three objectives side by side: batch, split, LR, and steps/examples/time/device-hours relative to the
+    current setting with their range over the B_simple interval; the chosen column marked ``*``."""
+    names = [n for n in OBJECTIVES if n in plans]
+    head = ["objective"] + [f"{n}{' *' if n == chosen else ''}" for n in names]
+    rows = [head,
+            ["global batch"] + [_num(plans[n].batch_size) for n in names],
+            ["micro × accumulate × devices"] + [_plan_split(plans[n]) for n in names],
+            ["learning rate"] + [_num(plans[n].learning_rate, 4) for n in names]]
+    rows += [[label] + [_ratio(getattr(plans[n], attr)) for n in names] for label, attr in _PLAN_ROWS]
+    widths = [max(len(r[i]) for r in rows) + 2 for i in range(len(head))]
+    lines = ["Objectives (ratios to the current setting, [range over the B_simple interval]; * = recommended):"]
+    lines += ["  " + "".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines += [f"  {n}: {plans[n].reason}" for n in names if plans[n].status != "ok" and plans[n].reason]
+    return lines
+
+
+def _plan_split(plan: ObjectivePlan) -> str:
+    if plan.batch_size is None:
+        return "not measured"
+    return f"{plan.micro_batch_size} × {plan.accumulate_grad_batches} × {plan.num_devices}"
+
+
+def _ratio(r: Optional[Ratio]) -> str:
+    if r is None:
+        return "–"
+    if math.isnan(r.low) or math.isnan(r.high):
+        return f"{_num(r.value)}×"
+    return f"{_num(r.value)}× [{_num(r.low)}–{_num(r.high)}]"
 
 
 def _num(v: Any, digits: int = 3) -> str:

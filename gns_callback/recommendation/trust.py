@@ -4,6 +4,11 @@ An estimate is trusted when something was measured over enough steps and its con
 narrow (``ci_high/ci_low ≤ max_ci_ratio``). A trusted estimate whose interval already holds the current batch
 keeps it: McCandlish et al.'s trade-off is flat near the knee ``B = B_noise``, so a move inside the interval
 buys nothing the measurement can resolve.
+
+A wide or unbounded interval that lies wholly on one side of the current batch still says which way to go:
+``toward_interval`` moves the batch to the interval's near end (``ci_high`` when the current batch is above it,
+``ci_low`` when below), the smallest move every value in the interval agrees with. From a batch far above the
+knee, a short run at large batch measures few steps and its interval is wide, yet it lies far below the batch.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class EstimateView:
     steps: Optional[int]
     confidence: float = 0.95
     averaging: str = "unknown"
+    lr_noise_scale: float = math.nan  # the early phase's noise scale, for an SGD LR transfer (nan: not given)
 
 
 NO_ESTIMATE = EstimateView(math.nan, math.nan, math.nan, 0, 0.95, "none")
@@ -61,6 +67,7 @@ def read_estimate(estimate: Any) -> EstimateView:
         steps=steps,
         confidence=float(get("confidence") or 0.95),
         averaging=str(get("averaging") or "unknown"),
+        lr_noise_scale=math.nan if get("lr_noise_scale") is None else float(get("lr_noise_scale")),
     )
 
 
@@ -121,4 +128,20 @@ def verdict(
             f"the current batch {current_batch_size} already lies inside the interval "
             f"[{est.ci_low:.4g}, {est.ci_high:.4g}]: kept (the trade-off is flat near the knee)"
         )
+    if status in (R.TOO_WIDE, R.UNBOUNDED) and near_end(est, current_batch_size) is not None:
+        return R.TOWARD_INTERVAL, (
+            f"the interval [{est.ci_low:.4g}, {est.ci_high:.4g}] is too wide to aim at its middle, but lies wholly "
+            f"{'below' if est.ci_high < current_batch_size else 'above'} the current batch {current_batch_size}: "
+            f"moving to its near end, {near_end(est, current_batch_size):.4g}"
+        )
     return status, reason
+
+
+def near_end(est: EstimateView, current_batch_size: int) -> Optional[float]:
+    """The end of the interval nearest the current batch when the interval lies wholly on one side of it
+    (``ci_high`` below it, or a positive ``ci_low`` above it); ``None`` otherwise."""
+    if math.isfinite(est.ci_high) and est.ci_high < current_batch_size:
+        return est.ci_high
+    if math.isfinite(est.ci_low) and est.ci_low > current_batch_size:
+        return est.ci_low
+    return None

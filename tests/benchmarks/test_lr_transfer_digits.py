@@ -59,8 +59,11 @@ def test_exact_parts_and_b_crit_fit(bench):
 
 def test_transfer_rows_follow_the_recommendation_policy_and_render(bench):
     tuned = {8: bench.Tuned(8, 0.5, 1000.0, {}), 64: bench.Tuned(64, 1.2, 300.0, {})}
-    along = {b: bench.Along(40.0, 0.9, 0.5, 2.5, 1.0, [1.0]) for b in tuned}
+    along = {b: bench.Along(40.0, 10.0, 0.9, 0.5, 2.5, 1.0, [1.0]) for b in tuned}
     rows = {(r["b0"], r["b1"], r["rule"]): r["lr"] for r in bench.transfers(tuned, along, "sgd")}
+    early = "default with the early-phase B_noise"
+    assert rows[(8, 64, f"{early}, no sharpness")] == pytest.approx(0.5 * (1 + 10 / 8) / (1 + 10 / 64))  # smaller
+    assert rows[(64, 8, f"{early}, no sharpness")] == pytest.approx(1.2 * (1 + 40 / 64) / (1 + 40 / 8))  # larger
     assert rows[(8, 64, "linear")] == pytest.approx(4.0)
     assert rows[(8, 64, "noise_linear")] == pytest.approx(0.5 * (1 + 40 / 8) / (1 + 40 / 64))
     assert rows[(8, 64, "default, no sharpness (holds increases)")] == 0.5
@@ -76,3 +79,4 @@ def test_transfer_rows_follow_the_recommendation_policy_and_render(bench):
                            transfers=rows, b_crit=30.0)
     text = bench.render(out, "python benchmarks/lr_transfer_digits.py", None)
     assert "Reading (SGD)" in text and "| noise_linear | up | 1 |" in text and "**Adam:**" in text
+    assert "The callback's default" in text

@@ -26,10 +26,10 @@ def assert_png(path):
     assert image.std() > 0.01  # not blank
 
 
-def test_all_three_pngs(report, tmp_path):
+def test_all_four_pngs(report, tmp_path):
     written = plots.render_report(report, tmp_path)
     assert written == {"history": tmp_path / plots.HISTORY_PNG, "tradeoff": tmp_path / plots.TRADEOFF_PNG,
-                       "probe": tmp_path / plots.PROBE_PNG}
+                       "probe": tmp_path / plots.PROBE_PNG, "objectives": tmp_path / plots.OBJECTIVES_PNG}
     for path in written.values():
         assert_png(path)
 

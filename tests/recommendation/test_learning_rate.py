@@ -69,3 +69,32 @@ def test_warmup_in_steps_epochs_only_or_none():
     assert plan_warmup(0.1, 0.2, 256, 1e4, threshold=2.0, warmup_epochs=5.0).steps == 0
     assert plan_warmup(0.8, 0.1, 256, 1e4, threshold=2.0, warmup_epochs=5.0).steps == 0
     assert plan_warmup(None, None, 256, 1e4, threshold=2.0, warmup_epochs=5.0).epochs == 0.0
+
+
+def test_sgd_rule_uses_the_early_noise_scale_when_measured():
+    # ε(B1) = ε(B0)·(1 + Be/B0)/(1 + Be/B1) at the early phase's Be = 8, not the batch target's 64.
+    up = choose_lr(0.5, 8, 32, torch.optim.SGD, None, b_noise=64.0, early_b_noise=8.0)
+    assert up.learning_rate == pytest.approx(0.5 * 2.0 / 1.25) and up.ceiling.lr is None
+    assert "early phase" in up.notes[0]
+    # A decrease takes the larger (more cautious) of the two scales.
+    down = choose_lr(1.0, 512, 64, torch.optim.SGD, None, b_noise=64.0, early_b_noise=8.0)
+    assert down.learning_rate == pytest.approx((1 + 64 / 512) / (1 + 64 / 64))
+    down = choose_lr(1.0, 512, 64, torch.optim.SGD, None, b_noise=4.0, early_b_noise=8.0)
+    assert down.learning_rate == pytest.approx((1 + 8 / 512) / (1 + 8 / 64)) and "early phase" in down.notes[0]
+    # Saturation: far above Be the LR hardly moves; far below, linear.
+    assert choose_lr(1.0, 1024, 4096, "SGD", None, b_noise=64.0, early_b_noise=8.0).learning_rate < 1.01
+    assert choose_lr(1.0, 1, 2, "SGD", None, b_noise=1e6, early_b_noise=1e6).learning_rate == pytest.approx(2.0, rel=1e-5)
+    # Adam keeps the batch's B_noise; an unusable early value is ignored.
+    adam = choose_lr(1e-3, 64, 256, "Adam", None, b_noise=64.0, early_b_noise=8.0)
+    assert adam.learning_rate == pytest.approx(1e-3 * (2 / 1.25) ** 0.5)
+    for bad in (math.nan, 0.0, math.inf):
+        held = choose_lr(0.1, 64, 256, torch.optim.SGD, None, b_noise=64.0, early_b_noise=bad)
+        assert held.learning_rate == 0.1
+
+
+def test_stability_limit_binds_only_below_it_with_the_early_noise_scale():
+    capped = choose_lr(0.1, 8, 64, torch.optim.SGD, None, b_noise=64.0, early_b_noise=8.0, sharpness=14.0)
+    assert capped.learning_rate == pytest.approx(1 / 7) and "capped" in capped.notes[-1]  # rule: 0.1·2/1.125
+    above = choose_lr(0.5, 8, 64, torch.optim.SGD, None, b_noise=64.0, early_b_noise=8.0, sharpness=14.0)
+    assert above.learning_rate == pytest.approx(0.5 * 2 / 1.125) and above.ceiling.lr is None
+    assert above.ceiling.stability_limit == pytest.approx(1 / 7) and any("not applied" in n for n in above.notes)

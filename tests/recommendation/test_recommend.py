@@ -154,10 +154,27 @@ def test_micro_batch_without_probe_keeps_current_micro():
     ],
 )
 def test_untrusted_interval_keeps_current_batch_and_says_why(kw, status, words):
-    r = rec_for(200.0, current_batch_size=48, current_lr=0.05, **kw)
+    r = rec_for(200.0, current_batch_size=400, current_lr=0.05, **kw)  # 400 lies inside every interval here
     assert r.status == status and not r.trusted and not r.changed
-    assert r.batch_size == 48 and r.learning_rate == 0.05 and r.warmup_steps == 0
+    assert r.batch_size == 400 and r.learning_rate == 0.05 and r.warmup_steps == 0
     assert words in r.reason and "keeping the current batch size" in r.reason
+    assert_consistent(r)
+
+
+@pytest.mark.parametrize(
+    "current, lo, hi, expected",
+    [
+        (512, 22.0, 93.0, 96),  # too wide, wholly below: down to ci_high (nearest multiple of 8)
+        (512, 0.0, 93.0, 96),  # lower end unresolved, upper end below the batch
+        (16, 150.0, math.inf, 152),  # unbounded above, wholly above: up to ci_low
+        (16, 150.0, 900.0, 152),
+    ],
+)
+def test_wide_interval_on_one_side_moves_to_its_near_end(current, lo, hi, expected):
+    r = rec_for(60.0, current_batch_size=current, current_micro_batch_size=current, lo=lo, hi=hi)
+    assert r.status == "toward_interval" and not r.trusted
+    assert r.batch_size == expected and r.target_batch_size == (hi if current > hi else lo)
+    assert "near end" in r.reason
     assert_consistent(r)
 
 
@@ -169,7 +186,7 @@ def test_no_estimate_and_gnsestimate_inputs():
     # A report section with a null (unbounded) ci_high, as a dict and as a GNSEstimate.
     d = synthetic_estimate(b=300.0, lo=120.0, hi=None)
     for e in (d, GNSEstimate.from_dict(d)):
-        r = recommend(e, current_batch_size=64, current_lr=0.1)
+        r = recommend(e, current_batch_size=128, current_lr=0.1)
         assert r.status == "unbounded" and "at least 120" in r.reason
     ok = GNSEstimate.from_dict(est(200.0))
     assert recommend(ok, current_batch_size=8, current_lr=0.1).batch_size == 200
@@ -183,7 +200,7 @@ def test_current_batch_inside_interval_is_kept():
 
 
 def test_untrusted_but_probe_allows_fewer_accumulation_steps():
-    r = rec_for(200.0, hi=math.inf, current_batch_size=128, current_accumulate=8, max_micro_batch=64)
+    r = rec_for(200.0, lo=100.0, hi=math.inf, current_batch_size=128, current_accumulate=8, max_micro_batch=64)
     assert (r.batch_size, r.micro_batch_size, r.accumulate_grad_batches) == (128, 64, 2)
     assert any("micro-batch 16 → 64" in n for n in r.notes)
 
@@ -338,7 +355,7 @@ def test_summary_table_has_settings_to_paste():
     assert str(r) == table
     kept = rec_for(256.0, current_batch_size=32, dataset_size=10_000).summary_table()
     assert "SGD(params, lr=0.1)" in kept and "not raised" in kept and "Warmup: none needed" in kept
-    untrusted = rec_for(256.0, hi=math.inf).summary_table()
+    untrusted = rec_for(256.0, hi=math.inf, current_batch_size=400).summary_table()  # 400 inside the interval
     assert "unbounded" in untrusted and "∞" in untrusted
 
 

@@ -1,0 +1,46 @@
+"""Is the critical batch calibrated for this optimizer? Which way may the batch move on it?
+
+The critical batch read off the noise scale (:mod:`gns_callback.critical_batch`) was calibrated against
+McCandlish et al.'s slow measurement (LR tuned per batch, steps to a target, ``S = S_min(1 + B_crit/B)``) for
+plain SGD: within ×2 in 82 of 84 runs. For other optimizers it reads low, measured on digits
+(``benchmarks/critical_batch_summary.py``, ``benchmarks/payoff.py``):
+
+* SGD with momentum 0.9 (MLP): slow-way ``B_crit`` 476, the reading 0.06–0.23× of it;
+* Adam: MLP ``B_crit`` 335, readings 51–178 from runs at batch 8, 32 and 512; CNN 254, readings 53–70.
+
+The gradient noise cannot see the optimizer: momentum and Adam take larger useful steps at large batch, which
+lowers ``S_min`` and raises ``B_crit = E_min/S_min``. So for them the reading is a lower bound, not an estimate:
+a move *up* to it is still below the knee (fewer steps, few extra examples), while a move *down* to it could
+cost several times the steps. For those optimizers the recommendation only raises the batch. A plain SGD
+optimizer whose momentum is unknown (a class or a name, not an instance) is taken as plain SGD.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from gns_callback.recommendation.rules import NOISE_LINEAR, OptimizerLike, lr_rule_for, optimizer_name
+from gns_callback.recommendation.stability import momentum_of
+
+
+def uncalibrated_reason(optimizer: OptimizerLike) -> Optional[str]:
+    """``None`` for plain SGD (the calibrated case); otherwise why the critical batch only bounds ``B_crit``
+    from below for ``optimizer``."""
+    rule, _ = lr_rule_for(optimizer)
+    momentum = momentum_of(optimizer)
+    if rule == NOISE_LINEAR and (momentum is None or momentum.beta == 0.0):
+        return None
+    what = (f"momentum {momentum.beta:g}" if rule == NOISE_LINEAR and momentum is not None
+            else f"{optimizer_name(optimizer) if optimizer is not None else 'an unknown optimizer'}")
+    return (f"the critical batch is calibrated for plain SGD; with {what} the slow-way B_crit on digits was "
+            "1.9–17× the noise-scale reading, which is then a lower bound")
+
+
+def may_move(target: float, current_batch_size: int, optimizer: OptimizerLike) -> Optional[str]:
+    """``None`` when the batch may move from ``current_batch_size`` to ``target``; otherwise the reason it may not
+    (a decrease on an optimizer the critical batch is not calibrated for)."""
+    reason = uncalibrated_reason(optimizer)
+    if reason is None or target >= current_batch_size:
+        return None
+    return (f"{reason}: keeping the current batch {current_batch_size} rather than lowering it to {target:.4g} "
+            "(a decrease could cost several times the steps)")
