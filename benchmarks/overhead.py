@@ -558,9 +558,13 @@ def lightning_configs() -> list[tuple[str, str, str | None, int, str | None, dic
     if default is not None:
         configs.append(("per_example_all", f"per_example ({MAX_EXAMPLES_ARG}=None: all examples), accumulate=1",
                         "per_example", 1, "base_acc1", {MAX_EXAMPLES_ARG: None}))  # fmt: skip
+    configs.append(("per_example_nosharp", f"{per_example_label.split(',')[0]}, sharpness=False, accumulate=1",
+                    "per_example", 1, "base_acc1", {"sharpness": False}))  # the sharpness monitor's share (SGD)
     configs += [
         ("base_acc4", "baseline, accumulate=4", None, 4, None, {}),
         ("micro_batch", "micro_batch, accumulate=4", "micro_batch", 4, "base_acc4", {}),
+        ("micro_batch_nosharp", "micro_batch, sharpness=False, accumulate=4", "micro_batch", 4, "base_acc4",
+         {"sharpness": False}),
     ]
     return configs
 

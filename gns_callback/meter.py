@@ -2,9 +2,10 @@
 
 It owns everything between a gradient and a number: the collector's hooks (:mod:`gns_callback.collectors`),
 each step's window of small-batch norms (:mod:`gns_callback.accumulation`), the step's unbiased ``tr(Σ)`` and
-``|G|²`` (:mod:`gns_callback.estimators`), their smoothing and interval (:mod:`gns_callback.smoothing`), and
-checkpoint state. A gradient's path: hook → collector (per pass) → :meth:`step` (window → step estimates →
-accumulators) → :attr:`estimate`. The Lightning callback only tells it what Lightning knows.
+``|G|²`` (:mod:`gns_callback.estimators`), the recent estimate that follows a moving run
+(:mod:`gns_callback.tracking`), the run average and intervals (:mod:`gns_callback.smoothing`), and checkpoint
+state. A gradient's path: hook → collector (per pass) → :meth:`step` (window → step estimates → recent estimate
+and run average) → :attr:`estimate`. The Lightning callback only tells it what Lightning knows.
 
 Use::
 
@@ -36,11 +37,14 @@ from gns_callback.accumulation import PACKED_FIELDS, AccumulationWindow, LossRed
 from gns_callback.collectors import COLLECTORS, Collector
 from gns_callback.critical_batch import CriticalBatchAccumulator, CriticalBatchEstimate
 from gns_callback.estimate import GNSEstimate
-from gns_callback.smoothing import RatioAccumulator, step_vector, summarize_ratio
+from gns_callback.smoothing import RatioAccumulator, RatioSummary, step_vector, summarize_ratio
+from gns_callback.tracking import LocalLinearRatio
 
 LOSS_REDUCTIONS = ("mean", "sum")
 MEASURING_METHODS = tuple(COLLECTORS)
-STATE_VERSION = 2
+#: 3: the recent estimate is a :class:`~gns_callback.tracking.LocalLinearRatio` (2: an EMA of the parts, which
+#: cannot be converted: a version-2 state resumes everything else, and the recent estimate restarts).
+STATE_VERSION = 3
 
 #: With several ranks, whether one of them found a step unmeasurable travels inside the step's all-reduce; the host
 #: reads it (one device sync) at the first ``AGREE_FIRST`` steps, then every ``AGREE_EVERY`` steps and at
@@ -82,7 +86,8 @@ class GradientNoiseScaleMeter:
         method: ``"per_example"`` (per-example gradient norms inside each batch; not with BatchNorm in training
             mode) or ``"micro_batch"`` (each backward pass's gradient against the step's; needs several backward
             passes per step, or several data-parallel ranks).
-        ema_decay: weight of the past in the recent estimate's moving averages, in ``[0, 1)``.
+        ema_decay: weight of the past in the recent estimate's base window, in ``[0, 1)`` (``0.99``: about the
+            last 200 steps; :class:`~gns_callback.tracking.LocalLinearRatio`).
         confidence: level of the reported intervals, in ``(0, 1)``.
         loss_reduction: ``"mean"`` or ``"sum"``: what each backward pass's loss is over its batch.
         per_example_max_examples: ``per_example`` measures at most this many examples of each batch (None: all).
@@ -92,8 +97,9 @@ class GradientNoiseScaleMeter:
             ``method`` can't measure (``method="auto"`` in the callback: ``"micro_batch"`` where the run has several
             backward passes per step). None: stop measuring instead.
 
-    Read :attr:`estimate` (recent, EMA) and :attr:`run_estimate` (every measured step weighted equally); each
-    read copies the sums to the host once. If the hooks find the model unmeasurable mid-run (a module applied
+    Read :attr:`estimate` (recent: a local-linear fit of the ratio that follows a moving run,
+    :mod:`gns_callback.tracking`) and :attr:`run_estimate` (every measured step weighted equally); each read copies
+    the sums to the host once. If the hooks find the model unmeasurable mid-run (a module applied
     twice, a batch dim that can't be told, a gradient penalty reaching per-example hooks, ...), the meter switches
     to ``fallback_method`` (warning once; the estimate restarts) or stops measuring: it warns once, and both
     estimates read "not measured" (NaN) with the reason in ``failure``. It never raises inside the user's backward
@@ -183,8 +189,9 @@ class GradientNoiseScaleMeter:
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
         """Forget every measured step."""
-        self.ema = RatioAccumulator(self.ema_decay)
+        self.ema = LocalLinearRatio(self.ema_decay)
         self.run = RatioAccumulator(1.0)
+        self.recent_from = 0  # measured steps before the recent estimate started (a version-2 state's)
         self.critical = CriticalBatchAccumulator()
         self.losses_given = False
         self.steps_seen = 0  # optimizer steps offered for measurement
@@ -199,6 +206,7 @@ class GradientNoiseScaleMeter:
             "version": STATE_VERSION,
             "method": self.method,
             "ema": self.ema.state_dict(),
+            "recent_from": self.recent_from,
             "run": self.run.state_dict(),
             "critical": self.critical.state_dict(),
             "losses_given": self.losses_given,
@@ -208,8 +216,16 @@ class GradientNoiseScaleMeter:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.ema.load_state_dict(state["ema"])
+        """Resume from :meth:`state_dict`. A version-2 state (an EMA of the parts as the recent estimate) resumes
+        the run average and the critical batch exactly; the recent estimate starts afresh, because the tracker's
+        sums (normalised steps, their trend moments) can't be rebuilt from the EMA's."""
         self.run.load_state_dict(state["run"])
+        if int(state.get("version", 1)) >= 3:
+            self.ema.load_state_dict(state["ema"])
+            self.recent_from = int(state.get("recent_from", 0))
+        else:
+            self.ema = LocalLinearRatio(self.ema_decay)
+            self.recent_from = round(float(self.run.sums[0]))
         if state.get("critical"):
             self.critical.load_state_dict(state["critical"])
             self.losses_given = bool(state.get("losses_given"))
@@ -344,14 +360,21 @@ class GradientNoiseScaleMeter:
 
     # ------------------------------------------------------------------ results
     def read(self) -> tuple[GNSEstimate, GNSEstimate]:
-        """``(estimate, run_estimate)`` with one device-to-host copy."""
-        ema_sums, run_sums = torch.stack([self.ema.sums, self.run.sums.to(self.ema.sums.device)]).tolist()
+        """``(estimate, run_estimate)`` with one device-to-host copy (the tracker's and the run's sums packed)."""
+        recent = self.ema.packed()
+        values = torch.cat([recent, self.run.sums.to(recent.device)]).tolist()
+        recent_row, run_sums = values[: recent.numel()], values[recent.numel():]
         measured = round(run_sums[0])  # the run average's weight counts the valid steps
-        return self._estimate(ema_sums, measured, "ema"), self._estimate(run_sums, measured, "run")
+        skipped = self.steps_seen - measured
+        return (self._estimate(self.ema.summary_of(recent_row, self.confidence), measured - self.recent_from,
+                               skipped, "ema"),
+                self._estimate(summarize_ratio(run_sums, self.confidence), measured, skipped, "run"))
 
     @property
     def estimate(self) -> GNSEstimate:
-        """The recent estimate (EMA of ``tr(Σ)`` and ``|G|²``, ratio read now) with its interval."""
+        """The recent estimate (:class:`~gns_callback.tracking.LocalLinearRatio`: ``B_simple`` now, following a
+        moving run) with its interval. ``steps`` counts the steps since it started (all measured steps, except
+        after resuming a version-2 state)."""
         return self.read()[0]
 
     @property
@@ -359,12 +382,12 @@ class GradientNoiseScaleMeter:
         """The run-average estimate (every measured step weighted equally) with its interval."""
         return self.read()[1]
 
-    def _estimate(self, sums: list[float], measured: int, averaging: str) -> GNSEstimate:
+    def _estimate(self, summary: RatioSummary, steps: int, skipped: int, averaging: str) -> GNSEstimate:
         estimate = GNSEstimate.from_summary(
-            summarize_ratio(sums, self.confidence),
+            summary,
             confidence=self.confidence,
-            steps=measured,
-            skipped_steps=self.steps_seen - measured,
+            steps=steps,
+            skipped_steps=skipped,
             method=self.method,
             averaging=averaging,
         )

@@ -16,6 +16,7 @@ from pytorch_lightning.callbacks import GradientAccumulationScheduler
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
 from gns_callback import GradientNoiseScaleCallback
+from gns_callback.meter import GradientNoiseScaleMeter
 from gns_callback.recommendation import warmup_lr
 from tests.helpers import Classifier, assert_matches_exact, mlp, with_replacement_loader
 from tests.trust.setups import fit, trains_without_callback
@@ -56,8 +57,16 @@ def shuffled_digits(digits, batch_size=8):
                                        shuffle=True, generator=torch.Generator().manual_seed(0))
 
 
-def test_one_cycle_lr_applies_exactly_the_reported_factor(digits):
-    """The LR at every step is OneCycle's own value times the reported factor along its warmup ramp."""
+def test_one_cycle_lr_applies_exactly_the_reported_factor(digits, monkeypatch):
+    """The LR at every step is OneCycle's own value times the reported factor along its warmup ramp.
+
+    Adapt reads the run average here instead of the recent estimate. This test is about the LR the scheduler
+    applies, not about which estimate adapt reads. With the parameters barely moving, the recent estimate's
+    local-linear fit (``gns_callback.tracking``) has about a third of the run average's effective steps. At
+    B_simple/B ≈ 8 its interval stays wider than adapt trusts within these 4 epochs (``tests/test_tracking.py``
+    covers its accuracy).
+    """
+    monkeypatch.setattr(GradientNoiseScaleMeter, "estimate", property(lambda meter: meter.run_estimate))
     trains_without_callback(lambda: Scheduled(mlp(), one_cycle), lambda: shuffled_digits(digits))
     # The linear rule, uncapped (no sharpness): a large factor, so the test sees the scheduler follow it exactly.
     callback = GradientNoiseScaleCallback(adapt=True, adapt_patience=1, verbose=False, lr_rule="linear", sharpness=False)
