@@ -53,9 +53,10 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             trainable parameters, else ``micro_batch``; if the per-example hooks then find a step they can't measure
             (a layer applied twice, a gradient penalty, ...), it switches to ``micro_batch`` where the run has
             several micro-batches per step, and otherwise stops measuring (README, "When it can't measure").
-        ema_decay: in ``[0, 1)``; weight of the past in the exponential moving averages of ``tr(Σ)`` and
-            ``|G|²`` (smoothed separately, ratio formed when read). ``0.99`` ≈ the last 200 steps.
-            A run average (equal weights) is kept too: ``run_estimate``.
+        ema_decay: in ``[0, 1)``; weight of the past in the recent estimate's window
+            (:class:`gns_callback.tracking.LocalLinearRatio`: a local linear fit of the ratio over
+            normalised steps, which tracks a moving run). ``0.99`` ≈ the last 200 steps. A run average (equal
+            weights) is kept too: ``run_estimate``.
         confidence: level of the reported interval, in ``(0, 1)``.
         loss_reduction: ``"mean"`` (Lightning's convention: the loss is the mean over the batch) or
             ``"sum"``. Wrong here means a wrong estimate, so say which your ``training_step`` returns.
@@ -93,7 +94,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             need ``probe=True``. The report and the printed table show all three.
         max_devices: let ``"time"``/``"cost"`` choose the device count up to this (``None``: the run's).
 
-    After fit: ``estimate`` (EMA) and ``run_estimate`` (run average) are :class:`GNSEstimate` objects,
+    After fit: ``estimate`` (recent) and ``run_estimate`` (run average) are :class:`GNSEstimate` objects,
     ``probe`` the probe result (or None) and ``recommendation`` the recommendation (or None); with
     ``strategy="ddp_spawn"`` read the report (:func:`gns_callback.read_report`) instead.
 
@@ -218,7 +219,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
     # ------------------------------------------------------------------ results
     @property
     def estimate(self) -> GNSEstimate:
-        """The recent (EMA) estimate with its interval; one device sync."""
+        """The recent estimate (it tracks a moving run) with its interval; one device sync."""
         return self._meter_for_reading().estimate
 
     @property
@@ -453,7 +454,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             self._adapt(trainer)
 
     def _adapt(self, trainer: Any) -> None:
-        """Adaptation follows the recent (EMA) estimate: the noise scale grows as training progresses."""
+        """Adaptation follows the recent estimate: the noise scale grows as training progresses."""
         rec = self._recommend(trainer, self.meter.estimate)
         if rec is None:
             return
