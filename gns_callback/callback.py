@@ -71,7 +71,9 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             precision while the cost (about one extra weight-gradient computation for the measured examples)
             drops by ``B/max``. The big-batch gradient always covers the whole batch.
         probe: at the first training batch, measure the largest micro-batch that fits in memory and the
-            throughput per micro-batch size (:mod:`gns_callback.probe`; the run is left exactly as it was).
+            throughput per micro-batch size (:mod:`gns_callback.probe`; the run is left exactly as it was; about
+            2 s of timing). ``None`` (default): on when the run trains on an accelerator (CUDA, MPS, ...) or
+            ``objective`` is not ``"balanced"``, off on CPU, where there is no device memory to find.
         memory_budget_bytes, headroom: the probe's budget (``None``: the device's memory) and the fraction of
             it a micro-batch may use.
         recommend: compute a batch size / learning rate :class:`~gns_callback.recommendation.Recommendation`
@@ -113,7 +115,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         report_path: Optional[str] = None,
         verbose: bool = True,
         per_example_max_examples: Optional[int] = 16,
-        probe: bool = False,
+        probe: Optional[bool] = None,
         memory_budget_bytes: Optional[int] = None,
         headroom: float = 0.85,
         recommend: bool = True,
@@ -348,14 +350,20 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         self._started = True
         self._micro_batch_size = self._sizes[-1]
         self._base_lr = facts.base_lr(trainer)
-        if self._micro_batch_size is None and (self.probe_enabled or self.recommend_enabled):
+        if self._micro_batch_size is None and (self._probe_wanted(trainer) or self.recommend_enabled):
             _warn_rank_zero(trainer,
                 "GradientNoiseScaleCallback: the micro-batch size could not be read off the first training batch (no "
                 "tensor in it, or tensors whose leading dims disagree with no majority), so no probe is run and no "
                 "batch size is recommended. Let the DataLoader yield tensors with the batch as dim 0."
             )
-        elif self.probe_enabled and self.probe_result is None:
+        elif self._probe_wanted(trainer) and self.probe_result is None:
             self._run_probe(trainer, pl_module, batch)
+
+    def _probe_wanted(self, trainer: Any) -> bool:
+        """``probe`` as given, or for ``None``: on an accelerator, or for an objective that needs step times."""
+        if self.probe_enabled is not None:
+            return self.probe_enabled
+        return facts.on_accelerator(trainer) or self.recommend_options["objective"] != BALANCED
 
     def _run_probe(self, trainer: Any, pl_module: Any, batch: Any) -> None:
         """Probe on every rank (they agree through one min all-reduce); our own hooks must not see it."""
@@ -579,7 +587,7 @@ _ARGUMENTS: dict[str, args.Rule] = {
     "report_path": args.Rule(lambda v: v is None or args.report_path_problem(v) is None,
                              lambda v: f"{args.report_path_problem(v)}, or None for <trainer.log_dir>/gns_report.json"),
     "verbose": args.Rule(args.is_bool, "True or False"),
-    "probe": args.Rule(args.is_bool, "True or False"),
+    "probe": args.Rule(args.optional(args.is_bool), "True, False, or None (on for an accelerator)"),
     "memory_budget_bytes": args.Rule(args.optional(args.whole_bytes),
                                      "a positive whole number of bytes, e.g. 8 * 2**30 for 8 GiB, or None for the "
                                      "device's memory"),
@@ -615,7 +623,7 @@ def _check_arguments(values: dict[str, Any]) -> None:
             f"{_OWNER}(min_batch_size={low!r}, max_batch_size={high!r}): min_batch_size must not exceed "
             "max_batch_size, e.g. min_batch_size=16, max_batch_size=4096."
         )
-    if values["objective"] != BALANCED and not values["probe"]:
+    if values["objective"] != BALANCED and values["probe"] is False:
         raise ValueError(
             f"{_OWNER}(objective={values['objective']!r}, probe=False): {values['objective']!r} is chosen from the "
             "probe's measured step time per micro-batch; set probe=True, or objective='balanced'."

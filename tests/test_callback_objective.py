@@ -1,6 +1,9 @@
 """objective= in the callback: refused without the probe, carried into the recommendation and the report."""
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from gns_callback import GradientNoiseScaleCallback, read_report
 from tests.helpers import Classifier, mlp, quiet_trainer, with_replacement_loader
@@ -9,7 +12,17 @@ from tests.helpers import Classifier, mlp, quiet_trainer, with_replacement_loade
 @pytest.mark.parametrize("objective", ["time", "cost"])
 def test_time_and_cost_without_the_probe_are_refused_at_construction(objective):
     with pytest.raises(ValueError, match=rf"objective='{objective}', probe=False.*set probe=True"):
-        GradientNoiseScaleCallback(objective=objective)
+        GradientNoiseScaleCallback(objective=objective, probe=False)
+
+
+def test_probe_default_is_on_for_an_accelerator_or_an_objective_that_needs_it():
+    cpu = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    gpu = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda", 0)))  # no GPU needed
+    assert not GradientNoiseScaleCallback()._probe_wanted(cpu)
+    assert GradientNoiseScaleCallback()._probe_wanted(gpu)
+    assert GradientNoiseScaleCallback(objective="time")._probe_wanted(cpu)
+    assert not GradientNoiseScaleCallback(probe=False)._probe_wanted(gpu)
+    assert GradientNoiseScaleCallback(probe=True)._probe_wanted(cpu)
 
 
 def test_bad_objective_and_max_devices_name_the_fix():

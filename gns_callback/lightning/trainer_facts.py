@@ -61,6 +61,12 @@ def data_parallel_strategy(trainer: Any) -> bool:
     return isinstance(trainer.strategy, types) and sharded_strategy(trainer) is None
 
 
+def on_accelerator(trainer: Any) -> bool:
+    """The run trains on a device other than the CPU (CUDA, MPS, XLA, ...)."""
+    device = getattr(trainer.strategy, "root_device", None)
+    return device is not None and getattr(device, "type", "cpu") != "cpu"
+
+
 def progress_bar_enabled(trainer: Any) -> bool:
     """Whether the Trainer shows a progress bar (``enable_progress_bar``): other progress output follows it, as
     Lightning's tuner does."""
