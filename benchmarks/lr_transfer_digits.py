@@ -455,8 +455,8 @@ def interpretation(out: dict) -> str:
         f"capped at 2/λ_max no pair failed (median {peak['median_ratio']:.2f}×, worst {peak['worst_ratio']:.2f}×); "
         "λ_max at init or at the "
         "end never binds. Without a sharpness, holding the LR on an increase also never failed (median "
-        f"{hold['median_ratio']:.2f}×, worst {hold['worst_ratio']:.2f}×): that is `recommend()`'s SGD default; "
-        "with `sharpness=` it raises the LR up to the stability limit. "
+        f"{hold['median_ratio']:.2f}×, worst {hold['worst_ratio']:.2f}×): that is `recommend()`'s SGD default when "
+        "no early-phase noise scale is given. "
         + early_reading(summary, out)
         + adam_reading(out)
     )
@@ -469,11 +469,24 @@ def early_reading(summary: dict, out: dict) -> str:
     early = [a["b_early"] for a in out["sgd"]["along"].values()]
     return (
         f"**The callback's default** takes B_noise from the early phase (exact values {min(early):.1f}–"
-        f"{max(early):.1f} from the runs at every batch, against the fitted B_crit {out['sgd']['b_crit']:.1f}): up, "
-        f"median {up['median_ratio']:.2f}×, worst {_ratio(up['worst_ratio'])}, {up['failed_pairs']} failed pairs; "
-        f"down, median {down['median_ratio']:.2f}×, worst {_ratio(down['worst_ratio'])}, {down['failed_pairs']} "
-        "failed pairs."
+        f"{max(early):.1f} from the runs at every batch, against the fitted B_crit {out['sgd']['b_crit']:.1f}), the "
+        "more cautious of it and the batch's B_noise in each direction, an increase aimed ×0.85 below the rule, "
+        "capped at the stability limit only where the run trains below it: up, "
+        f"median {up['median_ratio']:.2f}×, worst {_ratio(up['worst_ratio'])}, {up['failed_pairs']} failed pairs, "
+        f"{up['diverged_runs']} diverged run(s) of {3 * up['n']}; down, median {down['median_ratio']:.2f}×, worst "
+        f"{_ratio(down['worst_ratio'])}, {down['failed_pairs']} failed pairs, {down['diverged_runs']} diverged "
+        f"run(s). {_tuned_divergence(out['sgd'])}"
     )
+
+
+def _tuned_divergence(fam: dict) -> str:
+    """Where the grid's own tuned LR diverged on some seeds (the stability edge the rules aim near)."""
+    hits = [f"batch {b} ({_grid_at(t)[1]} of the seeds)" for b, t in fam["tuned"].items() if _grid_at(t)[1]]
+    return f"The LR tuned on the grid itself diverged at {', '.join(hits)}." if hits else ""
+
+
+def _grid_at(tuned: dict) -> tuple[float, int]:
+    return next((v for k, v in tuned["grid"].items() if abs(float(k) - tuned["lr"]) < 1e-9), (math.nan, 0))
 
 
 def adam_reading(out: dict) -> str:
