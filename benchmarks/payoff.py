@@ -246,7 +246,7 @@ def _steps(s: float) -> str:
 
 def render(results: list[ProblemResult], command: str, seconds: float) -> str:
     head = [SECTION_HEADING, "",
-            f"- Command: `{command}`.",
+            f"- Commands: `{command}`.",
             f"- Date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {platform.machine()}, "
             f"{os.cpu_count()} CPU cores shared with other work, no GPU; torch {torch.__version__} (1 thread), "
             f"Python {platform.python_version()}; {seconds:.0f} s wall for the runs rendered here.",
@@ -270,21 +270,24 @@ def main() -> None:
     a = parser.parse_args()
     torch.set_num_threads(1)
     t0 = time.time()
+    command = "python " + " ".join(sys.argv)
     if a.load:
-        results, seconds = [], 0.0
+        results, seconds, runs = [], 0.0, []
         for path in a.load:
             with open(path, "rb") as f:
                 saved = pickle.load(f)
             results += saved["results"]
             seconds += saved["seconds"]
+            runs.append(saved.get("command", path))
+        command = "`; `".join(runs + [command])
     else:
         cfg = QUICK if a.quick else PayoffConfig()
         results = [run_problem(name, cfg, lambda m: print(m, flush=True)) for name in a.problems]
         seconds = time.time() - t0
         if a.save:
             with open(a.save, "wb") as f:
-                pickle.dump(dict(results=results, seconds=seconds), f)
-    text = render(results, "python " + " ".join(sys.argv), seconds)
+                pickle.dump(dict(results=results, seconds=seconds, command=command), f)
+    text = render(results, command, seconds)
     print(text)
     if a.out:
         replace_section(a.out, SECTION_HEADING, text)
