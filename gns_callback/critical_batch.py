@@ -62,7 +62,7 @@ SMOOTHING = 2
 #: Below this loss fall (L_start/L_end) the loss windows are not resolved and the run average is used.
 MIN_LOSS_FALL = 2.0
 #: Measured model error: on the benchmark's runs (plain SGD, every batch 8…512, 6 seeds, two models) the estimate
-#: lay within this factor of the slow-way B_crit in 82 of 84 runs (worst 2.4×), and the statistical interval
+#: lay within this factor of the slow-way B_crit in 82 of 84 runs (worst 2.6×), and the statistical interval
 #: widened by it contained B_crit in all 84 (benchmarks/RESULTS.md, "Critical batch from one run").
 MODEL_FACTOR = 2.0
 #: Columns of a block: the ``SUM_FIELDS`` sums of (tr Σ̂, |Ĝ|²), then the sum of the steps' losses.

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     batch = args.batch_size * args.accumulate
     print()
     print(f"Digits MLP, batch size {batch}, {args.epochs} epochs, val_acc = {trainer.callback_metrics['val_acc']:.3f}")
-    print(f"  recent (EMA) : {est}")
+    print(f"  recent       : {est}")
     print(f"  run average  : {run}")
     if run.steps and run.b_simple < float("inf"):
         ratio = run.b_simple / batch

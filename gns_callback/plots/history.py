@@ -1,4 +1,4 @@
-"""B_simple over training: the recent (EMA) value with its interval, the run average, the batch sizes, fit end.
+"""B_simple over training: the recent value with its interval, the run average, the batch sizes, fit end.
 
 Reads the report's ``"history"`` section: ``[{"step", "b_simple", "ci_low", "ci_high", "b_simple_run"?,
 "final"?}, ...]``. JSON ``null`` in ``b_simple``/``ci_high`` means unbounded (|G|² not resolved from the noise).
