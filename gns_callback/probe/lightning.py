@@ -25,7 +25,7 @@ from gns_callback.probe.oom import short_message
 from gns_callback.probe.search import SplitRequest
 from gns_callback.probe.session import Ranks, Session, run_probe
 from gns_callback.probe.split import per_device_batch
-from gns_callback.probe.standalone import loss_from
+from gns_callback.probe.loss import loss_from
 from gns_callback.probe.trial import StepFn
 
 SPLIT_ATTRIBUTE = "batch_split_factor"

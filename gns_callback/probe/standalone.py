@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from gns_callback.probe.agreement import single_process
 from gns_callback.probe.batches import move_batch
 from gns_callback.probe.config import ProbeConfig, make_config
+from gns_callback.probe.loss import loss_from
 from gns_callback.probe.result import ProbeResult
 from gns_callback.probe.session import Ranks, Session, resolve_measure, run_probe
 from gns_callback.probe.state import preserved_state
@@ -25,25 +26,6 @@ from gns_callback.probe.trial import StepFn, TrialRunner
 log = logging.getLogger(__name__)
 
 Optimizers = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer], None]
-
-
-def loss_from(output: Any, *, reduce: bool = False) -> Tensor:
-    """The loss in a step's output: a scalar tensor, ``output["loss"]``, ``output.loss``; with ``reduce`` also the
-    mean of a tensor or of a tuple's first element (shapes, not values, set the memory)."""
-    if isinstance(output, Tensor):
-        return output if output.numel() == 1 or not reduce else output.float().mean()
-    if isinstance(output, dict) and "loss" in output:
-        return output["loss"]
-    if getattr(output, "loss", None) is not None:
-        return output.loss
-    if isinstance(output, (tuple, list)) and output and reduce:
-        return loss_from(output[0], reduce=True)
-    if output is None:
-        raise TypeError("the step returned None (Lightning's way to skip a batch): no loss to measure on this batch.")
-    raise TypeError(
-        f"the probe needs a loss from the step, got {type(output).__name__}; return a scalar tensor or a dict with "
-        "'loss'."
-    )
 
 
 def _is_lightning_module(model: nn.Module) -> bool:
