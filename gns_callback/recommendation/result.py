@@ -215,7 +215,7 @@ class Recommendation:
         cur, rec = self.current, self.recommended
         head = (
             f"Gradient noise scale: B_simple = {_num(self.b_noise, 4)} ({level}% CI {_num(self.ci_low, 4)} – "
-            f"{_num(self.ci_high, 4)}; {self.estimate_averaging} average over {self.estimate_steps} steps)"
+            f"{_num(self.ci_high, 4)}; {self.estimate_averaging}, {self.estimate_steps} steps)"
         )
         rows: list[tuple[str, str, str]] = [
             ("global batch size", str(cur.batch_size), str(rec.batch_size)),
