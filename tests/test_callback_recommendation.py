@@ -35,6 +35,11 @@ def test_recommendation_agrees_across_logs_summary_report_and_attribute(digits, 
     assert report["recommendation"]["batch_size"] == rec.batch_size
     assert report["recommendation"]["learning_rate"] == pytest.approx(rec.learning_rate)
     assert rec.summary_table() in printed  # the rank-zero summary at fit end
+    # The SGD LR transfer gets the run's early-phase noise scale, read off the same blocks as the batch target.
+    early = report["critical_batch"]["early_noise_scale"]
+    assert early is not None and early > 0 and report["batch_target"]["lr_noise_scale"] == pytest.approx(early)
+    if rec.batch_size != rec.current.batch_size:
+        assert any("B_noise" in note for note in rec.notes)
 
 
 def test_probe_runs_once_reports_and_leaves_training_unchanged(digits, tmp_path):
