@@ -29,7 +29,7 @@ BAD = [
     ("summary_every_n_epochs", -1, "e.g. 1"), ("summary_every_n_epochs", "2", "e.g. 1"),
     ("log_every_n_steps", True, "e.g. 50"), ("log_every_n_steps", 0, "e.g. 50"),
     ("memory_budget_bytes", 0.5, "e.g. 8 * 2**30"), ("memory_budget_bytes", "1GB", "e.g. 8 * 2**30"),
-    ("probe", "no", "True or False"), ("verbose", 1, "True or False"), ("adapt", "yes", "True or False"),
+    ("probe", "no", "True, False, or None"), ("verbose", 1, "True or False"), ("adapt", "yes", "True or False"),
     ("recommend", None, "True or False"), ("power_of_two", 0, "True or False"),
     ("headroom", "0.8", "e.g. 0.85"), ("headroom", None, "e.g. 0.85"), ("headroom", 0, "e.g. 0.85"),
     ("adapt_factor", 1.0, "e.g. 1.5"), ("adapt_factor", "x", "e.g. 1.5"),
