@@ -35,6 +35,7 @@ from gns_callback.meter import ARGUMENTS as METER_ARGUMENTS
 from gns_callback.meter import GradientNoiseScaleMeter
 from gns_callback.probe import ProbeResult
 from gns_callback.recommendation import Recommendation, recommend
+from gns_callback.recommendation.calibration import CALIBRATED, uncalibrated_reason
 from gns_callback.recommendation.objective import BALANCED, OBJECTIVES
 from gns_callback.recommendation.rules import LR_RULES
 from gns_callback.report import DEFAULT_REPORT_NAME, write_report
@@ -512,9 +513,15 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
                                      f"{self._fit_report_path!r} ({error}); the estimates are in cb.estimate and "
                                      "cb.run_estimate.")
 
+    def _calibration(self, trainer: Any) -> str:
+        """How far the critical batch is calibrated for this run's optimizer (:mod:`~gns_callback.recommendation.
+        calibration`)."""
+        reason = uncalibrated_reason(trainer.optimizers[0]) if trainer.optimizers else "no optimizer"
+        return reason or CALIBRATED
+
     def _print_summary(self, trainer: Any, est: GNSEstimate) -> None:
         facts.say(trainer, f"GradientNoiseScaleCallback: {est}\n  {self.meter.critical_batch}\n"
-                           f"  report: {self._fit_report_path}")
+                           f"  calibration: {self._calibration(trainer)}\n  report: {self._fit_report_path}")
         fraction = self.meter.coverage.get("fraction", 1.0)
         if fraction < MIN_COVERAGE and est.failure is None:
             facts.say(trainer, f"GradientNoiseScaleCallback: B_simple is that of {fraction:.1%} of the trainable "
@@ -547,7 +554,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         return {
             "estimate": est.to_dict(),
             "run_estimate": run.to_dict(),
-            "critical_batch": self.meter.critical_batch.to_dict(),
+            "critical_batch": {**self.meter.critical_batch.to_dict(), "calibration": self._calibration(trainer)},
             "batch_target": json_safe(self._batch_target()),  # what the recommendation aimed at (report command)
             "history": self._history,
             "recommendation": self.recommendation.to_dict() if self.recommendation is not None else None,

@@ -123,3 +123,12 @@ def test_adapt_resumes_from_a_checkpoint_with_the_adapted_settings(digits, tmp_p
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         GradientNoiseScaleCallback(**kwargs)
+
+
+def test_report_says_how_far_the_critical_batch_is_calibrated_for_the_optimizer(digits, tmp_path):
+    for optimizer, words in (("sgd", "plain SGD: the calibrated case"), ("adam", "lower bound")):
+        cb = GradientNoiseScaleCallback(report_path=str(tmp_path / f"{optimizer}.json"), verbose=False)
+        trainer = quiet_trainer(max_steps=30, callbacks=[cb])
+        trainer.fit(Classifier(mlp(), lr=0.01, optimizer=optimizer),
+                    with_replacement_loader(*digits, batch_size=16, num_samples=16 * 30, seed=0))
+        assert words in read_report(tmp_path / f"{optimizer}.json")["critical_batch"]["calibration"]

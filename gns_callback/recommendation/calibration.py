@@ -23,6 +23,11 @@ from gns_callback.recommendation.rules import NOISE_LINEAR, OptimizerLike, lr_ru
 from gns_callback.recommendation.stability import momentum_of
 
 
+#: What the report says for plain SGD, the calibrated case.
+CALIBRATED = ("plain SGD: the calibrated case (within ×2 of the slow-way B_crit in 82 of 84 digits runs, "
+              "benchmarks/RESULTS.md)")
+
+
 def uncalibrated_reason(optimizer: OptimizerLike) -> Optional[str]:
     """``None`` for plain SGD (the calibrated case); otherwise why the critical batch only bounds ``B_crit``
     from below for ``optimizer``."""
