@@ -61,9 +61,10 @@ def test_param_names_restricts_measured_params(reference_sq_norms) -> None:
 
 
 def test_prefers_gram_compares_costs() -> None:
-    assert prefers_gram(1, 3, 3) is True  # T·(K+L) = 6 < K·L = 9
-    assert prefers_gram(1, 2, 2) is False  # 4 == 4: a tie materialises
-    assert prefers_gram(2, 2, 2) is False  # 8 > 4
+    assert prefers_gram(1, 3, 3) is True  # T²·(K+L+1) = 7 < (T+1)·K·L = 18
+    assert prefers_gram(64, 128, 128) is True  # 1,052,672 < 1,064,960: the reductions tip the balance
+    assert prefers_gram(2, 2, 2) is False  # 20 > 12
+    assert prefers_gram(1, 1, 2) is False  # 4 == 4: a tie materialises
     assert prefers_gram(100, 64, 64) is False
     assert prefers_gram(10, 512, 512) is True
 
