@@ -32,22 +32,10 @@ def _elementwise_affine_sq_norms(
 
     total = grads.new_zeros(batch_size)
     if normalized is not None:
-        total = total + _summed_products(normalized, grads, num_features, channels_first).square().sum(dim=1)
+        total = total + summed_over_positions(normalized * grads).square().sum(dim=1)
     if use_bias:
         total = total + summed_over_positions(grads).square().sum(dim=1)
     return total
-
-
-def _summed_products(normalized: Tensor, grads: Tensor, num_features: int, channels_first: bool) -> Tensor:
-    """``Σ_pos x̂⊙δ`` per example and feature, (B, num_features). Channels-first positions are contiguous, so
-    it is one batched dot product there (no (B, C, *positions) product tensor: about 1 ms less per GroupNorm
-    on a (64, 32, 32, 32) input on CPU)."""
-    batch_size = grads.shape[0]
-    if channels_first:
-        rows = batch_size * num_features
-        dots = torch.bmm(normalized.reshape(rows, 1, -1), grads.reshape(rows, -1, 1))
-        return dots.reshape(batch_size, num_features)
-    return (normalized * grads).reshape(batch_size, -1, num_features).sum(dim=1)
 
 
 def _check_batched(module: nn.Module, inp: Tensor, normalized_ndim: int) -> None:
