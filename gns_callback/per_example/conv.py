@@ -62,8 +62,8 @@ def conv_sq_norms(
     """Per-example squared gradient norm of a ``Conv1d``/``Conv2d``'s trainable weight and bias.
 
     Weight: ``Σ_g |Σ_p u_{i,g,p}ᵀ δ_{i,g,p}|²`` over groups ``g`` and output positions ``p`` with the
-    unfolded input ``u`` (Rochette et al. 2019): in the Gram form when :func:`prefers_gram` says it is cheaper,
-    else materialised by :func:`per_example_weight_grads`. Bias: ``|Σ_p δ_{i,p}|²``.
+    unfolded input ``u`` (Rochette et al. 2019): materialised by :func:`per_example_weight_grads`, or from im2col
+    (Gram form or materialised, :func:`sequence_sq_norms`) where that is cheaper. Bias: ``|Σ_p δ_{i,p}|²``.
     Shape (B,), float32 (float64 for float64 inputs), for exactly the loss that was backpropagated.
     """
     if not isinstance(module, (nn.Conv1d, nn.Conv2d)):
@@ -83,13 +83,21 @@ def conv_sq_norms(
     return total
 
 
+#: Below this many input channels per group, im2col + ``bmm`` beats the grouped weight-gradient convolution on
+#: CPU (which vectorises over input channels): 3.1 against 4.1 ms for a 3→32 3×3 layer on a (64, 3, 32, 32) batch;
+#: from 16 channels up the convolution is faster (1.1–1.8×). Measured, see benchmarks/RESULTS.md "Overhead".
+_GROUPED_CONV_MIN_CHANNELS = 8
+
+
 def _weight_sq_norms(module: nn.Conv1d | nn.Conv2d, inp: Tensor, grad_output: Tensor) -> Tensor:
-    """``Σ_g |∇W_{i,g}|²`` per example, by the cheaper of the Gram form and materialising (:func:`prefers_gram`)."""
+    """``Σ_g |∇W_{i,g}|²`` per example: materialised by one grouped convolution (:func:`per_example_weight_grads`)
+    unless the Gram form is cheaper (:func:`prefers_gram`) or the layer has few input channels, then via im2col."""
     batch_size, groups = inp.shape[0], module.groups
     out_per_group = module.out_channels // groups
     positions = grad_output[0, 0].numel()
     in_per_group = module.weight[0].numel()
-    if not prefers_gram(positions, in_per_group, out_per_group):
+    few_channels = module.in_channels // groups < _GROUPED_CONV_MIN_CHANNELS
+    if not few_channels and not prefers_gram(positions, in_per_group, out_per_group):
         return per_example_weight_grads(module, inp, grad_output).reshape(batch_size, -1).square().sum(dim=1)
     columns = unfold_input(module, inp)  # channel-major, so each group is a contiguous block
     columns = columns.reshape(batch_size * groups, -1, positions).transpose(1, 2)

@@ -66,6 +66,27 @@ def test_conv2d_gram_and_materialised_paths(
     _check(module, torch.randn(2, in_channels, spatial, spatial, dtype=torch.float64), reference_sq_norms)
 
 
+GROUPED_CONV_CASES = [  # enough input channels per group for the grouped weight-gradient convolution
+    dict(in_channels=8, out_channels=6, kernel_size=3, stride=2, padding=1),
+    dict(in_channels=16, out_channels=4, kernel_size=2, padding="same", dilation=2, groups=2, bias=False),
+    dict(in_channels=8, out_channels=6, kernel_size=3, padding=1, padding_mode="reflect"),
+    dict(in_channels=8, out_channels=4, kernel_size=3, stride=2, padding=2, padding_mode="circular"),
+    dict(in_channels=8, out_channels=3, kernel_size=1, padding="valid"),
+]
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel lengths")
+@pytest.mark.parametrize("conv_cls", [nn.Conv1d, nn.Conv2d])
+@pytest.mark.parametrize("config", GROUPED_CONV_CASES, ids=str)
+def test_grouped_convolution_path(conv_cls: type[nn.Module], config: dict, reference_sq_norms) -> None:
+    module = conv_cls(**config).double()
+    shape = (3, module.in_channels, 40) if conv_cls is nn.Conv1d else (3, module.in_channels, 12, 11)
+    x = torch.randn(shape, dtype=torch.float64)
+    positions = module(x)[0, 0].numel()
+    assert not prefers_gram(positions, module.weight[0].numel(), module.out_channels // module.groups)
+    _check(module, x, reference_sq_norms)
+
+
 @pytest.mark.parametrize("conv_cls", [nn.Conv1d, nn.Conv2d])
 def test_frozen_weight_trainable_bias(conv_cls: type[nn.Module], reference_sq_norms) -> None:
     module = conv_cls(4, 6, 3, padding=1, groups=2).double()
