@@ -98,7 +98,8 @@ def _weight_sq_norms(module: nn.Conv1d | nn.Conv2d, inp: Tensor, grad_output: Te
     in_per_group = module.weight[0].numel()
     few_channels = module.in_channels // groups < _GROUPED_CONV_MIN_CHANNELS
     if not few_channels and not prefers_gram(positions, in_per_group, out_per_group):
-        return per_example_weight_grads(module, inp, grad_output).reshape(batch_size, -1).square().sum(dim=1)
+        grads = per_example_weight_grads(module, inp, grad_output)
+        return grads.reshape(batch_size, -1).square_().sum(dim=1)  # in place: no second (B·out, in, *kernel) buffer
     columns = unfold_input(module, inp)  # channel-major, so each group is a contiguous block
     columns = columns.reshape(batch_size * groups, -1, positions).transpose(1, 2)
     group_grads = grad_output.reshape(batch_size * groups, out_per_group, positions).transpose(1, 2)

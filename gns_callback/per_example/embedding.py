@@ -67,4 +67,4 @@ def embedding_sq_norms(
     rows = (slot + torch.arange(batch_size, device=slot.device).unsqueeze(1) * positions).reshape(-1)
     flat_grads = grads.reshape(batch_size * positions, -1)
     row_grads = torch.zeros_like(flat_grads).index_add_(0, rows, flat_grads)
-    return row_grads.reshape(batch_size, -1).square().sum(dim=1)
+    return row_grads.reshape(batch_size, -1).square_().sum(dim=1)  # in place: row_grads is ours

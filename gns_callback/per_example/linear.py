@@ -59,9 +59,9 @@ def sequence_sq_norms(activations: Tensor, grad_outputs: Tensor) -> Tensor:
         grad_gram = torch.bmm(grad_outputs, grad_outputs.transpose(1, 2))
         # Mathematically >= 0; rounding can make a near-zero result slightly negative. A product and a sum
         # is faster than einsum's batched dot on CPU (1.7 against 2.4 ms for (32, 64, 128) × (32, 64, 512)).
-        return (activation_gram * grad_gram).sum(dim=(1, 2)).clamp_min(0)
+        return activation_gram.mul_(grad_gram).sum(dim=(1, 2)).clamp_min(0)
     per_example_grads = torch.bmm(activations.transpose(1, 2), grad_outputs)
-    return per_example_grads.square().sum(dim=(1, 2))
+    return per_example_grads.square_().sum(dim=(1, 2))
 
 
 def linear_sq_norms(

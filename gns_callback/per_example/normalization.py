@@ -32,7 +32,7 @@ def _elementwise_affine_sq_norms(
 
     total = grads.new_zeros(batch_size)
     if normalized is not None:
-        total = total + summed_over_positions(normalized * grads).square().sum(dim=1)
+        total = total + summed_over_positions(normalized.mul_(grads)).square().sum(dim=1)
     if use_bias:
         total = total + summed_over_positions(grads).square().sum(dim=1)
     return total
