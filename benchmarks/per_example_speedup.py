@@ -63,8 +63,9 @@ def with_functions(step: GnsTrackerStep, functions: dict[type, object]) -> GnsTr
 
 def run(revision: str, models: list[str] | None, steps: int, warmup: int) -> str:
     set_threads(1)
-    lines = [f"| model | batch | baseline CPU ms | layer functions at {revision}: ms (ratio) | working tree: ms (ratio) "
-             "| old/new extra time | max rel. diff old vs new |", "|---|---|---|---|---|---|---|"]
+    lines = [f"| model | batch | baseline CPU ms | layer functions at {revision}: ms (ratio) "
+             "| working tree: ms (ratio) | old/new extra time | max rel. diff old vs new |",
+             "|---|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as tmp:
         old = load_old_functions(revision, Path(tmp))
         for spec in model_specs(quick=False):
@@ -92,8 +93,9 @@ def run(revision: str, models: list[str] | None, steps: int, warmup: int) -> str
                         times[key].append(time.thread_time() - start)
             ms = {k: 1000 * statistics.median(v) for k, v in times.items()}
             extra = (ms["old"] - ms["base"]) / max(ms["new"] - ms["base"], 1e-9)
-            lines.append(f"| {spec.name} | {spec.batch} | {ms['base']:.2f} | {ms['old']:.2f} ({ms['old'] / ms['base']:.2f}×) "
-                         f"| {ms['new']:.2f} ({ms['new'] / ms['base']:.2f}×) | {extra:.2f} | {rel:.1e} |")
+            ratio = {k: ms[k] / ms["base"] for k in ("old", "new")}
+            lines.append(f"| {spec.name} | {spec.batch} | {ms['base']:.2f} | {ms['old']:.2f} ({ratio['old']:.2f}×) "
+                         f"| {ms['new']:.2f} ({ratio['new']:.2f}×) | {extra:.2f} | {rel:.1e} |")
             for step in variants.values():
                 step.close()
     return "\n".join(lines)

@@ -85,7 +85,7 @@ def conv_sq_norms(
 
 #: Below this many input channels per group, im2col + ``bmm`` beats the grouped weight-gradient convolution on
 #: CPU (which vectorises over input channels): 3.1 against 4.1 ms for a 3→32 3×3 layer on a (64, 3, 32, 32) batch;
-#: from 16 channels up the convolution is faster (1.1–1.8×). Measured, see benchmarks/RESULTS.md "Overhead".
+#: with 16–128 channels the convolution was 1.05–1.7× faster. Measured, see benchmarks/RESULTS.md "Overhead".
 _GROUPED_CONV_MIN_CHANNELS = 8
 
 
@@ -110,9 +110,9 @@ def per_example_weight_grads(module: nn.Conv1d | nn.Conv2d, inp: Tensor, grad_ou
     """Per-example weight gradients (B·out_channels, in_channels/groups, *kernel) of ``module``.
 
     One weight-gradient convolution with the batch folded into the channels and ``B·groups`` groups (the
-    grouped-convolution trick of Opacus' ``conv`` grad sampler, and of Rochette et al. 2019): each example is
-    its own group, so group ``(i, g)`` yields ``Σ_p u_{i,g,p}ᵀ δ_{i,g,p}``. No im2col copy; on CPU about
-    1.3–1.8× faster than unfold + ``bmm`` for strided 3×3 layers.
+    grouped-convolution formulation discussed by Rochette et al. 2019): each example is its own group, so group
+    ``(i, g)`` yields ``Σ_p u_{i,g,p}ᵀ δ_{i,g,p}``. No im2col copy; on CPU 1.05–1.7× faster than unfold + ``bmm``
+    from 16 input channels per group up (see ``_GROUPED_CONV_MIN_CHANNELS``).
     """
     inp, padding = _padded(module, inp)
     kernel_size, dilation, stride = module.kernel_size, module.dilation, module.stride
