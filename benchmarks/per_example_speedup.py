@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Per-example norm cost of the working tree against an earlier revision, interleaved in one process.
 
-    python benchmarks/per_example_speedup.py --against 1461142 [--models CNN] [--steps 30]
+    python benchmarks/per_example_speedup.py --against 1461142 [--models CNN] [--steps 30] [--quick]
 
 The layer functions (``gns_callback/per_example/{linear,conv,embedding,normalization}.py``) of ``--against`` are
 read with ``git show`` into a temporary package; the tracker (hooks, glue) is the working tree's for both. Per
@@ -61,14 +61,14 @@ def with_functions(step: GnsTrackerStep, functions: dict[type, object]) -> GnsTr
     return step
 
 
-def run(revision: str, models: list[str] | None, steps: int, warmup: int) -> str:
+def run(revision: str, models: list[str] | None, steps: int, warmup: int, quick: bool = False) -> str:
     set_threads(1)
     lines = [f"| model | batch | baseline CPU ms | layer functions at {revision}: ms (ratio) "
              "| working tree: ms (ratio) | old/new extra time | max rel. diff old vs new |",
              "|---|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as tmp:
         old = load_old_functions(revision, Path(tmp))
-        for spec in model_specs(quick=False):
+        for spec in model_specs(quick=quick):
             if models and spec.name.lower() not in {m.lower() for m in models}:
                 continue
             torch.manual_seed(0)
@@ -107,8 +107,9 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", help="subset of MLP CNN Transformer")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per variant (x3 for the MLP)")
     parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--quick", action="store_true", help="tiny models (smoke test)")
     args = parser.parse_args()
-    print(run(args.against, args.models, args.steps, args.warmup))
+    print(run(args.against, args.models, args.steps, args.warmup, quick=args.quick))
 
 
 if __name__ == "__main__":
