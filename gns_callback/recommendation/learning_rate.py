@@ -134,10 +134,10 @@ def choose_lr(
     scaled, how = transfer(current_lr, current_batch_size, batch_size, rule, scale)
     if which == EARLY:
         how = tuple(f"{note} (B_noise of the early phase: it limits a constant SGD LR)" for note in how)
-    early = rule in SGD_RULES and rule in NOISE_RULES and 0.0 < early_b_noise < math.inf  # measured: no hold
-    ceiling, why = sgd_ceiling(current_lr, rule, sharpness, optimizer, automatic=source != USER_OVERRIDE,
-                               early=early)
-    aimed, margin = _with_margin(current_lr, scaled, rule, automatic=source != USER_OVERRIDE)
+    automatic = source != USER_OVERRIDE
+    ceiling, why = sgd_ceiling(current_lr, rule, sharpness, optimizer, automatic=automatic,
+                               early=has_early_scale(rule, early_b_noise))
+    aimed, margin = _with_margin(current_lr, scaled, rule, automatic=automatic)
     new_lr = aimed if ceiling.lr is None else cap_increase(aimed, current_lr, ceiling.lr)
     held = _held_note(rule, scaled, new_lr, ceiling) if new_lr < aimed else ()
     margin = margin if new_lr > current_lr and not held else ()
@@ -148,11 +148,16 @@ EARLY = "early phase"
 BATCH = "batch target"
 
 
+def has_early_scale(rule: str, early_b_noise: float) -> bool:
+    """A noise-aware SGD rule with a measured (finite, positive) early-phase noise scale."""
+    return rule in SGD_RULES and rule in NOISE_RULES and 0.0 < early_b_noise < math.inf
+
+
 def noise_scale_for(rule: str, b_noise: float, early_b_noise: float, *, raising: bool = True) -> tuple[float, str]:
     """``(B_noise, which)`` for the LR rule. A noise-aware SGD rule with a measured early noise scale (finite and
     positive) takes the more cautious of the two: the smaller when the batch rises (a smaller LR increase), the
     larger when it falls (a larger LR decrease). Otherwise the batch's ``B_noise`` (see the module doc)."""
-    if not (rule in SGD_RULES and rule in NOISE_RULES and 0.0 < early_b_noise < math.inf):
+    if not has_early_scale(rule, early_b_noise):
         return b_noise, BATCH
     if math.isnan(b_noise) or b_noise < 0:
         return early_b_noise, EARLY
