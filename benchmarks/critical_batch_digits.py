@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.bcrit.problems import digits as load_data  # noqa: E402
 from benchmarks.bcrit.training import batch_indices, crossing, full_loss  # noqa: E402
 
 warnings.filterwarnings("ignore")
@@ -87,16 +88,6 @@ QUICK = Config(
 
 
 # ------------------------------------------------------------------------------------------------ data and model
-def load_data(train_size: int = 1500, split_seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(data.target)
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(split_seed))[:train_size]
-    return x[perm].contiguous(), y[perm].contiguous()
-
-
 def make_net(hidden: int = 128, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(64, hidden), nn.Tanh(), nn.Linear(hidden, 10))
@@ -272,6 +263,16 @@ def fit_hyperbola(batch: np.ndarray, steps: np.ndarray) -> dict[str, float]:
                 b_crit_se=b_crit * float(sd[1]), log_b_crit_sd=float(sd[1]))
 
 
+def seed_resample_fit(batch: np.ndarray, per_seed: list[np.ndarray], rng: np.random.Generator) -> Optional[float]:
+    """``B_crit`` of the hyperbola refitted to one bootstrap resample of the seeds' steps at each batch size
+    (``None`` for a degenerate resample)."""
+    s = np.array([rng.choice(v, size=len(v)).mean() for v in per_seed])
+    try:
+        return fit_hyperbola(batch, s)["b_crit"]
+    except Exception:  # a degenerate resample
+        return None
+
+
 def bootstrap_b_crit(results: list[BatchResult], n: int, seed: int = 0) -> dict[str, Any]:
     """Resample the seeds at each B's tuned LR (and, separately, the batch sizes); refit the hyperbola."""
     rng = np.random.default_rng(seed)
@@ -279,11 +280,9 @@ def bootstrap_b_crit(results: list[BatchResult], n: int, seed: int = 0) -> dict[
     per_seed = [np.array(r.seed_steps[r.tuned_lr]) for r in results]
     over_seeds, over_batches = [], []
     for _ in range(n):
-        s = np.array([rng.choice(v, size=len(v)).mean() for v in per_seed])
-        try:
-            over_seeds.append(fit_hyperbola(batch, s)["b_crit"])
-        except Exception:  # a degenerate resample
-            pass
+        fitted = seed_resample_fit(batch, per_seed, rng)
+        if fitted is not None:
+            over_seeds.append(fitted)
         pick = rng.choice(len(batch), size=len(batch))
         if len(set(pick)) >= 3:
             s_mean = np.array([v.mean() for v in per_seed])

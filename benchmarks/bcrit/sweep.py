@@ -14,7 +14,7 @@ import numpy as np
 
 from benchmarks.bcrit.problems import Problem
 from benchmarks.bcrit.training import Run, train
-from benchmarks.critical_batch_digits import fit_hyperbola
+from benchmarks.critical_batch_digits import fit_hyperbola, seed_resample_fit
 
 
 @dataclass(frozen=True)
@@ -123,12 +123,6 @@ def fit_critical_batch(results: list[BatchSweep], bootstrap: int = 1000, seed: i
     fit = fit_hyperbola(batch, steps)
     rng = np.random.default_rng(seed)
     per_seed = [np.array([x.steps for x in r.seed_runs[r.tuned_lr]]) for r in results]
-    boots = []
-    for _ in range(bootstrap):
-        s = np.array([rng.choice(v, size=len(v)).mean() for v in per_seed])
-        try:
-            boots.append(fit_hyperbola(batch, s)["b_crit"])
-        except Exception:  # a degenerate resample
-            pass
+    boots = [b for b in (seed_resample_fit(batch, per_seed, rng) for _ in range(bootstrap)) if b is not None]
     fit["bootstrap"] = (float(np.percentile(boots, 2.5)), float(np.percentile(boots, 97.5)))
     return fit
