@@ -128,11 +128,12 @@ def verdict(
             f"the current batch {current_batch_size} already lies inside the interval "
             f"[{est.ci_low:.4g}, {est.ci_high:.4g}]: kept (the trade-off is flat near the knee)"
         )
-    if status in (R.TOO_WIDE, R.UNBOUNDED) and near_end(est, current_batch_size) is not None:
+    end = near_end(est, current_batch_size) if status in (R.TOO_WIDE, R.UNBOUNDED) else None
+    if end is not None:
         return R.TOWARD_INTERVAL, (
             f"the interval [{est.ci_low:.4g}, {est.ci_high:.4g}] is too wide to aim at its middle, but lies wholly "
             f"{'below' if est.ci_high < current_batch_size else 'above'} the current batch {current_batch_size}: "
-            f"moving to its near end, {near_end(est, current_batch_size):.4g}"
+            f"moving to its near end, {end:.4g}"
         )
     return status, reason
 
