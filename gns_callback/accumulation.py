@@ -12,11 +12,28 @@ the plain mean of the ``n`` micro-batch means (effective size ``n²/Σ_j 1/b_j``
 :func:`gns_callback.estimators.effective_batch_size`); for a sum-reduced loss the example-weighted mean
 (effective size ``Σ_j b_j``). Units may cover only part of a micro-batch (a subset of its examples): the
 big batch always counts all ``b_j``. All values stay on the device: no host synchronisation.
+
+**Example units: every pair of examples that can be told apart.** When the units are single examples
+(``per_example``), ``|G|²`` is estimated from the products ``g_i·g_l`` of distinct examples, as the U-statistic
+``mean_{i≠l} g_i·g_l`` does when every example is measured. The big gradient ``Σ_j w_j S_j`` (``S_j``: micro-batch
+``j``'s summed gradient, ``w_j = 1/(n·b_j)`` for a mean loss, ``1/N`` for a sum) has
+``|Σ_j w_j S_j|² = Σ_(i,l) w_{j(i)} w_{j(l)} g_i·g_l``. Of its terms only two blocks per micro-batch are not
+products of distinct examples, or can't be separated from them: the measured examples' own squares
+``D_j = Σ_{i measured} |g_i|²`` and the unmeasured examples' block ``R_j = |Σ_{i unmeasured} g_i|²`` (``k_j`` and
+``(b_j − k_j)²`` terms). Subtracting both leaves a weighted sum of distinct-pair products, so
+
+    |G|² ≈ (|G_big|² − Σ_j w_j²·(D_j + R_j)) / (1 − Σ_j w_j²·(k_j + (b_j − k_j)²)),
+    tr Σ ≈ mean_{i measured} |g_i|² − |G|²,
+
+unbiased for examples drawn i.i.d. With ``k_j = b_j`` (every example) it is the usual U-statistic; with a subset
+it keeps every pair that involves a measured example, including those with the unmeasured ones, rather than the
+noisier two-batch-size difference of the subset's mean square and the batch's (which carries the subset's sampling
+error of ``mean |g_i|²`` into ``|G|²``, amplified by ``B_simple/B``).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Optional, Union
 
 import torch
 
@@ -34,6 +51,11 @@ PACKED_FIELDS = (
     "micro_size_sum",
     "ranks",
     "loss_divisor_sum",
+    "example_micro_count",
+    "excluded_sq_over_b2",
+    "excluded_sq",
+    "excluded_terms_over_b2",
+    "excluded_terms",
 )
 
 
@@ -58,19 +80,38 @@ class AccumulationWindow:
         self.micro_count = 0
         self.micro_inv_size_sum = 0.0
         self.micro_size_sum = 0.0
+        self._excluded_sqs: list[torch.Tensor] = []
+        self._excluded_weights: list[tuple[float, float]] = []
+        self.excluded_terms_over_b2 = 0.0
+        self.excluded_terms = 0.0
 
     def add_micro_batch(
-        self, sq_sum: torch.Tensor, unit_size_sum: float, unit_count: float, micro_size: int, weight: float = 1.0
+        self, sq_sum: torch.Tensor, unit_size_sum: float, unit_count: float, micro_size: int, weight: float = 1.0,
+        unmeasured_sq: Optional[Union[torch.Tensor, float]] = None,
     ) -> None:
         """Add one micro-batch of ``micro_size`` examples whose units (all of it, or a subset of its examples)
-        contribute ``Σ_u s_u·|ḡ_u|² = weight·sq_sum`` (still AMP-scaled is fine)."""
+        contribute ``Σ_u s_u·|ḡ_u|² = weight·sq_sum`` (still AMP-scaled is fine).
+
+        ``unmeasured_sq``: the units are single examples, ``unit_count`` of them measured, and this is
+        ``|Σ_{i unmeasured} g_i|²`` (0 when every example is measured) on ``sq_sum``'s scale: ``|G|²`` then comes
+        from distinct-example pairs (module docstring)."""
         self._sq_sums.append(sq_sum)
         self._weights.append(float(weight))
+        if unmeasured_sq is not None:
+            self._add_example_blocks(sq_sum + unmeasured_sq, int(unit_count), micro_size, float(weight))
         self.unit_size_sum += unit_size_sum
         self.unit_count += unit_count
         self.micro_count += 1
         self.micro_inv_size_sum += 1.0 / micro_size
         self.micro_size_sum += micro_size
+
+    def _add_example_blocks(self, excluded_sq: torch.Tensor, measured: int, micro_size: int, weight: float) -> None:
+        """Record ``D_j + R_j`` and its ``k_j + (b_j − k_j)²`` terms, weighted for a mean (``/b_j²``) and a sum."""
+        terms = measured + (micro_size - measured) ** 2
+        self._excluded_sqs.append(torch.as_tensor(excluded_sq))
+        self._excluded_weights.append((weight / micro_size**2, weight))
+        self.excluded_terms_over_b2 += terms / micro_size**2
+        self.excluded_terms += terms
 
     @property
     def empty(self) -> bool:
@@ -93,17 +134,27 @@ class AccumulationWindow:
         ``loss_scale``: the AMP GradScaler's scale the backward passes ran with; the small-batch norms are
         divided by its square (the optimizer's ``.grad`` is unscaled by then)."""
         host = [self.unit_size_sum, self.unit_count, float(self.micro_count), self.micro_inv_size_sum,
-                self.micro_size_sum, 1.0, self.loss_divisor]
+                self.micro_size_sum, 1.0, self.loss_divisor, float(len(self._excluded_sqs))]
+        terms = [self.excluded_terms_over_b2, self.excluded_terms]
         if not self._sq_sums:
-            return torch.tensor([0.0, *host], dtype=torch.float64, device=device)
+            return torch.tensor([0.0, *host, 0.0, 0.0, *terms], dtype=torch.float64, device=device)
         sq = torch.stack(self._sq_sums).to(torch.float64)
         device = sq.device if device is None else device
         weights = torch.tensor(self._weights, dtype=torch.float64).to(sq.device, non_blocking=True)
         values = torch.tensor(host, dtype=torch.float64).to(sq.device, non_blocking=True)
-        unit_sq = (sq @ weights).reshape(1)
+        squares = torch.cat([(sq @ weights).reshape(1), self._excluded_packed(sq.device)])
         if loss_scale is not None:
-            unit_sq = unit_sq / torch.as_tensor(loss_scale, dtype=torch.float64, device=sq.device) ** 2
-        return torch.cat([unit_sq, values]).to(device)
+            squares = squares / torch.as_tensor(loss_scale, dtype=torch.float64, device=sq.device) ** 2
+        extra = torch.tensor(terms, dtype=torch.float64).to(sq.device, non_blocking=True)
+        return torch.cat([squares[:1], values, squares[1:], extra]).to(device)
+
+    def _excluded_packed(self, device: torch.device) -> torch.Tensor:
+        """``(Σ_j weight_j·(D_j + R_j)/b_j², Σ_j weight_j·(D_j + R_j))`` on ``device`` (zeros without example units)."""
+        if not self._excluded_sqs:
+            return torch.zeros(2, dtype=torch.float64, device=device)
+        excluded = torch.stack([v.to(device) for v in self._excluded_sqs]).to(torch.float64)
+        weights = torch.tensor(self._excluded_weights, dtype=torch.float64).to(device, non_blocking=True)
+        return excluded @ weights
 
 
 def step_estimates(
@@ -126,9 +177,8 @@ def step_estimates(
     ``valid`` is False when a value is not finite (e.g. a step the GradScaler skips) or the two batch sizes
     coincide (one micro-batch on one device: nothing to compare).
     """
-    unit_sq_sum, unit_size_sum, unit_count, micro_count, micro_inv_size_sum, micro_size_sum, _, divisor_sum = (
-        packed.unbind()
-    )
+    (unit_sq_sum, unit_size_sum, unit_count, micro_count, micro_inv_size_sum, micro_size_sum, _, divisor_sum,
+     example_micro_count, excluded_sq_over_b2, excluded_sq, excluded_terms_over_b2, excluded_terms) = packed.unbind()
     grad_to_mean = divisor_sum / (micro_count if loss_reduction == "mean" else micro_size_sum)
     small_sq = unit_sq_sum / unit_size_sum
     b_small = unit_size_sum / unit_count
@@ -139,5 +189,14 @@ def step_estimates(
     big_sq = step_grad_sq.to(torch.float64) * grad_to_mean**2
     trace = trace_sigma_estimate(small_sq, big_sq, b_small, b_big)
     grad_sq = grad_sq_norm_estimate(small_sq, big_sq, b_small, b_big)
-    valid = torch.isfinite(trace) & torch.isfinite(grad_sq) & (b_big > b_small * (1.0 + 1e-9))
-    return trace, grad_sq, valid
+    valid = b_big > b_small * (1.0 + 1e-9)
+    if loss_reduction == "mean":  # w_j = 1/(n·b_j): Σ w_j²·v_j = Σ (v_j/b_j²)/n²
+        excluded_sq, excluded_terms = excluded_sq_over_b2 / micro_count**2, excluded_terms_over_b2 / micro_count**2
+    else:  # w_j = 1/N
+        excluded_sq, excluded_terms = excluded_sq / micro_size_sum**2, excluded_terms / micro_size_sum**2
+    pairs = (example_micro_count == micro_count) & (micro_count > 0)
+    pair_grad_sq = (big_sq - excluded_sq) / (1.0 - excluded_terms)
+    grad_sq = torch.where(pairs, pair_grad_sq, grad_sq)
+    trace = torch.where(pairs, (small_sq - pair_grad_sq) * b_small, trace)
+    valid = torch.where(pairs, excluded_terms < 1.0 - 1e-9, valid)
+    return trace, grad_sq, valid & torch.isfinite(trace) & torch.isfinite(grad_sq)

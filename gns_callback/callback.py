@@ -67,10 +67,11 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             ``<trainer.log_dir>/gns_report.json``).
         verbose: print a one-line summary on rank zero at fit end.
         per_example_max_examples: ``per_example`` computes per-example norms for at most this many examples of
-            each micro-batch (the first ones; ``None``: all). Their mean squared norm stays unbiased for i.i.d.
-            batches, and the small-batch term weighs only ``1/(B−1)`` in ``|G|²``, so the estimate loses little
-            precision while the cost (about one extra weight-gradient computation for the measured examples)
-            drops by ``B/max``. The big-batch gradient always covers the whole batch.
+            each micro-batch (the first ones; ``None``: all). ``tr Σ`` comes from their mean squared norm, and
+            ``|G|²`` from every pair of distinct examples that involves a measured one (the measured examples'
+            summed gradient is also computed, about ``max/B`` of one weight gradient), both unbiased for i.i.d.
+            batches: most of the precision of measuring every example, at about half the cost for a batch of 32
+            (:mod:`gns_callback.accumulation`). The big-batch gradient always covers the whole batch.
         probe: at the first training batch, measure the largest micro-batch that fits in memory and the
             throughput per micro-batch size (:mod:`gns_callback.probe`; the run is left exactly as it was; about
             2 s of timing). ``None`` (default): on when the run trains on an accelerator (CUDA, MPS, ...) or

@@ -47,5 +47,69 @@ def test_one_micro_batch_is_not_measurable_and_non_finite_is_invalid():
 
 def test_empty_window_packs_zeros_for_the_all_reduce():
     window = AccumulationWindow()
-    expected = torch.tensor([0, 0, 0, 0, 0, 0, 1, 1], dtype=torch.float64)  # sums 0; one rank, divisor 1
+    expected = torch.tensor([0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0], dtype=torch.float64)  # sums 0; one rank, divisor 1
     assert window.empty and torch.equal(window.packed("cpu"), expected)
+
+
+def _example_window(passes, measured, reduction):
+    """A window of example units as the per-example collector fills it (gradients already in per-example units)."""
+    window = AccumulationWindow(loss_divisor=len(passes))
+    for g, k in zip(passes, measured):
+        unmeasured = g[k:].sum(0).pow(2).sum()
+        window.add_micro_batch(g[:k].pow(2).sum(), float(k), float(k), g.shape[0], unmeasured_sq=unmeasured)
+    n, total = len(passes), sum(g.shape[0] for g in passes)
+    weights = [1.0 / (n * g.shape[0]) if reduction == "mean" else 1.0 / total for g in passes]
+    big = sum(w * g.sum(0) for w, g in zip(weights, passes))  # the big batch's mean gradient
+    to_step = 1.0 if reduction == "mean" else total / n  # the optimizer's .grad (each pass's loss divided by n)
+    return window, big * to_step, weights
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_example_units_average_every_distinct_pair_but_the_unmeasured_blocks(reduction):
+    """|G|² = Σ w_i w_l g_i·g_l / Σ w_i w_l over ordered pairs i ≠ l, leaving out pairs of two unmeasured examples of
+    the same micro-batch (brute force over pairs); tr Σ = mean of the measured |g_i|² minus it."""
+    torch.manual_seed(0)
+    passes = [torch.randn(b, 3, dtype=torch.float64) + 0.5 for b in (5, 3, 4)]
+    measured = [2, 3, 1]
+    window, step_grad, weights = _example_window(passes, measured, reduction)
+    trace, grad_sq, valid = step_estimates(window.packed(), step_grad.pow(2).sum(), reduction)
+    rows = [(j, r, passes[j][r], weights[j]) for j in range(3) for r in range(passes[j].shape[0])]
+    numerator = denominator = 0.0
+    for j, r, g, w in rows:
+        for j2, r2, g2, w2 in rows:
+            both_unmeasured = j == j2 and r >= measured[j] and r2 >= measured[j]
+            if (j, r) != (j2, r2) and not both_unmeasured:
+                numerator += w * w2 * float(g @ g2)
+                denominator += w * w2
+    mean_sq = sum(float(g[:k].pow(2).sum()) for g, k in zip(passes, measured)) / sum(measured)
+    assert valid
+    assert grad_sq.item() == pytest.approx(numerator / denominator, rel=1e-10)
+    assert trace.item() == pytest.approx(mean_sq - numerator / denominator, rel=1e-10)
+
+
+def test_every_example_measured_is_the_u_statistic():
+    torch.manual_seed(1)
+    g = torch.randn(6, 4, dtype=torch.float64)
+    window, big, _ = _example_window([g], [6], "mean")
+    trace, grad_sq, _ = step_estimates(window.packed(), big.pow(2).sum())
+    torch.testing.assert_close(trace, g.var(0, unbiased=True).sum())
+    torch.testing.assert_close(grad_sq, (g.sum(0).pow(2).sum() - g.pow(2).sum()) / 30)
+
+
+def test_example_units_are_unbiased_for_a_subset():
+    """Averaged over many i.i.d. batches, a subset's estimates match the population's |G|² and tr Σ (tolerance from
+    the standard error of the mean)."""
+    gen = torch.Generator().manual_seed(2)
+    population = torch.randn(50, 3, dtype=torch.float64, generator=gen) * torch.tensor([1.0, 2.0, 0.5]) + 0.3
+    mean = population.mean(0)
+    exact_grad_sq, exact_trace = float(mean @ mean), float((population - mean).pow(2).sum(1).mean())
+    values = []
+    for _ in range(4000):
+        batch = population[torch.randint(0, 50, (8,), generator=gen)]
+        window, big, _ = _example_window([batch], [3], "mean")
+        trace, grad_sq, _ = step_estimates(window.packed(), big.pow(2).sum())
+        values.append((float(trace), float(grad_sq)))
+    values = torch.tensor(values, dtype=torch.float64)
+    for column, exact in ((0, exact_trace), (1, exact_grad_sq)):
+        se = values[:, column].std() / len(values) ** 0.5
+        assert abs(values[:, column].mean() - exact) < 4 * se

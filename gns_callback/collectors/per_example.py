@@ -1,7 +1,9 @@
 """``method="per_example"``: exact per-example gradient norms inside each batch (torch, no Lightning).
 
 The layer hooks live in :mod:`gns_callback.per_example`; here each backward pass's per-example squared norms
-``|ĝ_i|²`` become units of size 1 of the small-batch term. Hook-level per-example gradients carry the loss
+``|ĝ_i|²`` become units of size 1 of the small-batch term. When only some examples are measured
+(``max_examples``), each pass also gives the unmeasured examples' summed gradient norm, so that ``|G|²`` comes from
+every pair of distinct examples that involves a measured one (:mod:`gns_callback.accumulation`). Hook-level per-example gradients carry the loss
 divisor and, for a mean loss, ``1/b``: ``g_i = divisor·b·ĝ_i`` (mean) or ``divisor·ĝ_i`` (sum).
 """
 
@@ -76,7 +78,9 @@ class PerExampleCollector:
             _check_size(b, batch_sizes, j)
             measured = record.sq_norms.shape[0]
             factor = float(divisor * b if loss_reduction == "mean" else divisor) ** 2
-            window.add_micro_batch(record.sq_norms.sum(), float(measured), float(measured), b, weight=factor)
+            unmeasured = record.unmeasured_sq if measured < b else 0.0
+            window.add_micro_batch(record.sq_norms.sum(), float(measured), float(measured), b, weight=factor,
+                                   unmeasured_sq=unmeasured)
         return len(passes)
 
 

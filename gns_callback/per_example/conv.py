@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from .linear import includes_param, prefers_gram, sequence_sq_norms, upcast
 
-__all__ = ["conv_sq_norms", "per_example_weight_grads", "unfold_input"]
+__all__ = ["conv_summed_grads", "conv_sq_norms", "per_example_weight_grads", "unfold_input"]
 
 
 def unfold_input(module: nn.Conv1d | nn.Conv2d, inp: Tensor) -> Tensor:
@@ -136,3 +136,24 @@ def _padded(module: nn.Conv1d | nn.Conv2d, inp: Tensor) -> tuple[Tensor, tuple[i
     mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
     spatial = 1 if isinstance(module, nn.Conv1d) else 2
     return (F.pad(inp, padding, mode=mode) if any(padding) else inp), (0,) * spatial
+
+
+def conv_summed_grads(
+    module: nn.Conv1d | nn.Conv2d,
+    inp: Tensor,
+    grad_output: Tensor,
+    *,
+    param_names: Collection[str] | None = None,
+) -> dict[str, Tensor]:
+    """The gradient these examples alone contribute: the layer's weight-gradient convolution and bias sum over the
+    rows given (same padding, stride, dilation and groups as its forward). Float32 (float64 kept)."""
+    inp, grad_output = upcast(inp, grad_output)
+    summed = {}
+    if includes_param(module, "weight", param_names):
+        padded, padding = _padded(module, inp)
+        weight_grad = torch.nn.grad.conv1d_weight if isinstance(module, nn.Conv1d) else torch.nn.grad.conv2d_weight
+        summed["weight"] = weight_grad(padded, module.weight.shape, grad_output, stride=module.stride,
+                                       padding=padding, dilation=module.dilation, groups=module.groups)
+    if includes_param(module, "bias", param_names):
+        summed["bias"] = grad_output.transpose(0, 1).reshape(module.out_channels, -1).sum(dim=1)
+    return summed

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from .linear import includes_param, upcast
 
-__all__ = ["embedding_sq_norms", "embedding_unsupported_reason"]
+__all__ = ["embedding_sq_norms", "embedding_summed_grads", "embedding_unsupported_reason"]
 
 
 def embedding_unsupported_reason(module: nn.Embedding) -> str | None:
@@ -68,3 +68,22 @@ def embedding_sq_norms(
     flat_grads = grads.reshape(batch_size * positions, -1)
     row_grads = torch.zeros_like(flat_grads).index_add_(0, rows, flat_grads)
     return row_grads.reshape(batch_size, -1).square_().sum(dim=1)  # in place: row_grads is ours
+
+
+def embedding_summed_grads(
+    module: nn.Embedding,
+    inp: Tensor,
+    grad_output: Tensor,
+    *,
+    param_names: Collection[str] | None = None,
+) -> dict[str, Tensor]:
+    """The weight gradient these examples alone contribute: their ``δ`` rows scatter-added into the rows of their
+    tokens, the ``padding_idx`` row left at zero (as the layer's backward). Float32 (float64 kept)."""
+    if not includes_param(module, "weight", param_names):
+        return {}
+    (grads,) = upcast(grad_output)
+    tokens = inp.reshape(-1)
+    rows = grads.reshape(tokens.shape[0], module.embedding_dim)
+    if module.padding_idx is not None:
+        rows = rows.masked_fill((tokens == module.padding_idx).unsqueeze(-1), 0)
+    return {"weight": rows.new_zeros(module.num_embeddings, module.embedding_dim).index_add_(0, tokens, rows)}

@@ -13,7 +13,7 @@ from collections.abc import Collection
 import torch
 from torch import Tensor, nn
 
-__all__ = ["linear_sq_norms", "prefers_gram", "sequence_sq_norms"]
+__all__ = ["linear_sq_norms", "linear_summed_grads", "prefers_gram", "sequence_sq_norms"]
 
 
 def upcast(*tensors: Tensor) -> tuple[Tensor, ...]:
@@ -102,3 +102,23 @@ def linear_sq_norms(
     if use_bias:
         total = total + grads.sum(dim=1).square().sum(dim=1)
     return total
+
+
+def linear_summed_grads(
+    module: nn.Linear,
+    inp: Tensor,
+    grad_output: Tensor,
+    *,
+    param_names: Collection[str] | None = None,
+) -> dict[str, Tensor]:
+    """The gradient these examples alone contribute, ``Σ_i G_i``: weight ``Σ_{i,t} δ_{i,t} a_{i,t}ᵀ`` (L, K), bias
+    ``Σ_{i,t} δ_{i,t}``; the layer's own backward restricted to the rows given. Float32 (float64 kept)."""
+    activations, grads = upcast(inp, grad_output)
+    activations = activations.reshape(-1, activations.shape[-1])
+    grads = grads.reshape(-1, grads.shape[-1])
+    summed = {}
+    if includes_param(module, "weight", param_names):
+        summed["weight"] = grads.t() @ activations
+    if includes_param(module, "bias", param_names):
+        summed["bias"] = grads.sum(dim=0)
+    return summed

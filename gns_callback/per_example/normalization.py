@@ -16,7 +16,8 @@ from torch import Tensor, nn
 
 from .linear import includes_param, upcast
 
-__all__ = ["group_norm_sq_norms", "layer_norm_sq_norms", "rms_norm_sq_norms"]
+__all__ = ["group_norm_sq_norms", "group_norm_summed_grads", "layer_norm_sq_norms", "layer_norm_summed_grads",
+           "rms_norm_sq_norms", "rms_norm_summed_grads"]
 
 
 def _elementwise_affine_sq_norms(
@@ -110,3 +111,58 @@ def group_norm_sq_norms(
         normalized = F.group_norm(inp, module.num_groups, None, None, module.eps)
     use_bias = includes_param(module, "bias", param_names)
     return _elementwise_affine_sq_norms(normalized, grads, module.num_channels, use_bias, channels_first=True)
+
+
+def _elementwise_affine_summed(
+    module: nn.Module, normalized: Tensor | None, grads: Tensor, use_bias: bool, channels_first: bool
+) -> dict[str, Tensor]:
+    """``Σ_{i,pos} x̂⊙δ`` (weight, only if ``normalized`` is given) and ``Σ_{i,pos} δ`` (bias), in the parameters'
+    shapes: the gradient the given examples alone contribute."""
+    shape = module.weight.shape if getattr(module, "weight", None) is not None else module.bias.shape
+
+    def summed(values: Tensor) -> Tensor:
+        if channels_first:  # (B, C, *positions)
+            return values.transpose(0, 1).reshape(shape.numel(), -1).sum(dim=1).reshape(shape)
+        return values.reshape(-1, shape.numel()).sum(dim=0).reshape(shape)
+
+    out = {}
+    if normalized is not None:
+        out["weight"] = summed(normalized.mul_(grads))
+    if use_bias:
+        out["bias"] = summed(grads)
+    return out
+
+
+def layer_norm_summed_grads(
+    module: nn.LayerNorm, inp: Tensor, grad_output: Tensor, *, param_names: Collection[str] | None = None
+) -> dict[str, Tensor]:
+    """Weight ``Σ_{i,pos} x̂_i ⊙ δ_i`` and bias ``Σ_{i,pos} δ_i`` over the rows given (float32, float64 kept)."""
+    shape = tuple(module.normalized_shape)
+    inp, grads = upcast(inp, grad_output)
+    normalized = None
+    if includes_param(module, "weight", param_names):
+        normalized = F.layer_norm(inp, shape, None, None, module.eps)
+    return _elementwise_affine_summed(module, normalized, grads, includes_param(module, "bias", param_names), False)
+
+
+def rms_norm_summed_grads(
+    module: nn.RMSNorm, inp: Tensor, grad_output: Tensor, *, param_names: Collection[str] | None = None
+) -> dict[str, Tensor]:
+    """Weight ``Σ_{i,pos} x̂_i ⊙ δ_i`` over the rows given (``eps=None``: the input dtype's epsilon)."""
+    shape = tuple(module.normalized_shape)
+    eps = module.eps if module.eps is not None else torch.finfo(inp.dtype).eps
+    inp, grads = upcast(inp, grad_output)
+    if not includes_param(module, "weight", param_names):
+        return {}
+    return _elementwise_affine_summed(module, F.rms_norm(inp, shape, None, eps), grads, False, False)
+
+
+def group_norm_summed_grads(
+    module: nn.GroupNorm, inp: Tensor, grad_output: Tensor, *, param_names: Collection[str] | None = None
+) -> dict[str, Tensor]:
+    """Per-channel weight ``Σ_{i,pos} x̂_i ⊙ δ_i`` and bias ``Σ_{i,pos} δ_i`` over the rows given."""
+    inp, grads = upcast(inp, grad_output)
+    normalized = None
+    if includes_param(module, "weight", param_names):
+        normalized = F.group_norm(inp, module.num_groups, None, None, module.eps)
+    return _elementwise_affine_summed(module, normalized, grads, includes_param(module, "bias", param_names), True)

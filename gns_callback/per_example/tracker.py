@@ -17,15 +17,23 @@ from torch.utils.hooks import RemovableHandle
 
 from gns_callback.backward_passes import PassLedger, current_pass, in_functorch_transform
 
-from .conv import conv_sq_norms
-from .embedding import embedding_sq_norms, embedding_unsupported_reason
+from .conv import conv_sq_norms, conv_summed_grads
+from .embedding import embedding_sq_norms, embedding_summed_grads, embedding_unsupported_reason
 from .layout import LayoutError, batch_dim, is_sequence_first, position_dims
-from .linear import linear_sq_norms
-from .normalization import group_norm_sq_norms, layer_norm_sq_norms, rms_norm_sq_norms
+from .linear import linear_sq_norms, linear_summed_grads
+from .normalization import (
+    group_norm_sq_norms,
+    group_norm_summed_grads,
+    layer_norm_sq_norms,
+    layer_norm_summed_grads,
+    rms_norm_sq_norms,
+    rms_norm_summed_grads,
+)
 
 __all__ = ["SUPPORTED_MODULES", "PerExampleNormTracker"]
 
 SqNormFunction = Callable[..., Tensor]
+SummedGradFunction = Callable[..., dict[str, Tensor]]
 
 #: Exact module types handled. Subclasses are deliberately not matched: a subclass may override
 #: ``forward`` so that the gradient w.r.t. its output is no longer the gradient w.r.t. the base op.
@@ -39,6 +47,18 @@ SUPPORTED_MODULES: dict[type[nn.Module], SqNormFunction] = {
     nn.RMSNorm: rms_norm_sq_norms,
 }
 
+#: Per supported type, the gradient a subset of the batch's examples contributes (``max_examples`` below the batch
+#: size): with it, the unmeasured examples' summed gradient is the pass's gradient minus the subset's.
+SUMMED_GRADIENTS: dict[type[nn.Module], SummedGradFunction] = {
+    nn.Linear: linear_summed_grads,
+    nn.Conv1d: conv_summed_grads,
+    nn.Conv2d: conv_summed_grads,
+    nn.Embedding: embedding_summed_grads,
+    nn.LayerNorm: layer_norm_summed_grads,
+    nn.GroupNorm: group_norm_summed_grads,
+    nn.RMSNorm: rms_norm_summed_grads,
+}
+
 #: The layer functions measure exactly these parameters of a supported module.
 _MEASURED_PARAM_NAMES = frozenset({"weight", "bias"})
 
@@ -50,9 +70,13 @@ _MICRO_BATCH_HINT = (
 
 @dataclass
 class PassNorms:
-    """What one backward pass contributed: per-example squared norms summed over covered modules."""
+    """What one backward pass contributed: per-example squared norms summed over covered modules, and, when only
+    some of its examples are measured, ``|Σ_{i unmeasured} g_i|²`` summed over covered parameters."""
 
     sq_norms: Tensor | None = None
+    unmeasured_sq: Tensor | None = None
+    #: The measured examples' summed gradient per parameter, until that parameter's whole gradient arrives.
+    subset_grads: dict[str, Tensor] = field(default_factory=dict)
     batch_size: int | None = None
     source: str = ""
     fired: set = field(default_factory=set)
@@ -61,12 +85,19 @@ class PassNorms:
     def add(self, sq_norms: Tensor) -> None:
         self.sq_norms = sq_norms if self.sq_norms is None else self.sq_norms + sq_norms
 
+    def add_unmeasured(self, param_name: str, grad: Tensor) -> None:
+        """Add ``|grad − Σ_{i measured} g_i|²`` for one parameter whose pass gradient ``grad`` just arrived."""
+        subset = self.subset_grads.pop(param_name)
+        sq = (grad.to(subset.dtype) - subset).square().sum().float()
+        self.unmeasured_sq = sq if self.unmeasured_sq is None else self.unmeasured_sq + sq
+
 
 @dataclass(frozen=True)
 class _CoveredModule:
     name: str
     param_names: frozenset[str]
     sq_norms: SqNormFunction
+    summed_grads: SummedGradFunction
 
 
 def _qualified(prefix: str, name: str) -> str:
@@ -173,6 +204,7 @@ class PerExampleNormTracker:
                 name=module_name or type(module).__name__,
                 param_names=frozenset(local_names),
                 sq_norms=SUPPORTED_MODULES[type(module)],
+                summed_grads=SUMMED_GRADIENTS[type(module)],
             )
 
     def covered_parameters(self) -> list[nn.Parameter]:
@@ -243,6 +275,9 @@ class PerExampleNormTracker:
         unmeasurable (hooks never raise inside ``backward``). Does not sync the device."""
         committed = self._passes.pop()
         failure = self.failure or next((p.failure for p in committed if p.failure is not None), None)
+        if failure is None and any(p.subset_grads for p in committed):
+            failure = ("a measured layer's parameters received no gradient in its backward pass (their whole "
+                       "gradient is needed when only some examples are measured); set max_examples=None")
         self._reset_state()
         if failure is not None:
             raise RuntimeError(f"PerExampleNormTracker: {failure}")
@@ -338,16 +373,23 @@ class PerExampleNormTracker:
     def _measure(self, record: PassNorms, module: nn.Module, covered: _CoveredModule, inp: Tensor,
                  grad_output: Tensor) -> None:
         """Add ``module``'s per-example squared norms (batch in dim 0 by now) to the pass."""
-        if self.max_examples is not None and grad_output.shape[0] > self.max_examples:
+        subset = self.max_examples is not None and grad_output.shape[0] > self.max_examples
+        if subset:
             inp, grad_output = inp[: self.max_examples], grad_output[: self.max_examples]
         with torch.no_grad():
             sq_norms = covered.sq_norms(module, inp, grad_output, param_names=covered.param_names)
+            if subset:
+                summed = covered.summed_grads(module, inp, grad_output, param_names=covered.param_names)
+                record.subset_grads.update({_qualified(covered.name, k): v for k, v in summed.items()})
         record.add(sq_norms.float())
 
     def _on_param_grad(self, module: nn.Module, param_name: str, grad: Tensor) -> None:
         if not self._active() or not self._saw_tracked_forward:
             return
         record = self._pass_record()
+        if param_name in record.subset_grads:
+            with torch.no_grad():
+                record.add_unmeasured(param_name, grad)
         if record.failure is None and module not in record.fired:
             self._fail_pass(record,
                 f"parameter '{param_name}' received a gradient that did not flow through its module's output: "

@@ -404,3 +404,36 @@ def test_sequence_first_input_is_measured_along_dim_1() -> None:
         sequence_first = tracker.pop()
     torch.testing.assert_close(sequence_first, batch_first, rtol=1e-6, atol=0)
     assert sequence_first.shape == (BATCH,)
+
+
+@pytest.mark.parametrize("factory, shape", [(make_mlp, (7, 5)), (make_cnn, (7, 3, 6, 6))])
+def test_a_subset_pass_records_the_unmeasured_examples_summed_gradient(factory, shape) -> None:
+    """With ``max_examples`` below the batch, the pass also holds ``|Σ_{i unmeasured} g_i|²`` over the covered
+    parameters: brute force from per-example gradients."""
+    model = factory()
+    inputs = torch.randn(shape, dtype=torch.float64)
+    tracker = PerExampleNormTracker(model, max_examples=3).attach()
+    out = model(inputs)
+    weights = torch.randn_like(out)
+    (out * weights).sum().backward()
+    (record,) = tracker.pop_passes()
+    covered = {name for name, p in model.named_parameters() if any(p is q for q in tracker.covered_parameters())}
+    rest = torch.stack([per_example_vector(model, inputs[i], weights[i], covered) for i in range(3, shape[0])])
+    assert record.sq_norms.shape == (3,)
+    assert record.unmeasured_sq.item() == pytest.approx(rest.sum(0).square().sum().item(), rel=1e-5)
+    assert not record.subset_grads
+
+
+def test_every_example_measured_records_no_unmeasured_block() -> None:
+    model = make_mlp()
+    tracker = PerExampleNormTracker(model, max_examples=7).attach()
+    model(torch.randn(7, 5, dtype=torch.float64)).sum().backward()
+    (record,) = tracker.pop_passes()
+    assert record.unmeasured_sq is None and not record.subset_grads
+
+
+def per_example_vector(model: nn.Module, x: torch.Tensor, weight: torch.Tensor, names: set[str]) -> torch.Tensor:
+    """One example's gradient of ``(model(x)·weight).sum()`` over the parameters ``names``, flattened."""
+    params = [p for n, p in model.named_parameters() if n in names]
+    grads = torch.autograd.grad((model(x.unsqueeze(0)) * weight.unsqueeze(0)).sum(), params)
+    return torch.cat([g.reshape(-1) for g in grads])
