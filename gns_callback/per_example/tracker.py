@@ -18,6 +18,7 @@ from torch.utils.hooks import RemovableHandle
 from gns_callback.backward_passes import PassLedger, current_pass, in_functorch_transform
 
 from .conv import conv_sq_norms, conv_summed_grads
+from .cost import COSTS, CostFunction, subset_is_cheaper
 from .embedding import embedding_sq_norms, embedding_summed_grads, embedding_unsupported_reason
 from .layout import LayoutError, batch_dim, is_sequence_first, position_dims
 from .linear import linear_sq_norms, linear_summed_grads
@@ -77,6 +78,8 @@ class PassNorms:
     unmeasured_sq: Tensor | None = None
     #: The measured examples' summed gradient per parameter, until that parameter's whole gradient arrives.
     subset_grads: dict[str, Tensor] = field(default_factory=dict)
+    #: Whether this pass measures only ``max_examples`` examples (decided at its first measured layer).
+    subset: bool | None = None
     batch_size: int | None = None
     source: str = ""
     fired: set = field(default_factory=set)
@@ -87,8 +90,8 @@ class PassNorms:
 
     def add_unmeasured(self, param_name: str, grad: Tensor) -> None:
         """Add ``|grad − Σ_{i measured} g_i|²`` for one parameter whose pass gradient ``grad`` just arrived."""
-        subset = self.subset_grads.pop(param_name)
-        sq = (grad.to(subset.dtype) - subset).square().sum().float()
+        difference = self.subset_grads.pop(param_name).sub_(grad).reshape(-1)  # ours: no new buffer
+        sq = torch.dot(difference, difference).float()
         self.unmeasured_sq = sq if self.unmeasured_sq is None else self.unmeasured_sq + sq
 
 
@@ -98,6 +101,8 @@ class _CoveredModule:
     param_names: frozenset[str]
     sq_norms: SqNormFunction
     summed_grads: SummedGradFunction
+    cost: CostFunction
+    param_count: int
 
 
 def _qualified(prefix: str, name: str) -> str:
@@ -138,8 +143,9 @@ class PerExampleNormTracker:
     def __init__(self, model: nn.Module, max_examples: int | None = None) -> None:
         self.model = model
         self.enabled = True
-        #: Measure only the first ``max_examples`` examples of each batch (None: all). Their mean squared
-        #: norm is still unbiased for i.i.d. batches, at a fraction of the cost.
+        #: Measure only the first ``max_examples`` examples of each batch, when that is cheaper than measuring
+        #: every example (:mod:`.cost`; None: always all). Each such pass also records the unmeasured examples'
+        #: summed gradient norm, ``PassNorms.unmeasured_sq``.
         self.max_examples = max_examples
         #: Examples in the micro-batch whose forward/backward runs next (None: unknown, see the class docstring).
         self.expected_batch_size: int | None = None
@@ -154,6 +160,7 @@ class PerExampleNormTracker:
         self._handles: list[RemovableHandle] = []
         self._attached = False
         self._passes: PassLedger[PassNorms] = PassLedger()
+        self._forward_costs: list[tuple[float, float, int]] = []  # per covered layer run since the last decision
         self._saw_tracked_forward = False
         self._sequence_first = False
         self._analyse()
@@ -205,6 +212,8 @@ class PerExampleNormTracker:
                 param_names=frozenset(local_names),
                 sq_norms=SUPPORTED_MODULES[type(module)],
                 summed_grads=SUMMED_GRADIENTS[type(module)],
+                cost=COSTS[type(module)],
+                param_count=sum(getattr(module, name).numel() for name in local_names),
             )
 
     def covered_parameters(self) -> list[nn.Parameter]:
@@ -298,6 +307,7 @@ class PerExampleNormTracker:
 
     def _reset_state(self) -> None:
         self._passes.clear()
+        self._forward_costs: list[tuple[float, float, int]] = []
         self._saw_tracked_forward = False
         self.failure = None
 
@@ -331,6 +341,10 @@ class PerExampleNormTracker:
         self._saw_tracked_forward = True
         # The hook lives on the output's autograd node, so the saved input is freed with the graph.
         output.register_hook(partial(self._on_output_grad, module, inp.detach()))
+        covered = self._covered_modules.get(module)
+        if self.max_examples is not None and covered is not None:
+            batch = self.expected_batch_size or inp.shape[0]
+            self._forward_costs.append((*covered.cost(module, inp, output, batch), covered.param_count))
 
     def _pass_record(self) -> PassNorms:
         pass_id = current_pass()
@@ -373,7 +387,7 @@ class PerExampleNormTracker:
     def _measure(self, record: PassNorms, module: nn.Module, covered: _CoveredModule, inp: Tensor,
                  grad_output: Tensor) -> None:
         """Add ``module``'s per-example squared norms (batch in dim 0 by now) to the pass."""
-        subset = self.max_examples is not None and grad_output.shape[0] > self.max_examples
+        subset = self._measures_subset(record, grad_output.shape[0])
         if subset:
             inp, grad_output = inp[: self.max_examples], grad_output[: self.max_examples]
         with torch.no_grad():
@@ -382,6 +396,15 @@ class PerExampleNormTracker:
                 summed = covered.summed_grads(module, inp, grad_output, param_names=covered.param_names)
                 record.subset_grads.update({_qualified(covered.name, k): v for k, v in summed.items()})
         record.add(sq_norms.float())
+
+    def _measures_subset(self, record: PassNorms, batch_size: int) -> bool:
+        """Whether this pass measures only the first ``max_examples`` examples: decided once per pass, when the
+        layers seen in the forward passes since the last decision say it is cheaper (:mod:`.cost`)."""
+        if record.subset is None:
+            costs, self._forward_costs = self._forward_costs, []
+            record.subset = (self.max_examples is not None and batch_size > self.max_examples
+                             and subset_is_cheaper(costs, batch_size, self.max_examples))
+        return record.subset
 
     def _on_param_grad(self, module: nn.Module, param_name: str, grad: Tensor) -> None:
         if not self._active() or not self._saw_tracked_forward:

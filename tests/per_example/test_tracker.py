@@ -7,6 +7,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gns_callback.per_example import PerExampleNormTracker
+from gns_callback.per_example import tracker as tracker_module
 
 from .conftest import per_example_sq_norms_reference
 
@@ -407,9 +408,10 @@ def test_sequence_first_input_is_measured_along_dim_1() -> None:
 
 
 @pytest.mark.parametrize("factory, shape", [(make_mlp, (7, 5)), (make_cnn, (7, 3, 6, 6))])
-def test_a_subset_pass_records_the_unmeasured_examples_summed_gradient(factory, shape) -> None:
+def test_a_subset_pass_records_the_unmeasured_examples_summed_gradient(factory, shape, monkeypatch) -> None:
     """With ``max_examples`` below the batch, the pass also holds ``|Σ_{i unmeasured} g_i|²`` over the covered
-    parameters: brute force from per-example gradients."""
+    parameters: brute force from per-example gradients (a subset forced even where measuring all is cheaper)."""
+    monkeypatch.setattr(tracker_module, "subset_is_cheaper", lambda *args: True)
     model = factory()
     inputs = torch.randn(shape, dtype=torch.float64)
     tracker = PerExampleNormTracker(model, max_examples=3).attach()
@@ -424,12 +426,24 @@ def test_a_subset_pass_records_the_unmeasured_examples_summed_gradient(factory, 
     assert not record.subset_grads
 
 
-def test_every_example_measured_records_no_unmeasured_block() -> None:
+@pytest.mark.parametrize("max_examples", [7, 3])
+def test_every_example_measured_records_no_unmeasured_block(max_examples: int) -> None:
+    """A batch no larger than ``max_examples``, or a model whose norms are cheaper than a subset's summed gradient
+    (plain Linear layers), measures every example."""
     model = make_mlp()
-    tracker = PerExampleNormTracker(model, max_examples=7).attach()
+    tracker = PerExampleNormTracker(model, max_examples=max_examples).attach()
     model(torch.randn(7, 5, dtype=torch.float64)).sum().backward()
     (record,) = tracker.pop_passes()
+    assert record.sq_norms.shape == (7,)
     assert record.unmeasured_sq is None and not record.subset_grads
+
+
+def test_a_convolution_measures_the_subset_where_it_is_cheaper() -> None:
+    model = make_cnn()
+    tracker = PerExampleNormTracker(model, max_examples=3).attach()
+    model(torch.randn(16, 3, 6, 6, dtype=torch.float64)).sum().backward()
+    (record,) = tracker.pop_passes()
+    assert record.subset and record.sq_norms.shape == (3,) and record.unmeasured_sq is not None
 
 
 def per_example_vector(model: nn.Module, x: torch.Tensor, weight: torch.Tensor, names: set[str]) -> torch.Tensor:

@@ -1,0 +1,69 @@
+"""Rough per-example costs of the per-example norms and of a subset's summed gradient, per layer type.
+
+With ``max_examples = k`` below the batch size ``b``, a pass computes the norms of ``k`` examples plus their summed
+gradient (so that ``|G|²`` keeps the pairs with the unmeasured examples, :mod:`gns_callback.accumulation`), and
+reads every measured parameter's gradient once more. Measuring every example costs ``b`` norms and nothing else,
+and is the more precise of the two. The tracker measures a subset only when this model says it is cheaper:
+never for plain ``Linear`` layers, whose norms are ``|a_i|²·|δ_i|²`` (``K + L`` multiply-adds), and for layers
+with many positions (convolutions, sequences) when ``k`` is well below ``b/2``.
+
+Costs are multiply-adds per example; they only have to rank the two choices.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import Tensor, nn
+
+from .linear import prefers_gram
+
+#: ``(norm cost, summed-gradient cost)`` of one example, from the module, its input and output, and the batch size.
+CostFunction = Callable[[nn.Module, Tensor, Tensor, int], tuple[float, float]]
+
+
+def sequence_costs(positions: float, in_features: float, out_features: float) -> tuple[float, float]:
+    """``Σ_t a_tᵀ δ_t`` per example: the norm by the cheaper of the Gram form ``T²·(K+L+1)`` and materialising
+    ``(T+1)·K·L`` (:func:`~gns_callback.per_example.linear.prefers_gram`); the summed gradient ``T·K·L``."""
+    if positions <= 1:
+        return in_features + out_features, in_features * out_features
+    gram = prefers_gram(int(positions), int(in_features), int(out_features))
+    norm = positions**2 * (in_features + out_features + 1) if gram else (positions + 1) * in_features * out_features
+    return norm, positions * in_features * out_features
+
+
+def linear_costs(module: nn.Linear, inp: Tensor, output: Tensor, batch: int) -> tuple[float, float]:
+    positions = 1.0 if inp.dim() == 2 else inp.numel() / (batch * module.in_features)
+    return sequence_costs(positions, module.in_features, module.out_features)
+
+
+def conv_costs(module: nn.Conv1d | nn.Conv2d, inp: Tensor, output: Tensor, batch: int) -> tuple[float, float]:
+    positions = output.numel() / (batch * module.out_channels)
+    norm, summed = sequence_costs(positions, module.weight[0].numel(), module.out_channels // module.groups)
+    return module.groups * norm, module.groups * summed
+
+
+def elementwise_costs(module: nn.Module, inp: Tensor, output: Tensor, batch: int) -> tuple[float, float]:
+    """Embedding and normalisation layers: both are about one pass over the example's output."""
+    per_example = output.numel() / batch
+    return per_example, per_example
+
+
+COSTS: dict[type[nn.Module], CostFunction] = {
+    nn.Linear: linear_costs,
+    nn.Conv1d: conv_costs,
+    nn.Conv2d: conv_costs,
+    nn.Embedding: elementwise_costs,
+    nn.LayerNorm: elementwise_costs,
+    nn.GroupNorm: elementwise_costs,
+    nn.RMSNorm: elementwise_costs,
+}
+
+
+def subset_is_cheaper(costs: list[tuple[float, float, int]], batch: int, measured: int) -> bool:
+    """Whether ``measured`` examples' norms plus their summed gradient, plus one more read of every measured
+    parameter's gradient (``costs``: per layer ``(norm, summed, parameter count)``), cost less than the norms of
+    all ``batch`` examples."""
+    every = batch * sum(norm for norm, _, _ in costs)
+    subset = sum(measured * (norm + summed) + 2 * params for norm, summed, params in costs)
+    return subset < every

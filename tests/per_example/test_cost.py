@@ -1,0 +1,31 @@
+"""The cost model that decides between measuring every example and a subset with its summed gradient."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gns_callback.per_example.cost import conv_costs, linear_costs, sequence_costs, subset_is_cheaper
+
+
+def test_plain_linear_norms_are_cheaper_than_any_subset_gradient() -> None:
+    layer = nn.Linear(784, 512)
+    costs = [(*linear_costs(layer, torch.zeros(128, 784), torch.zeros(128, 512), 128), 784 * 512 + 512)]
+    assert costs[0][:2] == (784 + 512, 784 * 512)
+    assert not subset_is_cheaper(costs, batch=128, measured=16)
+
+
+def test_a_convolution_with_many_positions_prefers_a_small_subset() -> None:
+    layer = nn.Conv2d(64, 64, 3, padding=1)
+    out = torch.zeros(64, 64, 32, 32)
+    norm, summed = conv_costs(layer, torch.zeros(64, 64, 32, 32), out, 64)
+    assert summed == 1024 * 64 * 9 * 64
+    costs = [(norm, summed, layer.weight.numel())]
+    assert subset_is_cheaper(costs, batch=64, measured=16)
+    assert not subset_is_cheaper(costs, batch=64, measured=40)  # k > b/2: the summed gradient outweighs
+
+
+def test_sequence_norms_take_the_cheaper_of_gram_and_materialising() -> None:
+    gram = 64**2 * (128 + 512 + 1)
+    assert sequence_costs(64, 128, 512) == (min(gram, 65 * 128 * 512), 64 * 128 * 512)
+    assert sequence_costs(1, 10, 20) == (30, 200)
