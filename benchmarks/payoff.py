@@ -245,8 +245,7 @@ def _steps(s: float) -> str:
 
 
 def render(results: list[ProblemResult], command: str, seconds: float) -> str:
-    head = [SECTION_HEADING, "",
-            f"- Commands: `{command}`.",
+    head = [f"- Commands: `{command}`.",
             f"- Date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {platform.machine()}, "
             f"{os.cpu_count()} CPU cores shared with other work, no GPU; torch {torch.__version__} (1 thread), "
             f"Python {platform.python_version()}; {seconds:.0f} s wall for the runs rendered here.",
@@ -288,7 +287,7 @@ def main() -> None:
             with open(a.save, "wb") as f:
                 pickle.dump(dict(results=results, seconds=seconds, command=command), f)
     text = render(results, command, seconds)
-    print(text)
+    print(SECTION_HEADING + "\n\n" + text)
     if a.out:
         replace_section(a.out, SECTION_HEADING, text)
 
