@@ -3,7 +3,8 @@ gpt-neox and AdaptDL, each at its defaults, against the exact brute-force value.
 
 Cases (scikit-learn's bundled data, offline; features standardised, digits pixels /16): breast-cancer logistic
 regression ``nn.Linear(30, 2)``, wine MLP 13-16-3 (tanh), digits CNN with Conv + GroupNorm
-(``tests.helpers.small_cnn``). Each model is trained with plain SGD (lr 0.1, batches of 32 drawn with replacement,
+(``tests.helpers.small_cnn``), all measured at batch 32 as in issue 14; and a wider digits CNN measured at batch 64,
+where the default measures a subset of the examples. Each model is trained with plain SGD (lr 0.1, batches of 32 drawn with replacement,
 seed 0) for its ``train_steps`` steps, then frozen: every estimator then sees the same batches of 32 drawn i.i.d.
 with replacement at these parameters, ``--steps`` steps (default 400) per stream, ``--seeds`` streams (default 20).
 Exact value: ``gns_callback.exact.exact_noise_scale`` of every per-example gradient of the data set.
@@ -18,9 +19,10 @@ Estimators (each reads the same batches of a stream):
 
 * this project through its public API only, :class:`gns_callback.GradientNoiseScaleMeter` hooked on the model, one
   backward pass per step and ``meter.step()``, read after the last step: ``meter.estimate`` (recent, the headline)
-  and ``meter.run_estimate`` (run average), each with its 95% interval; at its defaults (``per_example``, 16 of the
-  32 examples), with ``per_example_max_examples=None``, and ``method="micro_batch"`` 8×4 (four backward passes of
-  8 examples, each loss divided by 4, ``meter.step(micro_batch_size=8)``);
+  and ``meter.run_estimate`` (run average), each with its 95% interval; at its defaults (``per_example``,
+  ``per_example_max_examples=16``: every example where its cost model says that is cheaper, else 16 examples plus
+  their summed gradient), with ``per_example_max_examples=None``, and ``method="micro_batch"`` in backward passes of
+  8 examples (each loss divided by their count, ``meter.step(micro_batch_size=8)``);
 * nanoGNS, gpt-neox and AdaptDL as re-implemented in ``benchmarks/peers_gns.py`` (sources, commits and deviations in
   its docstring), fed each step's batch gradient and per-example squared norms, computed from the exact per-example
   gradient rows of the step's batch (parameters are fixed, so these are the gradients the peer would read).
@@ -74,6 +76,7 @@ class Case:
     data: Callable[[], tuple[torch.Tensor, torch.Tensor]]
     model: Callable[[], nn.Module]
     train_steps: int  # plain SGD steps before the parameters are frozen
+    batch: int = BATCH  # examples per measured step
 
 
 def _standardised(loader) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,11 +94,19 @@ def _wine_mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(13, 16), nn.Tanh(), nn.Linear(16, 3))
 
 
+def _wide_cnn() -> nn.Module:
+    """Convolutions wide enough that, at batch 64, the default measures 16 examples and their summed gradient."""
+    return nn.Sequential(nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.ReLU(),
+                         nn.Conv2d(16, 32, 3, padding=1), nn.GroupNorm(4, 32), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(32, 10))
+
+
 CASES = [
     Case("bc", "breast-cancer logistic regression 30-2", lambda: _standardised(load_breast_cancer),
          lambda: nn.Linear(30, 2), 25),
     Case("wine", "wine MLP 13-16-3 (tanh)", lambda: _standardised(load_wine), _wine_mlp, 100),
     Case("cnn", "digits CNN, Conv + GroupNorm", _digits, small_cnn, 100),
+    Case("cnn64", "digits CNN 16-32 channels + GroupNorm, batch 64", _digits, _wide_cnn, 100, batch=64),
 ]
 
 
@@ -125,12 +136,12 @@ class Reading:
 
 
 OURS = {  # row label prefix: meter arguments, micro-batch size (None: one backward pass of the whole batch)
-    "this project, `per_example` at its defaults (16 of 32)": ({}, None),
+    "this project, `per_example` at its defaults": ({}, None),
     "this project, `per_example_max_examples=None`": ({"per_example_max_examples": None}, None),
-    "this project, `micro_batch` 8×4": ({"method": "micro_batch"}, MICRO),
+    "this project, `micro_batch`, passes of 8": ({"method": "micro_batch"}, MICRO),
 }
 READS = (("`estimate` (recent)", 0), ("`run_estimate`", 1))
-PEERS = ("nanoGNS exact per-example (all 32), EMA 0.99", "gpt-neox, 5 consecutive steps, EMA 0.99",
+PEERS = ("nanoGNS exact per-example (every example), EMA 0.99", "gpt-neox, 5 consecutive steps, EMA 0.99",
          "AdaptDL step differencing, smoothing 0.999²")
 
 
@@ -185,7 +196,7 @@ def run_case(case: Case, seeds: int, steps: int) -> dict:
     streams = []
     for seed in range(seeds):
         draws = torch.Generator().manual_seed(STREAM_SEED + seed)
-        batches = torch.randint(0, x.shape[0], (steps, BATCH), generator=draws)
+        batches = torch.randint(0, x.shape[0], (steps, case.batch), generator=draws)
         streams.append(run_stream(model, x, y, rows, batches))
     return {"case": case, "exact": exact, "grad_sq": grad_sq, "trace": trace, "examples": x.shape[0],
             "parameters": rows.shape[1], "streams": streams}
@@ -264,12 +275,12 @@ def _coverage(results: list[dict], name: str) -> str:
 
 
 def case_lines(results: list[dict]) -> list[str]:
-    lines = ["| case | examples | parameters | SGD steps before freezing | exact B_simple | B_simple/B | exact \\|G\\|² "
-             "| exact tr Σ |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| case | examples | parameters | SGD steps before freezing | batch B | exact B_simple | B_simple/B | "
+             "exact \\|G\\|² | exact tr Σ |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['case'].key}: {r['case'].name} | {r['examples']} | {r['parameters']} | "
-                     f"{r['case'].train_steps} | "
-                     f"{r['exact']:.1f} | {r['exact'] / BATCH:.2f} | {r['grad_sq']:.4g} | {r['trace']:.4g} |")
+                     f"{r['case'].train_steps} | {r['case'].batch} | "
+                     f"{r['exact']:.1f} | {r['exact'] / r['case'].batch:.2f} | {r['grad_sq']:.4g} | {r['trace']:.4g} |")
     return lines
 
 
@@ -280,8 +291,9 @@ def to_markdown(results: list[dict], command: str, seeds: int, steps: int, secon
         f"{os.cpu_count()} cores (one torch thread), torch {torch.__version__}, {seconds / 60:.1f} min. Each model "
         f"trained with plain SGD (lr {TRAIN_LR}, batch {BATCH} with replacement, seed 0) for the steps below, then "
         "frozen; "
-        f"{seeds} streams × {steps} steps of batch {BATCH} drawn i.i.d. with replacement, the same streams for every "
-        "estimator; exact = brute force over every example (`gns_callback.exact`). Ours through "
+        f"{seeds} streams × {steps} steps of the case's batch drawn i.i.d. with replacement, the same streams for every "
+        "estimator; our default (`per_example_max_examples=16`) measures every example where that is cheaper, as "
+        "for the first three cases, and 16 examples plus their summed gradient otherwise (the wide CNN at batch 64); exact = brute force over every example (`gns_callback.exact`). Ours through "
         "`GradientNoiseScaleMeter` only (the package's current defaults, read after the last step); peers as in "
         "`benchmarks/peers_gns.py` (nanoGNS `exact/gnstracking.py` + `exact/gns-analysis.py` @ b3b0c9c; gpt-neox "
         "`megatron/gradient_noise_scale/gradient_noise_scale.py` @ ea7aefd; AdaptDL "
