@@ -113,3 +113,14 @@ def test_example_units_are_unbiased_for_a_subset():
     for column, exact in ((0, exact_trace), (1, exact_grad_sq)):
         se = values[:, column].std() / len(values) ** 0.5
         assert abs(values[:, column].mean() - exact) < 4 * se
+
+
+def test_example_units_summed_over_ranks_match_one_process_accumulating():
+    """Data parallel: each rank's window packed and summed (the all-reduce) gives the estimates of one process
+    accumulating the same micro-batches, subsets included."""
+    torch.manual_seed(3)
+    passes = [torch.randn(6, 4, dtype=torch.float64) + 0.2 for _ in range(2)]
+    one, step_grad, _ = _example_window(passes, [2, 2], "mean")
+    summed = sum(_example_window([g], [2], "mean")[0].packed() for g in passes)
+    for a, b in zip(step_estimates(one.packed(), step_grad.pow(2).sum()), step_estimates(summed, step_grad.pow(2).sum())):
+        torch.testing.assert_close(a, b)
