@@ -66,8 +66,10 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         report_path: where rank zero writes the JSON report at fit end (``None``:
             ``<trainer.log_dir>/gns_report.json``).
         verbose: print a one-line summary on rank zero at fit end.
-        per_example_max_examples: ``per_example`` computes per-example norms for at most this many examples of
-            each micro-batch (the first ones; ``None``: all). ``tr Σ`` comes from their mean squared norm, and
+        per_example_max_examples: ``per_example`` computes per-example norms for only this many examples of
+            each micro-batch (the first ones) where that is cheaper than every example, by a per-layer cost model
+            (:mod:`gns_callback.per_example.cost`: never for plain ``Linear`` layers; ``None``: always every example).
+            ``tr Σ`` then comes from their mean squared norm, and
             ``|G|²`` from every pair of distinct examples that involves a measured one (the measured examples'
             summed gradient is also computed, about ``max/B`` of one weight gradient), both unbiased for i.i.d.
             batches: most of the precision of measuring every example, at about half the cost for a batch of 32

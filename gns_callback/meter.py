@@ -90,8 +90,9 @@ class GradientNoiseScaleMeter:
             last 200 steps; :class:`~gns_callback.tracking.LocalLinearRatio`).
         confidence: level of the reported intervals, in ``(0, 1)``.
         loss_reduction: ``"mean"`` or ``"sum"``: what each backward pass's loss is over its batch.
-        per_example_max_examples: ``per_example`` measures at most this many examples of each batch (None: all);
-            with fewer than the batch, ``|G|²`` still uses every pair with a measured example (see the callback).
+        per_example_max_examples: ``per_example`` measures only this many examples of each batch where that is
+            cheaper than every example (None: always all); ``|G|²`` then still uses every pair with a measured
+            example (see the callback).
         reduce: sums a float64 tensor over data-parallel ranks (None: one process). With it, every rank must call
             :meth:`step` at every optimizer step: it runs one collective.
         fallback_method: the method to switch to, for the rest of the run, when the hooks find a step that
