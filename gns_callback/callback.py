@@ -72,8 +72,8 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             ``tr Σ`` then comes from their mean squared norm, and
             ``|G|²`` from every pair of distinct examples that involves a measured one (the measured examples'
             summed gradient is also computed, about ``max/B`` of one weight gradient), both unbiased for i.i.d.
-            batches: most of the precision of measuring every example, at about half the cost for a batch of 32
-            (:mod:`gns_callback.accumulation`). The big-batch gradient always covers the whole batch.
+            batches (:mod:`gns_callback.accumulation`). A subset pays where the layers have many positions and the
+            batch is several times the cap (a CNN at batch 64: 1.33× the step against 1.59× for every example). The big-batch gradient always covers the whole batch.
         probe: at the first training batch, measure the largest micro-batch that fits in memory and the
             throughput per micro-batch size (:mod:`gns_callback.probe`; the run is left exactly as it was; about
             2 s of timing). ``None`` (default): on when the run trains on an accelerator (CUDA, MPS, ...) or
