@@ -32,11 +32,25 @@ parameters do (a median 14% from one step to the next on the digits MLP of the b
 step in ten late in the run). Where the measurement is precise enough for the interval to be narrower than that
 jitter, the interval covers the instantaneous value less often than its nominal rate (benchmarks/RESULTS.md).
 
-**Windows.** The sums are kept at ``n_eff`` ≈ ``(1+d)/(1−d)`` and at 4× and 16× that. :meth:`summary` reports
-the trend fit at the base window while its ratio is finite and positive (its ``|G|²`` and ``tr Σ`` came out
-positive). When it is not, the data cannot support a trend, and the reading falls back to the level alone (the
-ratio-scale EMA) at the base window, then at the longer ones, with that fit's interval (unbounded above while
-``|G|²`` is not resolved).
+**Windows, chosen by the measured drift.** The sums are kept at ``n_eff`` ≈ ``(1+d)/(1−d)`` and at 4× and 16×
+that. Each window gives a trend fit and a level-only fit (the ratio-scale EMA), six candidates ordered from least
+to most smoothing: trend then level at 1×, at 4×, at 16×. While nothing moves the longer ones are far more
+accurate (at fixed parameters after 300 steps, ``n_eff`` of the base trend fit ≈ 58, of the 16× level ≈ 300);
+while the run moves they lag. :func:`choose_fit` reads the most smoothed candidate the data cannot tell from the
+less smoothed ones, Lepski's rule (Lepski 1991; Lepski, Mammen & Spokoiny 1997): walking the candidates in order,
+it takes one when, for every candidate taken before it, that candidate's steps are consistent with its ratio
+(:func:`consistent`: Fieller's statistic ``mx_s − R·my_s``, whose variance accounts for the two kernels sharing
+their steps, at the interval's confidence), and stops at the first rejection. The weights of every window are
+``d^a`` over the valid steps only, so the cross-window sums of that variance follow in closed form from the number
+of steps (:func:`power_sums`), read back from ``Σw``: nothing more is kept per step.
+
+A drift too slow to be detected can still bias a longer window by about its own standard error (no interval can
+adapt to an unknown drift and keep its coverage, Low 1997), so the interval reported is the hull of the chosen
+fit's interval and the base trend fit's: as wide as before the window was chosen, and covering at least as often;
+the point estimate is the chosen fit's. When the base trend fit's ratio is not finite and positive (its ``|G|²``
+came out ≤ 0) it cannot be read, but it still checks the longer windows, and the chosen fit keeps its own interval;
+with too few steps for the test, the reading is the base trend fit, else the first level fit that resolves
+``|G|²`` (:func:`fallback_fit`: the reading before the window was chosen).
 
 Measured along SGD runs against the exact ``B_simple`` at every step: ``benchmarks/trajectory_tracking.py``.
 """
@@ -354,9 +368,9 @@ class LocalLinearRatio:
     :func:`block_sums`). :meth:`summary` copies to the host once.
 
     Args:
-        decay: weight of the past in the base window, in ``[0, 1)`` (``0.99``: ``n_eff`` ≈ 199 steps). Level-only
-            fits there and at windows of 4× and 16× that are the fallbacks while the trend fit cannot resolve
-            ``|G|²``.
+        decay: weight of the past in the base window, in ``[0, 1)`` (``0.99``: ``n_eff`` ≈ 199 steps). Trend and
+            level-only fits there and at windows of 4× and 16× that are the candidates :func:`choose_fit` reads
+            from, by the measured drift.
         scale_decay: decay of the short EMA of earlier steps' ``scale`` that normalises each step, in ``[0, 1)``.
         batch_shape: independent streams kept side by side (simulations); ``()`` for one.
     """
@@ -512,7 +526,7 @@ def _check_decay(name: str, value: float, hint: str, upper_open: bool, lower_ope
         raise ValueError(f"{name}={value!r}: a number in {low}, 1), {hint}.")
 
 
-__all__ = ["LocalLinearRatio", "TrendFit", "TREND_FIELDS", "WINDOW_FACTORS", "BLOCK", "fit_window", "fits_of_row",
-           "choose_fit", "lepski_choice", "fallback_fit", "consistent", "cross_product", "power_sums", "steps_of",
-           "window_test", "WindowTest", "Kernel", "stream_of_row", "detrended_moments", "level_moments", "advance_sums", "block_sums", "predictable_scales",
-           "decay_for_window", "window_for_decay"]
+__all__ = ["LocalLinearRatio", "TrendFit", "Kernel", "WindowTest", "TREND_FIELDS", "WINDOW_FACTORS", "BLOCK",
+           "fit_window", "fits_of_row", "stream_of_row", "window_test", "choose_fit", "lepski_choice", "fallback_fit",
+           "consistent", "cross_product", "power_sums", "steps_of", "detrended_moments", "level_moments",
+           "advance_sums", "block_sums", "predictable_scales", "decay_for_window", "window_for_decay"]
