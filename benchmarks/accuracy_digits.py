@@ -117,8 +117,8 @@ def to_markdown(rows: list[dict], command: str) -> str:
         f"{os.cpu_count()} cores, torch {torch.__version__}. Parameters fixed (SGD lr=0), batches i.i.d. with "
         "replacement, callback defaults; run average (every step weighted equally) and recent estimate "
         "(`LocalLinearRatio`, ema_decay 0.99, window chosen by the measured drift), each with its 95% interval; "
-        "recent before the window choice = the same tracker's base-window trend fit (`tracking.fallback_fit`); exact = brute force over all 1797 "
-        "per-example gradients (`gns_callback.exact`). Seed 0:",
+        "recent before the window choice = the same tracker's base-window trend fit (`tracking.fallback_fit`); "
+        "exact = brute force over all 1797 per-example gradients (`gns_callback.exact`). Seed 0:",
         "",
         "| model | method | micro-batch × accumulate | steps | exact B_simple | run average | 95% CI | exact in CI | "
         "recent | 95% CI | exact in CI |",

@@ -86,13 +86,14 @@ class Kernel:
 
 @dataclass(frozen=True)
 class TrendFit:
-    """One window's ratio with or without the linear trend, before choosing among windows: its summary, the
-    kernel sums ``mx = Σv·x̃``, ``my = Σv·ỹ`` and the kernel ``v``."""
+    """One window's ratio with (``trend``) or without the linear trend, before choosing among windows: its summary,
+    the kernel sums ``mx = Σv·x̃``, ``my = Σv·ỹ`` and the kernel ``v``."""
 
     summary: RatioSummary
     mx: float = math.nan
     my: float = math.nan
     kernel: Kernel = Kernel(0, 1.0, 0.0)
+    trend: bool = False
 
     @property
     def usable(self) -> bool:
@@ -206,7 +207,7 @@ def fit_window(sums: Sequence[float], scale: float, confidence: float, trend: bo
     """
     w, wu, _, w2, w2u, w2uu, sx, sux, sy, suy, suuy = sums[:11]
     if w <= 0.0:
-        return TrendFit(RatioSummary(math.nan, math.nan, math.nan, 0.0, math.inf, 0.0))
+        return TrendFit(RatioSummary(math.nan, math.nan, math.nan, 0.0, math.inf, 0.0), trend=trend)
     if trend:
         mx, my = sx * suuy - sux * suy, sy * suuy - suy * suy
         total = w * suuy - wu * suy
@@ -220,11 +221,11 @@ def fit_window(sums: Sequence[float], scale: float, confidence: float, trend: bo
     means = (mx / total * scale, my / total * scale) if total != 0.0 else (math.nan, math.nan)
     moments = detrended_moments(sums) if trend else level_moments(sums)
     if moments is None or my <= 0.0:
-        return TrendFit(RatioSummary(*means, ratio, 0.0, math.inf, n_eff), mx, my, kernel)
+        return TrendFit(RatioSummary(*means, ratio, 0.0, math.inf, n_eff), mx, my, kernel, trend)
     vxx, vyy, vxy, dof = moments
     t = t_quantile(confidence, dof)
     low, high = fieller_interval(mx, my, square * vxx, square * vyy, square * vxy, t)
-    return TrendFit(RatioSummary(*means, ratio, low, high, n_eff), mx, my, kernel)
+    return TrendFit(RatioSummary(*means, ratio, low, high, n_eff), mx, my, kernel, trend)
 
 
 def power_sums(q: float, steps: float) -> tuple[float, float, float]:
@@ -258,7 +259,19 @@ def cross_product(a: Kernel, b: Kernel, decays: Sequence[float], steps: float) -
     return a.alpha * b.alpha * s0 - (a.alpha * b.beta + a.beta * b.alpha) * s1 + a.beta * b.beta * s2
 
 
-def consistent(short: TrendFit, long: TrendFit, test: "WindowTest") -> bool:
+@dataclass(frozen=True)
+class WindowTest:
+    """What :func:`consistent` needs besides the two fits: the windows' ``decays``, the valid ``steps`` folded in,
+    the per-step ``noise = (vxx, vyy, vxy)`` of ``x̃``, ``ỹ`` about the base window's trends, and the threshold ``t``
+    (Student-t at the interval's confidence, the base window's degrees of freedom)."""
+
+    decays: tuple[float, ...]
+    steps: float
+    noise: tuple[float, float, float]
+    t: float
+
+
+def consistent(short: TrendFit, long: TrendFit, test: WindowTest) -> bool:
     """Whether the ``short`` fit's steps are consistent with the ``long`` fit's ratio ``R``.
 
     Statistic ``T = mx_s − R·my_s = Σ v_s·e`` with ``e = x̃ − R·ỹ``. As ``Σ v_l·e = 0`` at ``R``, to first order
@@ -278,25 +291,14 @@ def consistent(short: TrendFit, long: TrendFit, test: "WindowTest") -> bool:
     return statistic * statistic <= test.t * test.t * sigma2 * max(factor, 0.0)
 
 
-@dataclass(frozen=True)
-class WindowTest:
-    """What :func:`consistent` needs besides the two fits: the windows' ``decays``, the valid ``steps`` folded in,
-    the per-step ``noise = (vxx, vyy, vxy)`` of ``x̃``, ``ỹ`` about the base window's trends, and the threshold ``t``
-    (Student-t at the interval's confidence, the base window's degrees of freedom)."""
-
-    decays: tuple[float, ...]
-    steps: float
-    noise: tuple[float, float, float]
-    t: float
-
-
 def window_test(stream: Sequence[Sequence[float]], decays: Sequence[float], confidence: float
                 ) -> Optional[WindowTest]:
     """The :class:`WindowTest` of one stream's per-window sums; None while the base trend is not identified."""
     moments = detrended_moments(stream[0])
     if moments is None:
         return None
-    return WindowTest(tuple(decays), steps_of(stream[-1], decays[-1]), moments[:3], t_quantile(confidence, moments[3]))
+    steps = steps_of(stream[-1], decays[-1])  # the longest window's d^n underflows last
+    return WindowTest(tuple(decays), steps, moments[:3], t_quantile(confidence, moments[3]))
 
 
 def fits_of_row(row: Sequence[float], confidence: float) -> list[TrendFit]:
@@ -353,7 +355,7 @@ def lepski_choice(fits: Sequence[TrendFit], test: WindowTest) -> Optional[TrendF
 def fallback_fit(fits: Sequence[TrendFit]) -> RatioSummary:
     """The base trend fit while its ratio is finite and positive, else the first such level fit (from the base
     window up), else the base trend fit: the reading before a window could be tested."""
-    for fit in [fits[0]] + [f for f in fits if f.kernel.beta == 0.0 and f.kernel.alpha == 1.0]:
+    for fit in [fits[0]] + [f for f in fits if not f.trend]:
         if fit.usable:
             return fit.summary
     return fits[0].summary
