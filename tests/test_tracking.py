@@ -17,6 +17,7 @@ from gns_callback.tracking import (
     TrendFit,
     choose_fit,
     consistent,
+    fallback_fit,
     cross_product,
     decay_for_window,
     detrended_moments,
@@ -254,9 +255,9 @@ def test_the_chosen_interval_holds_the_base_trend_fits_interval():
     assert longer > 20  # most streams read a longer window (fixed ratio)
 
 
-def test_a_longer_window_answers_while_the_base_trend_fit_reads_a_negative_grad_norm():
-    """|G|² is buried in noise at n_eff ≈ 5: the base trend fit's |G|² comes out negative; a fit at a longer window
-    (or the level) resolves it and is read, with its own interval (the base one is unbounded)."""
+def test_the_level_answers_while_the_trend_fit_reads_a_negative_grad_norm():
+    """|G|² is buried in noise at n_eff ≈ 5: the trend fit's |G|² comes out negative, the level's does not. The
+    base trend fit cannot vouch for longer windows then: the reading is the first level fit that resolves it."""
     rng = np.random.default_rng(4)
     y = 0.1 + 0.1 * rng.standard_normal(300)
     y[-3:] = -0.2  # the last steps pull the trend fit's |G|² below zero
@@ -265,8 +266,20 @@ def test_a_longer_window_answers_while_the_base_trend_fit_reads_a_negative_grad_
     trend, *others = tracker.fits()[0]
     assert not trend.usable
     chosen = tracker.summary()
-    assert chosen in [f.summary for f in others if f.usable]
+    assert chosen == next(f.summary for f in others if f.usable and not f.trend)
     assert chosen.ci_low <= 50.0 <= chosen.ci_high
+
+
+def test_a_base_trend_fit_that_does_not_resolve_the_gradient_chooses_no_window():
+    """B_simple = 600 at B = 32: the base trend fit's interval is often unbounded (|G|² not resolved); it has no
+    power to see a longer window lag then, and the reading is the one before the window choice."""
+    x, y = _per_example_steps(np.random.default_rng(15), 60, np.full((300, 24), math.sqrt(0.04 / 24)), np.ones(300),
+                              32)
+    tracker, fits, _ = _candidates_and_tests(x, y, 0.99)
+    unresolved = [(f, s) for f, s in zip(fits, tracker.summaries()) if not math.isfinite(f[0].summary.ci_high)]
+    assert len(unresolved) > 10
+    for f, chosen in unresolved:
+        assert chosen == fallback_fit(f)
 
 
 @pytest.mark.parametrize("split", [50, 128, 200])
