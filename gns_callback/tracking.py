@@ -45,14 +45,15 @@ their steps, at the interval's confidence), and stops at the first rejection. Th
 of steps (:func:`power_sums`), read back from ``Σw``: nothing more is kept per step.
 
 A drift too slow to be detected can still bias a longer window by about its own standard error (no interval can
-adapt to an unknown drift and keep its coverage, Low 1997), so the interval reported is the hull of the chosen
-fit's interval and the base trend fit's: as wide as before the window was chosen, and covering at least as often;
-the point estimate is the chosen fit's. The walk starts only from a base trend fit that resolves ``|G|²`` (a
-bounded interval). Without that it has no power: where ``B_simple`` is many times the batch, even a lag of the
-longer windows by 2–5× is consistent with the base window's noise, and a walk from an unresolved base read 0.5× on
-the logistic regression of the trajectory benchmark (the meter's default stream, 16 of 32 examples). There, and
-with too few steps for the test, the reading is the base trend fit while its ratio is finite and positive, else
-the first level fit that resolves ``|G|²`` (:func:`fallback_fit`: the reading before the window was chosen).
+adapt to an unknown drift and keep its coverage, Low 1997), so the choice moves the point estimate only: the
+interval reported is the base trend fit's, as before the window was chosen (widened to hold the chosen ratio in
+the rare case it lies outside), and covers as often; trust decisions read from it are unchanged. The walk starts
+only from a base trend fit that resolves ``|G|²`` (a bounded interval). Without that it has no power: where
+``B_simple`` is many times the batch, even a lag of the longer windows by 2–5× is consistent with the base window's
+noise, and a walk from an unresolved base read 0.5× on the logistic regression of the trajectory benchmark (the
+meter's default stream, 16 of 32 examples). There, and with too few steps for the test, the reading is the base
+trend fit while its ratio is finite and positive, else the first level fit that resolves ``|G|²``
+(:func:`fallback_fit`: the reading before the window was chosen).
 
 Measured along SGD runs against the exact ``B_simple`` at every step: ``benchmarks/trajectory_tracking.py``.
 """
@@ -321,24 +322,23 @@ def stream_of_row(row: Sequence[float]) -> list[Sequence[float]]:
 
 
 def choose_fit(fits: Sequence[TrendFit], test: Optional[WindowTest] = None) -> RatioSummary:
-    """The most smoothed fit the data cannot tell from the less smoothed ones (Lepski's rule), with an interval
-    that still covers when it was chosen wrongly; see the module docstring.
+    """The most smoothed fit the data cannot tell from the less smoothed ones (Lepski's rule), with the base trend
+    fit's interval, which still covers when the choice was wrong; see the module docstring.
 
     ``fits`` in :func:`fits_of_row` order. Walking from the base trend fit, a candidate is taken when it is
     :func:`consistent` with every earlier candidate taken (or merely tried, where that one's ratio is not finite
-    and positive), and the walk stops at the first rejection. The interval is the hull of the chosen fit's and the
-    base trend fit's. The walk needs a base trend fit that resolves ``|G|²`` (a bounded interval) and a ``test``
-    (enough steps); without them, or when no candidate is taken: :func:`fallback_fit`.
+    and positive), and the walk stops at the first rejection. The chosen fit gives the ratio, the kernel means and
+    ``effective_steps``; the interval is the base trend fit's, widened to hold the chosen ratio. The walk needs a
+    base trend fit that resolves ``|G|²`` (a bounded interval) and a ``test`` (enough steps); without them, or when
+    no candidate is taken: :func:`fallback_fit`.
     """
     base = fits[0].summary
     walk = test is not None and fits[0].usable and math.isfinite(base.ci_high)
     chosen = lepski_choice(fits, test) if walk else None
     if chosen is None:
         return fallback_fit(fits)
-    if chosen is fits[0]:
-        return base
-    return replace(chosen.summary, ci_low=min(chosen.summary.ci_low, base.ci_low),
-                   ci_high=max(chosen.summary.ci_high, base.ci_high))
+    ratio = chosen.summary.ratio
+    return replace(chosen.summary, ci_low=min(base.ci_low, ratio), ci_high=max(base.ci_high, ratio))
 
 
 def lepski_choice(fits: Sequence[TrendFit], test: WindowTest) -> Optional[TrendFit]:
