@@ -18,7 +18,9 @@ Recent estimators compared, each read at the same steps:
 * ``log-parts filter``: an extended Kalman filter on ``log tr Σ`` and on ``log |G|²`` (random-walk level, process
   variance q per step, two values), each step's observation noise sd = its scale times the RMS of earlier
   ``v/scale``;
-* ``LocalLinearRatio``: ``gns_callback.tracking`` (the chosen estimator), and its base-window trend fit alone;
+* ``LocalLinearRatio``: ``gns_callback.tracking`` (the chosen estimator: trend and level fits at windows 1×, 4×,
+  16× the base, the most smoothed one the data cannot tell from the less smoothed ones, Lepski's rule), and its
+  reading before that window choice (the base-window trend fit, the level where that does not resolve |G|²);
 * ``GradientNoiseScaleMeter.estimate``: the meter itself at its defaults (``per_example``, 16 of the 32 examples,
   ``ema_decay`` 0.99), hooked on the model and stepped on the optimizer's batch (replica 0), end to end.
 
@@ -57,7 +59,7 @@ from gns_callback.estimators import grad_sq_norm_estimate, trace_sigma_estimate 
 from gns_callback.exact import exact_noise_scale, per_example_gradients  # noqa: E402
 from gns_callback.meter import GradientNoiseScaleMeter  # noqa: E402
 from gns_callback.smoothing import summarize_ratio  # noqa: E402
-from gns_callback.tracking import LocalLinearRatio, choose_fit  # noqa: E402
+from gns_callback.tracking import LocalLinearRatio, fallback_fit  # noqa: E402
 
 HEADING = "## Trajectory tracking: the recent estimate on a moving run (issue 14 item 2)"
 BATCH, MICRO, WIDE = 32, 8, 256
@@ -206,11 +208,15 @@ def ema_of_parts(x: np.ndarray, y: np.ndarray, read: np.ndarray, decay: float = 
     return tuple(out)
 
 
+BEFORE = "LocalLinearRatio before the window choice (base-window trend fit, level fallback)"
+
+
 def local_linear(x: np.ndarray, y: np.ndarray, read: np.ndarray, decay: float = DECAY) -> dict[str, Readings]:
-    """``LocalLinearRatio`` (the chosen reading), its base-window trend fit alone, and its level-only fit."""
+    """``LocalLinearRatio`` (the chosen reading), its reading before the window was chosen by the measured drift
+    (``fallback_fit``: the base-window trend fit while it resolves |G|², else the level), and its level-only fit."""
     replicas = x.shape[1]
     tracker = LocalLinearRatio(decay, batch_shape=(replicas,))
-    names = ("LocalLinearRatio", "trend fit, base window only", "ratio-scale EMA")
+    names = ("LocalLinearRatio", BEFORE, "ratio-scale EMA")
     out = {name: _empty(x.shape) for name in names}
     valid = torch.ones(replicas, dtype=torch.bool)
     xs, ys = torch.from_numpy(x), torch.from_numpy(y)
@@ -218,8 +224,8 @@ def local_linear(x: np.ndarray, y: np.ndarray, read: np.ndarray, decay: float = 
         tracker.update(xs[t], ys[t], valid)
         if not read[t]:
             continue
-        for r, fits in enumerate(tracker.fits()):
-            for name, s in zip(names, (choose_fit(fits), fits[0].summary, fits[1].summary)):
+        for r, (fits, chosen) in enumerate(zip(tracker.fits(), tracker.summaries())):
+            for name, s in zip(names, (chosen, fallback_fit(fits), fits[1].summary)):
                 out[name][0][t, r], out[name][1][t, r], out[name][2][t, r] = s.ratio, s.ci_low, s.ci_high
     return {name: tuple(v) for name, v in out.items()}
 

@@ -32,11 +32,28 @@ parameters do (a median 14% from one step to the next on the digits MLP of the b
 step in ten late in the run). Where the measurement is precise enough for the interval to be narrower than that
 jitter, the interval covers the instantaneous value less often than its nominal rate (benchmarks/RESULTS.md).
 
-**Windows.** The sums are kept at ``n_eff`` ≈ ``(1+d)/(1−d)`` and at 4× and 16× that. :meth:`summary` reports
-the trend fit at the base window while its ratio is finite and positive (its ``|G|²`` and ``tr Σ`` came out
-positive). When it is not, the data cannot support a trend, and the reading falls back to the level alone (the
-ratio-scale EMA) at the base window, then at the longer ones, with that fit's interval (unbounded above while
-``|G|²`` is not resolved).
+**Windows, chosen by the measured drift.** The sums are kept at ``n_eff`` ≈ ``(1+d)/(1−d)`` and at 4× and 16×
+that. Each window gives a trend fit and a level-only fit (the ratio-scale EMA), six candidates ordered from least
+to most smoothing: trend then level at 1×, at 4×, at 16×. While nothing moves the longer ones are far more
+accurate (at fixed parameters after 300 steps, ``n_eff`` of the base trend fit ≈ 58, of the 16× level ≈ 300);
+while the run moves they lag. :func:`choose_fit` reads the most smoothed candidate the data cannot tell from the
+less smoothed ones, Lepski's rule (Lepski 1991; Lepski, Mammen & Spokoiny 1997): walking the candidates in order,
+it takes one when, for every candidate taken before it, that candidate's steps are consistent with its ratio
+(:func:`consistent`: Fieller's statistic ``mx_s − R·my_s``, whose variance accounts for the two kernels sharing
+their steps, at the interval's confidence), and stops at the first rejection. The weights of every window are
+``d^a`` over the valid steps only, so the cross-window sums of that variance follow in closed form from the number
+of steps (:func:`power_sums`), read back from ``Σw``: nothing more is kept per step.
+
+A drift too slow to be detected can still bias a longer window by about its own standard error (no interval can
+adapt to an unknown drift and keep its coverage, Low 1997), so the choice moves the point estimate only: the
+interval reported is the base trend fit's, as before the window was chosen (widened to hold the chosen ratio in
+the rare case it lies outside), and covers as often; trust decisions read from it are unchanged. The walk starts
+only from a base trend fit that resolves ``|G|²`` (a bounded interval). Without that it has no power: where
+``B_simple`` is many times the batch, even a lag of the longer windows by 2–5× is consistent with the base window's
+noise, and a walk from an unresolved base read 0.5× on the logistic regression of the trajectory benchmark (the
+meter's default stream, 16 of 32 examples). There, and with too few steps for the test, the reading is the base
+trend fit while its ratio is finite and positive, else the first level fit that resolves ``|G|²``
+(:func:`fallback_fit`: the reading before the window was chosen).
 
 Measured along SGD runs against the exact ``B_simple`` at every step: ``benchmarks/trajectory_tracking.py``.
 """
@@ -44,7 +61,7 @@ Measured along SGD runs against the exact ``B_simple`` at every step: ``benchmar
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import torch
@@ -61,10 +78,25 @@ BLOCK = 128
 
 
 @dataclass(frozen=True)
+class Kernel:
+    """A fit's step weights ``v_s = w_s·(alpha + beta·u_s)`` at window ``window`` (``w = d^(T−s)``, ``u = s − T``):
+    ``(Y2, −Y1)`` for the trend fit, ``(1, 0)`` for the level."""
+
+    window: int
+    alpha: float
+    beta: float
+
+
+@dataclass(frozen=True)
 class TrendFit:
-    """One window's ratio with or without the linear trend, before choosing among windows."""
+    """One window's ratio with (``trend``) or without the linear trend, before choosing among windows: its summary,
+    the kernel sums ``mx = Σv·x̃``, ``my = Σv·ỹ`` and the kernel ``v``."""
 
     summary: RatioSummary
+    mx: float = math.nan
+    my: float = math.nan
+    kernel: Kernel = Kernel(0, 1.0, 0.0)
+    trend: bool = False
 
     @property
     def usable(self) -> bool:
@@ -167,7 +199,7 @@ def level_moments(sums: Sequence[float]) -> Optional[tuple[float, float, float, 
             dof)
 
 
-def fit_window(sums: Sequence[float], scale: float, confidence: float, trend: bool) -> TrendFit:
+def fit_window(sums: Sequence[float], scale: float, confidence: float, trend: bool, window: int = 0) -> TrendFit:
     """One window's ratio and Fieller interval, with (``trend=True``) or without the linear trend.
 
     With the trend: ``mx = X0·Y2 − X1·Y1``, ``my = Y0·Y2 − Y1²`` (``Σv·x̃``, ``Σv·ỹ`` for ``v = w·(Y2 − u·Y1)``),
@@ -178,44 +210,156 @@ def fit_window(sums: Sequence[float], scale: float, confidence: float, trend: bo
     """
     w, wu, _, w2, w2u, w2uu, sx, sux, sy, suy, suuy = sums[:11]
     if w <= 0.0:
-        return TrendFit(RatioSummary(math.nan, math.nan, math.nan, 0.0, math.inf, 0.0))
+        return TrendFit(RatioSummary(math.nan, math.nan, math.nan, 0.0, math.inf, 0.0), trend=trend)
     if trend:
         mx, my = sx * suuy - sux * suy, sy * suuy - suy * suy
         total = w * suuy - wu * suy
         square = suuy * suuy * w2 - 2.0 * suuy * suy * w2u + suy * suy * w2uu
+        kernel = Kernel(window, suuy, -suy)
     else:
         mx, my, total, square = sx, sy, w, w2
+        kernel = Kernel(window, 1.0, 0.0)
     ratio = max(mx / my, 0.0) if my > 0.0 else math.inf
     n_eff = total * total / square if square > 0.0 else 0.0
     means = (mx / total * scale, my / total * scale) if total != 0.0 else (math.nan, math.nan)
     moments = detrended_moments(sums) if trend else level_moments(sums)
     if moments is None or my <= 0.0:
-        return TrendFit(RatioSummary(*means, ratio, 0.0, math.inf, n_eff))
+        return TrendFit(RatioSummary(*means, ratio, 0.0, math.inf, n_eff), mx, my, kernel, trend)
     vxx, vyy, vxy, dof = moments
     t = t_quantile(confidence, dof)
     low, high = fieller_interval(mx, my, square * vxx, square * vyy, square * vxy, t)
-    return TrendFit(RatioSummary(*means, ratio, low, high, n_eff))
+    return TrendFit(RatioSummary(*means, ratio, low, high, n_eff), mx, my, kernel, trend)
+
+
+def power_sums(q: float, steps: float) -> tuple[float, float, float]:
+    """``Σ_{a<n} q^a·a^m`` for ``m = 0, 1, 2`` (``n = steps``, may be ``inf``), in closed form.
+
+    The infinite sums ``I0 = 1/(1−q)``, ``I1 = q/(1−q)²``, ``I2 = q(1+q)/(1−q)³`` less their tails from ``a = n``:
+    ``q^n·Σ_b q^b·(b + n)^m``.
+    """
+    if q <= 0.0:
+        return (1.0, 0.0, 0.0) if steps >= 1 else (0.0, 0.0, 0.0)
+    i0, i1, i2 = 1.0 / (1.0 - q), q / (1.0 - q) ** 2, q * (1.0 + q) / (1.0 - q) ** 3
+    tail = q ** steps if math.isfinite(steps) else 0.0
+    if tail == 0.0:
+        return i0, i1, i2
+    n = steps
+    return i0 - tail * i0, i1 - tail * (i1 + n * i0), i2 - tail * (i2 + 2.0 * n * i1 + n * n * i0)
+
+
+def steps_of(sums: Sequence[float], decay: float) -> float:
+    """Valid steps ``n`` folded into one window's sums, from ``Σw = (1 − d^n)/(1 − d)`` (``inf`` once ``d^n``
+    underflows: the weights no longer depend on ``n`` then)."""
+    if decay <= 0.0:
+        return 1.0 if sums[0] > 0.0 else 0.0
+    fraction = sums[0] * (1.0 - decay)
+    return math.log1p(-fraction) / math.log(decay) if fraction < 1.0 - 1e-15 else math.inf
+
+
+def cross_product(a: Kernel, b: Kernel, decays: Sequence[float], steps: float) -> float:
+    """``Σ_s v_a,s·v_b,s`` of two kernels ``v = w·(α + β·u)`` (``u = −a`` steps ago, ``w = d^a``) over ``steps``."""
+    s0, s1, s2 = power_sums(decays[a.window] * decays[b.window], steps)
+    return a.alpha * b.alpha * s0 - (a.alpha * b.beta + a.beta * b.alpha) * s1 + a.beta * b.beta * s2
+
+
+@dataclass(frozen=True)
+class WindowTest:
+    """What :func:`consistent` needs besides the two fits: the windows' ``decays``, the valid ``steps`` folded in,
+    the per-step ``noise = (vxx, vyy, vxy)`` of ``x̃``, ``ỹ`` about the base window's trends, and the threshold ``t``
+    (Student-t at the interval's confidence, the base window's degrees of freedom)."""
+
+    decays: tuple[float, ...]
+    steps: float
+    noise: tuple[float, float, float]
+    t: float
+
+
+def consistent(short: TrendFit, long: TrendFit, test: WindowTest) -> bool:
+    """Whether the ``short`` fit's steps are consistent with the ``long`` fit's ratio ``R``.
+
+    Statistic ``T = mx_s − R·my_s = Σ v_s·e`` with ``e = x̃ − R·ỹ``. As ``Σ v_l·e = 0`` at ``R``, to first order
+    ``T = Σ (v_s − ρ·v_l)·e`` with ``ρ = my_s/my_l`` and ``e`` taken at the true ratio, so
+    ``Var T = σ²·(Σv_s² − 2ρ·Σv_s·v_l + ρ²·Σv_l²)``: the fits share their steps, hence the cross term
+    (:func:`cross_product`). ``σ² = vxx − 2R·vxy + R²·vyy`` is the per-step variance of ``e`` (``test.noise``).
+    Consistent when ``T² ≤ t²·Var T``: Fieller's test of ``R`` on the short fit, less the long fit's own noise.
+    """
+    r = long.summary.ratio
+    vxx, vyy, vxy = test.noise
+    sigma2 = max(vxx - 2.0 * r * vxy + r * r * vyy, 0.0)
+    rho = short.my / long.my
+    factor = (cross_product(short.kernel, short.kernel, test.decays, test.steps)
+              - 2.0 * rho * cross_product(short.kernel, long.kernel, test.decays, test.steps)
+              + rho * rho * cross_product(long.kernel, long.kernel, test.decays, test.steps))
+    statistic = short.mx - r * short.my
+    return statistic * statistic <= test.t * test.t * sigma2 * max(factor, 0.0)
+
+
+def window_test(stream: Sequence[Sequence[float]], decays: Sequence[float], confidence: float
+                ) -> Optional[WindowTest]:
+    """The :class:`WindowTest` of one stream's per-window sums; None while the base trend is not identified."""
+    moments = detrended_moments(stream[0])
+    if moments is None:
+        return None
+    steps = steps_of(stream[-1], decays[-1])  # the longest window's d^n underflows last
+    return WindowTest(tuple(decays), steps, moments[:3], t_quantile(confidence, moments[3]))
 
 
 def fits_of_row(row: Sequence[float], confidence: float) -> list[TrendFit]:
     """One stream's candidates from its packed values (``windows × TREND_FIELDS`` sums, then the scale state
-    ``(Σ d_s^k·scale, Σ d_s^k)``): the trend fit at the base window, then the level-only fits at every window."""
-    fields = len(TREND_FIELDS)
-    windows = (len(row) - 2) // fields
-    stream = [row[k * fields:(k + 1) * fields] for k in range(windows)]
+    ``(Σ d_s^k·scale, Σ d_s^k)``), from least to most smoothing: the trend fit then the level fit at the base
+    window, then the same at each longer window."""
+    stream = stream_of_row(row)
     total, count = row[-2:]
     scale = total / count if count > 0 else math.nan
-    trend = fit_window(stream[0], scale, confidence, trend=True)
-    return [trend] + [fit_window(sums, scale, confidence, trend=False) for sums in stream]
+    return [fit_window(sums, scale, confidence, trend, window) for window, sums in enumerate(stream)
+            for trend in (True, False)]
 
 
-def choose_fit(fits: Sequence[TrendFit]) -> RatioSummary:
-    """The first fit with a finite, positive ratio (candidates ordered from least to most lag), else the first.
+def stream_of_row(row: Sequence[float]) -> list[Sequence[float]]:
+    """Per window, its ``TREND_FIELDS`` sums, from one stream's packed values."""
+    fields = len(TREND_FIELDS)
+    return [row[k * fields:(k + 1) * fields] for k in range((len(row) - 2) // fields)]
 
-    Choosing by the *realised* interval instead (the first bounded one) biased the reading low in simulations and
-    on real runs: a window's interval is bounded when its ``|G|²`` happens to come out high.
+
+def choose_fit(fits: Sequence[TrendFit], test: Optional[WindowTest] = None) -> RatioSummary:
+    """The most smoothed fit the data cannot tell from the less smoothed ones (Lepski's rule), with the base trend
+    fit's interval, which still covers when the choice was wrong; see the module docstring.
+
+    ``fits`` in :func:`fits_of_row` order. Walking from the base trend fit, a candidate is taken when it is
+    :func:`consistent` with every earlier candidate taken (or merely tried, where that one's ratio is not finite
+    and positive), and the walk stops at the first rejection. The chosen fit gives the ratio, the kernel means and
+    ``effective_steps``; the interval is the base trend fit's, widened to hold the chosen ratio. The walk needs a
+    base trend fit that resolves ``|G|²`` (a bounded interval) and a ``test`` (enough steps); without them, or when
+    no candidate is taken: :func:`fallback_fit`.
     """
+    base = fits[0].summary
+    walk = test is not None and fits[0].usable and math.isfinite(base.ci_high)
+    chosen = lepski_choice(fits, test) if walk else None
+    if chosen is None:
+        return fallback_fit(fits)
+    ratio = chosen.summary.ratio
+    return replace(chosen.summary, ci_low=min(base.ci_low, ratio), ci_high=max(base.ci_high, ratio))
+
+
+def lepski_choice(fits: Sequence[TrendFit], test: WindowTest) -> Optional[TrendFit]:
+    """The last candidate of the walk in :func:`choose_fit` (None when none with a usable ratio was taken)."""
+    taken: list[TrendFit] = []
+    chosen = None
     for fit in fits:
+        if not fit.usable:
+            taken.append(fit)  # cannot be read, still a check on the longer windows
+            continue
+        if not all(consistent(earlier, fit, test) for earlier in taken):
+            break
+        taken.append(fit)
+        chosen = fit
+    return chosen
+
+
+def fallback_fit(fits: Sequence[TrendFit]) -> RatioSummary:
+    """The base trend fit while its ratio is finite and positive, else the first such level fit (from the base
+    window up), else the base trend fit: the reading before a window could be tested."""
+    for fit in [fits[0]] + [f for f in fits if not f.trend]:
         if fit.usable:
             return fit.summary
     return fits[0].summary
@@ -230,9 +374,9 @@ class LocalLinearRatio:
     :func:`block_sums`). :meth:`summary` copies to the host once.
 
     Args:
-        decay: weight of the past in the base window, in ``[0, 1)`` (``0.99``: ``n_eff`` ≈ 199 steps). Level-only
-            fits there and at windows of 4× and 16× that are the fallbacks while the trend fit cannot resolve
-            ``|G|²``.
+        decay: weight of the past in the base window, in ``[0, 1)`` (``0.99``: ``n_eff`` ≈ 199 steps). Trend and
+            level-only fits there and at windows of 4× and 16× that are the candidates :func:`choose_fit` reads
+            from, by the measured drift.
         scale_decay: decay of the short EMA of earlier steps' ``scale`` that normalises each step, in ``[0, 1)``.
         batch_shape: independent streams kept side by side (simulations); ``()`` for one.
     """
@@ -320,11 +464,12 @@ class LocalLinearRatio:
 
     def summaries(self, confidence: float = 0.95) -> list[RatioSummary]:
         """:meth:`summary` of every stream, in row-major order of ``batch_shape`` (one device-to-host copy)."""
-        return [choose_fit(fits) for fits in self.fits(confidence)]
+        rows = self.packed().reshape(-1, self.packed_size).tolist()
+        return [self._choose(row, confidence) for row in rows]
 
     def fits(self, confidence: float = 0.95) -> list[list[TrendFit]]:
-        """Per stream, the candidates in the order :func:`choose_fit` tries them: the trend fit at the base
-        window, then the level-only fits at each window (base, 4×, 16×)."""
+        """Per stream, the candidates in the order :func:`choose_fit` tries them: the trend fit then the level-only
+        fit, at each window (base, 4×, 16×)."""
         return [fits_of_row(row, confidence) for row in self.packed().reshape(-1, self.packed_size).tolist()]
 
     @property
@@ -342,7 +487,10 @@ class LocalLinearRatio:
         """:meth:`summary` from one stream's :meth:`packed` values already on the host (no device access)."""
         if len(row) != self.packed_size:
             raise ValueError(f"row has {len(row)} values; a packed stream of this tracker has {self.packed_size}.")
-        return choose_fit(fits_of_row(row, confidence))
+        return self._choose(row, confidence)
+
+    def _choose(self, row: Sequence[float], confidence: float) -> RatioSummary:
+        return choose_fit(fits_of_row(row, confidence), window_test(stream_of_row(row), self.decays, confidence))
 
     def state_dict(self) -> dict:
         """Plain types only (checkpoints load with ``weights_only=True``); the buffered steps are kept as they are,
@@ -384,6 +532,7 @@ def _check_decay(name: str, value: float, hint: str, upper_open: bool, lower_ope
         raise ValueError(f"{name}={value!r}: a number in {low}, 1), {hint}.")
 
 
-__all__ = ["LocalLinearRatio", "TrendFit", "TREND_FIELDS", "WINDOW_FACTORS", "BLOCK", "fit_window", "fits_of_row",
-           "choose_fit", "detrended_moments", "level_moments", "advance_sums", "block_sums", "predictable_scales",
-           "decay_for_window", "window_for_decay"]
+__all__ = ["LocalLinearRatio", "TrendFit", "Kernel", "WindowTest", "TREND_FIELDS", "WINDOW_FACTORS", "BLOCK",
+           "fit_window", "fits_of_row", "stream_of_row", "window_test", "choose_fit", "lepski_choice", "fallback_fit",
+           "consistent", "cross_product", "power_sums", "steps_of", "detrended_moments", "level_moments",
+           "advance_sums", "block_sums", "predictable_scales", "decay_for_window", "window_for_decay"]
