@@ -61,8 +61,9 @@ class Adapter:
         factor = decision.new_lr(1.0, rule)
         trainer.accumulate_grad_batches = decision.accumulate_grad_batches
         warmup = math.ceil(warmup_epochs_for(factor) * (steps_per_epoch or 0))
-        self.ramp = {"start": self.lr_multiplier, "target": self.lr_multiplier * factor, "step": 0,
-                     "warmup_steps": warmup}
+        # The factor scales the LR meant for the current batch: the unfinished ramp's target, if one is running.
+        meant = self.ramp["target"] if self.ramp else self.lr_multiplier
+        self.ramp = {"start": self.lr_multiplier, "target": meant * factor, "step": 0, "warmup_steps": warmup}
         event = {
             "epoch": trainer.current_epoch,
             "global_step": trainer.global_step,
