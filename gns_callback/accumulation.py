@@ -37,6 +37,7 @@ from typing import Literal, Optional, Union
 
 import torch
 
+from gns_callback.blend import PairBlend
 from gns_callback.estimators import grad_sq_norm_estimate, trace_sigma_estimate
 
 LossReduction = Literal["mean", "sum"]
@@ -161,6 +162,7 @@ def step_estimates(
     packed: torch.Tensor,
     step_grad_sq: torch.Tensor,
     loss_reduction: LossReduction = "mean",
+    blend: Optional[PairBlend] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One step's unbiased ``(tr(Σ), |G|², valid)`` from globally summed window sums.
 
@@ -168,6 +170,8 @@ def step_estimates(
         packed: window sums (``PACKED_FIELDS``), summed over ranks, small-batch norms already unscaled.
         step_grad_sq: ``|g|²`` of the gradient the optimizer sees (``p.grad``, unscaled, data-parallel averaged).
         loss_reduction: ``"mean"`` (Lightning's convention) or ``"sum"``; sets the big batch's effective size.
+        blend: where a subset of the examples was measured, ``|G|²`` is this blend of the pair estimate and the
+            two-batch-size one (:mod:`gns_callback.blend`; it keeps its moments); None: the pair estimate alone.
 
     The optimizer's gradient is ``g = (1/R)·Σ_ranks (1/d)·Σ_passes ĝ``: the average over ``R`` ranks of the
     summed backward passes, each of whose loss was divided by ``d``. The big-batch mean gradient is ``c·g`` with
@@ -196,7 +200,11 @@ def step_estimates(
         excluded_sq, excluded_terms = excluded_sq / micro_size_sum**2, excluded_terms / micro_size_sum**2
     pairs = (example_micro_count == micro_count) & (micro_count > 0)
     pair_grad_sq = (big_sq - excluded_sq) / (1.0 - excluded_terms)
+    pair_valid = excluded_terms < 1.0 - 1e-9
+    if blend is not None:
+        subset = pairs & (unit_count < micro_size_sum) & pair_valid & torch.isfinite(grad_sq)
+        pair_grad_sq = blend.blend(small_sq, pair_grad_sq, grad_sq, subset)
     grad_sq = torch.where(pairs, pair_grad_sq, grad_sq)
     trace = torch.where(pairs, (small_sq - pair_grad_sq) * b_small, trace)
-    valid = torch.where(pairs, excluded_terms < 1.0 - 1e-9, valid)
+    valid = torch.where(pairs, pair_valid, valid)
     return trace, grad_sq, valid & torch.isfinite(trace) & torch.isfinite(grad_sq)

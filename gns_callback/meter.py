@@ -34,6 +34,7 @@ from torch import nn
 
 from gns_callback import arguments as args
 from gns_callback.accumulation import PACKED_FIELDS, AccumulationWindow, LossReduction, step_estimates
+from gns_callback.blend import PairBlend
 from gns_callback.collectors import COLLECTORS, Collector
 from gns_callback.critical_batch import CriticalBatchAccumulator, CriticalBatchEstimate
 from gns_callback.estimate import GNSEstimate
@@ -195,6 +196,7 @@ class GradientNoiseScaleMeter:
         self.run = RatioAccumulator(1.0)
         self.recent_from = 0  # measured steps before the recent estimate started (a version-2 state's)
         self.critical = CriticalBatchAccumulator()
+        self.blend = PairBlend()  # per_example with a subset measured: weights of its two |G|² estimates
         self.losses_given = False
         self.steps_seen = 0  # optimizer steps offered for measurement
         self.failure: Optional[str] = None
@@ -211,6 +213,7 @@ class GradientNoiseScaleMeter:
             "recent_from": self.recent_from,
             "run": self.run.state_dict(),
             "critical": self.critical.state_dict(),
+            "blend": self.blend.state_dict(),
             "losses_given": self.losses_given,
             "steps_seen": self.steps_seen,
             "failure": self.failure,
@@ -228,6 +231,8 @@ class GradientNoiseScaleMeter:
         else:
             self.ema = LocalLinearRatio(self.ema_decay)
             self.recent_from = round(float(self.run.sums[0]))
+        if state.get("blend"):  # absent before this key existed: the blend restarts from an even weight
+            self.blend.load_state_dict(state["blend"])
         if state.get("critical"):
             self.critical.load_state_dict(state["critical"])
             self.losses_given = bool(state.get("losses_given"))
@@ -310,7 +315,8 @@ class GradientNoiseScaleMeter:
         if not grads:
             return
         step_grad_sq = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
-        trace, grad_sq, valid = step_estimates(packed, step_grad_sq, self.loss_reduction)
+        blend = self.blend if self.method == "per_example" else None
+        trace, grad_sq, valid = step_estimates(packed, step_grad_sq, self.loss_reduction, blend)
         if self._any_rank_failed is not None:
             valid = valid & ~self._any_rank_failed.to(valid.device)
         step = step_vector(trace, grad_sq)  # shared by both accumulators; a non-finite step adds nothing
