@@ -21,8 +21,8 @@ Recent estimators compared, each read at the same steps:
 * ``LocalLinearRatio``: ``gns_callback.tracking`` (the chosen estimator: trend and level fits at windows 1×, 4×,
   16× the base, the most smoothed one the data cannot tell from the less smoothed ones, Lepski's rule), and its
   reading before that window choice (the base-window trend fit, the level where that does not resolve |G|²);
-* ``GradientNoiseScaleMeter.estimate``: the meter itself at its defaults (``per_example``, 16 of the 32 examples,
-  ``ema_decay`` 0.99), hooked on the model and stepped on the optimizer's batch (replica 0), end to end.
+* ``GradientNoiseScaleMeter.estimate``: the meter itself at its defaults (``per_example``, which measures every
+  example of these models' batches of 32, ``ema_decay`` 0.99), hooked on the model and stepped on the optimizer's batch (replica 0), end to end.
 
 Scores over steps ≥ 50 (as in issue 14): geometric mean of estimate/exact over readings that are finite and
 positive, the share of readings that are not (unresolved: ``inf``/0), the typical per-step error factor
@@ -63,7 +63,7 @@ from gns_callback.tracking import LocalLinearRatio, fallback_fit  # noqa: E402
 
 HEADING = "## Trajectory tracking: the recent estimate on a moving run (issue 14 item 2)"
 BATCH, MICRO, WIDE = 32, 8, 256
-METER = "meter at its defaults (per_example, 16 of 32)"
+METER = "meter at its defaults (per_example)"
 DECAY = 0.99
 START = 50
 LOCAL = 21  # steps in the local value: exact tr Σ and |G|² averaged over the last 21 steps
