@@ -79,6 +79,23 @@ def test_fp16_with_a_real_grad_scaler_matches_fp32(digits, method):
     assert fp16.run_estimate.b_simple == pytest.approx(fp32.run_estimate.b_simple, rel=0.02)
 
 
+def test_fp16_with_a_real_grad_scaler_matches_fp32_on_a_measured_subset(digits):
+    """A token model at batch 64 measures 16 examples plus their summed gradient (and the unmeasured examples'
+    block from each parameter's scaled gradient): unscaled like the norms, the estimate matches fp32."""
+    from tests.helpers import token_model
+
+    tokens = (digits[0] * 16).round().long()
+    make = lambda: GradientNoiseScaleCallback(method="per_example", verbose=False)  # noqa: E731
+    fp32, _, _ = fit_with_gns(token_model(), tokens, digits[1], accumulate=1, batch_size=64, steps=60,
+                              callback=make())
+    scaler = torch.amp.GradScaler("cpu")
+    fp16, trainer, _ = fit_with_gns(token_model(), tokens, digits[1], accumulate=1, batch_size=64, steps=60,
+                                    callback=make(), plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    assert trainer.precision_plugin.scaler.get_scale() > 1.0
+    assert fp16.run_estimate.steps == fp32.run_estimate.steps > 50
+    assert fp16.run_estimate.b_simple == pytest.approx(fp32.run_estimate.b_simple, rel=0.03)
+
+
 def test_bf16(digits):
     fp32, _, _ = fit_with_gns(mlp(), *digits, steps=100)
     bf16, _, _ = fit_with_gns(mlp(), *digits, steps=100, callback=micro(), precision="bf16-mixed")
