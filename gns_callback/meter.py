@@ -315,7 +315,7 @@ class GradientNoiseScaleMeter:
         if not grads:
             return
         step_grad_sq = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
-        blend = self.blend if self.method == "per_example" else None
+        blend = self.blend if self._may_measure_a_subset(window) else None
         trace, grad_sq, valid = step_estimates(packed, step_grad_sq, self.loss_reduction, blend)
         if self._any_rank_failed is not None:
             valid = valid & ~self._any_rank_failed.to(valid.device)
@@ -324,6 +324,13 @@ class GradientNoiseScaleMeter:
         self.run.update_vector(step, valid)
         self.critical.update(trace, grad_sq, step_loss, valid)  # the ranks' mean loss: identical state everywhere
         self.losses_given = self.losses_given or loss is not None
+
+    def _may_measure_a_subset(self, window: AccumulationWindow) -> bool:
+        """Whether this step's |G|² may need the blend: ``per_example`` with fewer examples measured than seen here,
+        or on any rank (with ``reduce`` every rank blends, so that the blend's state stays identical)."""
+        if self.method != "per_example":
+            return False
+        return self.reduce is not None or window.unit_count < window.micro_size_sum
 
     def _reduce(self, packed: torch.Tensor, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Sum ``packed`` over ranks with this rank's loss and problem flag appended; remember (on the device) if
