@@ -286,7 +286,7 @@ class PerExampleNormTracker:
         failure = self.failure or next((p.failure for p in committed if p.failure is not None), None)
         if failure is None and any(p.subset_grads for p in committed):
             failure = ("a measured layer's parameters received no gradient in its backward pass (their whole "
-                       "gradient is needed when only some examples are measured); set max_examples=None")
+                       "gradient is needed when only some examples are measured); set per_example_max_examples=None")
         self._reset_state()
         if failure is not None:
             raise RuntimeError(f"PerExampleNormTracker: {failure}")
