@@ -29,6 +29,14 @@ def embedding_unsupported_reason(module: nn.Embedding) -> str | None:
     return None
 
 
+def _without_padding(module: nn.Embedding, tokens: Tensor, grads: Tensor) -> Tensor:
+    """``grads`` (``tokens``' shape plus the embedding dim) with the ``padding_idx`` positions zeroed: that row
+    receives no gradient."""
+    if module.padding_idx is None:
+        return grads
+    return grads.masked_fill((tokens == module.padding_idx).unsqueeze(-1), 0)
+
+
 def embedding_sq_norms(
     module: nn.Embedding,
     inp: Tensor,
@@ -54,8 +62,7 @@ def embedding_sq_norms(
         return grads.new_zeros(batch_size)
     tokens = inp.reshape(batch_size, -1)
     grads = grads.reshape(batch_size, tokens.shape[1], module.embedding_dim)
-    if module.padding_idx is not None:
-        grads = grads.masked_fill((tokens == module.padding_idx).unsqueeze(-1), 0)
+    grads = _without_padding(module, tokens, grads)
 
     sorted_tokens, order = tokens.sort(dim=1)
     starts_new_token = torch.ones_like(sorted_tokens, dtype=torch.bool)
@@ -84,6 +91,5 @@ def embedding_summed_grads(
     (grads,) = upcast(grad_output)
     tokens = inp.reshape(-1)
     rows = grads.reshape(tokens.shape[0], module.embedding_dim)
-    if module.padding_idx is not None:
-        rows = rows.masked_fill((tokens == module.padding_idx).unsqueeze(-1), 0)
+    rows = _without_padding(module, tokens, rows)
     return {"weight": rows.new_zeros(module.num_embeddings, module.embedding_dim).index_add_(0, tokens, rows)}

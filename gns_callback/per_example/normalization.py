@@ -2,13 +2,15 @@
 
 The affine parameters act elementwise on the normalised input ``x̂``: example ``i`` contributes
 ``Σ_positions x̂_i ⊙ δ_i`` to the weight gradient and ``Σ_positions δ_i`` to the bias gradient
-(BackPACK ``batch_l2_grad``). ``x̂`` is recomputed from the saved input with the module's own eps.
+(BackPACK ``batch_l2_grad``). ``x̂`` is recomputed from the saved input with the module's own eps. Both the
+per-example norms and a set of examples' summed gradient are read off these per-example contributions.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Collection
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -20,23 +22,46 @@ __all__ = ["group_norm_sq_norms", "group_norm_summed_grads", "layer_norm_sq_norm
            "rms_norm_sq_norms", "rms_norm_summed_grads"]
 
 
-def _elementwise_affine_sq_norms(
-    normalized: Tensor | None, grads: Tensor, num_features: int, use_bias: bool, channels_first: bool
-) -> Tensor:
-    """``|Σ_pos x̂⊙δ|² + |Σ_pos δ|²`` per example (weight term only if ``normalized`` is given)."""
-    batch_size = grads.shape[0]
+@dataclass(frozen=True)
+class _AffineTerms:
+    """What an elementwise-affine layer's per-example gradients are made of: ``x̂`` (None when the weight is not
+    measured) and ``δ``, upcast; ``num_features`` per-position parameters, channels in dim 1 or last."""
 
-    def summed_over_positions(values: Tensor) -> Tensor:
-        if channels_first:  # (B, C, *positions)
-            return values.reshape(batch_size, num_features, -1).sum(dim=2)
-        return values.reshape(batch_size, -1, num_features).sum(dim=1)  # (B, *positions, *features)
+    normalized: Tensor | None
+    grads: Tensor
+    num_features: int
+    use_bias: bool
+    channels_first: bool
 
-    total = grads.new_zeros(batch_size)
-    if normalized is not None:
-        total = total + summed_over_positions(normalized.mul_(grads)).square().sum(dim=1)
-    if use_bias:
-        total = total + summed_over_positions(grads).square().sum(dim=1)
+    def per_example(self, values: Tensor) -> Tensor:
+        """``Σ_positions`` of ``values`` per example and feature: (B, num_features)."""
+        batch_size = values.shape[0]
+        if self.channels_first:  # (B, C, *positions)
+            return values.reshape(batch_size, self.num_features, -1).sum(dim=2)
+        return values.reshape(batch_size, -1, self.num_features).sum(dim=1)  # (B, *positions, *features)
+
+    def contributions(self) -> dict[str, Tensor]:
+        """Each measured parameter's per-example gradient, flattened: (B, num_features)."""
+        out = {}
+        if self.normalized is not None:
+            out["weight"] = self.per_example(self.normalized.mul_(self.grads))
+        if self.use_bias:
+            out["bias"] = self.per_example(self.grads)
+        return out
+
+
+def _sq_norms(terms: _AffineTerms) -> Tensor:
+    """``|Σ_pos x̂⊙δ|² + |Σ_pos δ|²`` per example (weight term only if ``x̂`` is given)."""
+    total = terms.grads.new_zeros(terms.grads.shape[0])
+    for grads in terms.contributions().values():
+        total = total + grads.square().sum(dim=1)
     return total
+
+
+def _summed(module: nn.Module, terms: _AffineTerms) -> dict[str, Tensor]:
+    """``Σ_{i,pos} x̂⊙δ`` and ``Σ_{i,pos} δ`` in the parameters' shapes: the gradient these examples contribute."""
+    return {name: grads.sum(dim=0).reshape(getattr(module, name).shape)
+            for name, grads in terms.contributions().items()}
 
 
 def _check_batched(module: nn.Module, inp: Tensor, normalized_ndim: int) -> None:
@@ -45,6 +70,39 @@ def _check_batched(module: nn.Module, inp: Tensor, normalized_ndim: int) -> None
             f"{type(module).__name__} input needs a leading batch dimension before the normalised "
             f"dims, got shape {tuple(inp.shape)}"
         )
+
+
+def _layer_norm_terms(module: nn.LayerNorm, inp: Tensor, grad_output: Tensor,
+                      param_names: Collection[str] | None) -> _AffineTerms:
+    shape = tuple(module.normalized_shape)
+    _check_batched(module, inp, len(shape))
+    inp, grads = upcast(inp, grad_output)
+    normalized = None
+    if includes_param(module, "weight", param_names):
+        normalized = F.layer_norm(inp, shape, None, None, module.eps)
+    return _AffineTerms(normalized, grads, math.prod(shape), includes_param(module, "bias", param_names), False)
+
+
+def _rms_norm_terms(module: nn.RMSNorm, inp: Tensor, grad_output: Tensor,
+                    param_names: Collection[str] | None) -> _AffineTerms:
+    shape = tuple(module.normalized_shape)
+    _check_batched(module, inp, len(shape))
+    eps = module.eps if module.eps is not None else torch.finfo(inp.dtype).eps
+    inp, grads = upcast(inp, grad_output)
+    normalized = None
+    if includes_param(module, "weight", param_names):
+        normalized = F.rms_norm(inp, shape, None, eps)
+    return _AffineTerms(normalized, grads, math.prod(shape), False, False)
+
+
+def _group_norm_terms(module: nn.GroupNorm, inp: Tensor, grad_output: Tensor,
+                      param_names: Collection[str] | None) -> _AffineTerms:
+    _check_batched(module, inp, 1)
+    inp, grads = upcast(inp, grad_output)
+    normalized = None
+    if includes_param(module, "weight", param_names):
+        normalized = F.group_norm(inp, module.num_groups, None, None, module.eps)
+    return _AffineTerms(normalized, grads, module.num_channels, includes_param(module, "bias", param_names), True)
 
 
 def layer_norm_sq_norms(
@@ -60,14 +118,7 @@ def layer_norm_sq_norms(
     (BackPACK ``batch_l2_grad``). Shape (B,), float32 (float64 for float64 inputs), for exactly the
     loss that was backpropagated. Works with ``bias=False``.
     """
-    shape = tuple(module.normalized_shape)
-    _check_batched(module, inp, len(shape))
-    inp, grads = upcast(inp, grad_output)
-    normalized = None
-    if includes_param(module, "weight", param_names):
-        normalized = F.layer_norm(inp, shape, None, None, module.eps)
-    use_bias = includes_param(module, "bias", param_names)
-    return _elementwise_affine_sq_norms(normalized, grads, math.prod(shape), use_bias, channels_first=False)
+    return _sq_norms(_layer_norm_terms(module, inp, grad_output, param_names))
 
 
 def rms_norm_sq_norms(
@@ -82,14 +133,7 @@ def rms_norm_sq_norms(
     ``eps=None`` means the machine epsilon of the *input* dtype, as in the module's forward.
     Shape (B,), float32 (float64 for float64 inputs).
     """
-    shape = tuple(module.normalized_shape)
-    _check_batched(module, inp, len(shape))
-    eps = module.eps if module.eps is not None else torch.finfo(inp.dtype).eps
-    inp, grads = upcast(inp, grad_output)
-    normalized = None
-    if includes_param(module, "weight", param_names):
-        normalized = F.rms_norm(inp, shape, None, eps)
-    return _elementwise_affine_sq_norms(normalized, grads, math.prod(shape), False, channels_first=False)
+    return _sq_norms(_rms_norm_terms(module, inp, grad_output, param_names))
 
 
 def group_norm_sq_norms(
@@ -104,65 +148,25 @@ def group_norm_sq_norms(
     Input (B, C, *positions), per-channel parameters (C,): weight ``|Σ_pos x̂_i ⊙ δ_i|²``, bias
     ``|Σ_pos δ_i|²`` (BackPACK ``batch_l2_grad``). Shape (B,), float32 (float64 for float64 inputs).
     """
-    _check_batched(module, inp, 1)
-    inp, grads = upcast(inp, grad_output)
-    normalized = None
-    if includes_param(module, "weight", param_names):
-        normalized = F.group_norm(inp, module.num_groups, None, None, module.eps)
-    use_bias = includes_param(module, "bias", param_names)
-    return _elementwise_affine_sq_norms(normalized, grads, module.num_channels, use_bias, channels_first=True)
-
-
-def _elementwise_affine_summed(
-    module: nn.Module, normalized: Tensor | None, grads: Tensor, use_bias: bool, channels_first: bool
-) -> dict[str, Tensor]:
-    """``Σ_{i,pos} x̂⊙δ`` (weight, only if ``normalized`` is given) and ``Σ_{i,pos} δ`` (bias), in the parameters'
-    shapes: the gradient the given examples alone contribute."""
-    shape = module.weight.shape if getattr(module, "weight", None) is not None else module.bias.shape
-
-    def summed(values: Tensor) -> Tensor:
-        if channels_first:  # (B, C, *positions)
-            return values.transpose(0, 1).reshape(shape.numel(), -1).sum(dim=1).reshape(shape)
-        return values.reshape(-1, shape.numel()).sum(dim=0).reshape(shape)
-
-    out = {}
-    if normalized is not None:
-        out["weight"] = summed(normalized.mul_(grads))
-    if use_bias:
-        out["bias"] = summed(grads)
-    return out
+    return _sq_norms(_group_norm_terms(module, inp, grad_output, param_names))
 
 
 def layer_norm_summed_grads(
     module: nn.LayerNorm, inp: Tensor, grad_output: Tensor, *, param_names: Collection[str] | None = None
 ) -> dict[str, Tensor]:
     """Weight ``Σ_{i,pos} x̂_i ⊙ δ_i`` and bias ``Σ_{i,pos} δ_i`` over the rows given (float32, float64 kept)."""
-    shape = tuple(module.normalized_shape)
-    inp, grads = upcast(inp, grad_output)
-    normalized = None
-    if includes_param(module, "weight", param_names):
-        normalized = F.layer_norm(inp, shape, None, None, module.eps)
-    return _elementwise_affine_summed(module, normalized, grads, includes_param(module, "bias", param_names), False)
+    return _summed(module, _layer_norm_terms(module, inp, grad_output, param_names))
 
 
 def rms_norm_summed_grads(
     module: nn.RMSNorm, inp: Tensor, grad_output: Tensor, *, param_names: Collection[str] | None = None
 ) -> dict[str, Tensor]:
     """Weight ``Σ_{i,pos} x̂_i ⊙ δ_i`` over the rows given (``eps=None``: the input dtype's epsilon)."""
-    shape = tuple(module.normalized_shape)
-    eps = module.eps if module.eps is not None else torch.finfo(inp.dtype).eps
-    inp, grads = upcast(inp, grad_output)
-    if not includes_param(module, "weight", param_names):
-        return {}
-    return _elementwise_affine_summed(module, F.rms_norm(inp, shape, None, eps), grads, False, False)
+    return _summed(module, _rms_norm_terms(module, inp, grad_output, param_names))
 
 
 def group_norm_summed_grads(
     module: nn.GroupNorm, inp: Tensor, grad_output: Tensor, *, param_names: Collection[str] | None = None
 ) -> dict[str, Tensor]:
     """Per-channel weight ``Σ_{i,pos} x̂_i ⊙ δ_i`` and bias ``Σ_{i,pos} δ_i`` over the rows given."""
-    inp, grads = upcast(inp, grad_output)
-    normalized = None
-    if includes_param(module, "weight", param_names):
-        normalized = F.group_norm(inp, module.num_groups, None, None, module.eps)
-    return _elementwise_affine_summed(module, normalized, grads, includes_param(module, "bias", param_names), True)
+    return _summed(module, _group_norm_terms(module, inp, grad_output, param_names))

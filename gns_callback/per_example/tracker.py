@@ -307,7 +307,7 @@ class PerExampleNormTracker:
 
     def _reset_state(self) -> None:
         self._passes.clear()
-        self._forward_costs: list[tuple[float, float, int]] = []
+        self._forward_costs = []
         self._saw_tracked_forward = False
         self.failure = None
 
