@@ -16,20 +16,19 @@ from typing import Callable
 
 from torch import Tensor, nn
 
-from .linear import prefers_gram
+from .linear import sequence_norm_costs
 
 #: ``(norm cost, summed-gradient cost)`` of one example, from the module, its input and output, and the batch size.
 CostFunction = Callable[[nn.Module, Tensor, Tensor, int], tuple[float, float]]
 
 
 def sequence_costs(positions: float, in_features: float, out_features: float) -> tuple[float, float]:
-    """``Σ_t a_tᵀ δ_t`` per example: the norm by the cheaper of the Gram form ``T²·(K+L+1)`` and materialising
-    ``(T+1)·K·L`` (:func:`~gns_callback.per_example.linear.prefers_gram`); the summed gradient ``T·K·L``."""
+    """``Σ_t a_tᵀ δ_t`` per example: the norm by the cheaper of the Gram form and materialising
+    (:func:`~gns_callback.per_example.linear.sequence_norm_costs`, the rule the norms themselves follow); the summed
+    gradient ``T·K·L``."""
     if positions <= 1:
         return in_features + out_features, in_features * out_features
-    gram = prefers_gram(int(positions), int(in_features), int(out_features))
-    norm = positions**2 * (in_features + out_features + 1) if gram else (positions + 1) * in_features * out_features
-    return norm, positions * in_features * out_features
+    return min(sequence_norm_costs(positions, in_features, out_features)), positions * in_features * out_features
 
 
 def linear_costs(module: nn.Linear, inp: Tensor, output: Tensor, batch: int) -> tuple[float, float]:

@@ -13,7 +13,7 @@ from collections.abc import Collection
 import torch
 from torch import Tensor, nn
 
-__all__ = ["linear_sq_norms", "linear_summed_grads", "prefers_gram", "sequence_sq_norms"]
+__all__ = ["linear_sq_norms", "linear_summed_grads", "prefers_gram", "sequence_norm_costs", "sequence_sq_norms"]
 
 
 def upcast(*tensors: Tensor) -> tuple[Tensor, ...]:
@@ -35,14 +35,20 @@ def includes_param(module: nn.Module, name: str, param_names: Collection[str] | 
     return param_names is None or name in param_names
 
 
-def prefers_gram(seq_len: int, in_features: int, out_features: int) -> bool:
-    """Whether the Gram form is cheaper than materialising ``G_i`` for one example.
+def sequence_norm_costs(seq_len: float, in_features: float, out_features: float) -> tuple[float, float]:
+    """Multiply-adds per example of ``|G_i|²`` by the Gram form and by materialising ``G_i``, reductions included.
 
-    Multiply-adds per example, reductions included: the Gram form costs ``T²·(K+L)`` for the two Gram
-    matrices plus ``T²`` for their elementwise product, materialising costs ``T·K·L`` plus ``K·L`` for the
-    squared sum, so the Gram form wins when ``T²·(K+L+1) < (T+1)·K·L``.
+    The Gram form costs ``T²·(K+L)`` for the two Gram matrices plus ``T²`` for their elementwise product:
+    ``T²·(K+L+1)``; materialising costs ``T·K·L`` plus ``K·L`` for the squared sum: ``(T+1)·K·L``.
     """
-    return seq_len**2 * (in_features + out_features + 1) < (seq_len + 1) * in_features * out_features
+    gram = seq_len**2 * (in_features + out_features + 1)
+    return gram, (seq_len + 1) * in_features * out_features
+
+
+def prefers_gram(seq_len: int, in_features: int, out_features: int) -> bool:
+    """Whether the Gram form is cheaper than materialising ``G_i`` for one example (:func:`sequence_norm_costs`)."""
+    gram, materialise = sequence_norm_costs(seq_len, in_features, out_features)
+    return gram < materialise
 
 
 def sequence_sq_norms(activations: Tensor, grad_outputs: Tensor) -> Tensor:
