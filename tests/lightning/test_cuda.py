@@ -1,0 +1,55 @@
+"""The callback on a CUDA device: the exact noise scale inside the interval in fp32, fp16 with Lightning's real
+CUDA GradScaler, and bf16; and the probe inside ``Trainer.fit`` measuring the allocator's peak. Parameters are
+held fixed (SGD, lr=0) so every step samples the distribution whose exact value is computed by brute force over
+all 1797 digits. Skipped without CUDA (the suite never needs a GPU); benchmarks/RESULTS.md records where they ran.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gns_callback import GradientNoiseScaleCallback
+from tests.helpers import assert_matches_exact, fit_with_gns, mlp
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (runs on a GPU machine only)")
+
+
+@pytest.fixture(scope="module")
+def mlp_exact(digits, exact_gns):
+    return exact_gns(mlp(), F.cross_entropy, *digits)[0]
+
+
+@pytest.mark.parametrize("method", ["micro_batch", "per_example"])
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed", "bf16-mixed"])
+def test_exact_value_inside_the_interval_on_cuda(digits, mlp_exact, method, precision):
+    callback = GradientNoiseScaleCallback(method=method, verbose=False)
+    cb, trainer, _ = fit_with_gns(mlp(), *digits, callback=callback, accelerator="gpu", precision=precision)
+    if precision == "16-mixed":
+        assert trainer.precision_plugin.scaler.get_scale() > 1.0  # the real CUDA GradScaler scaled the loss
+    assert cb.run_estimate.method == method and cb.run_estimate.steps == 300
+    assert_matches_exact(cb.run_estimate, mlp_exact)
+
+
+def test_probe_inside_fit_measures_the_allocator_peak(digits):
+    callback = GradientNoiseScaleCallback(method="micro_batch", verbose=False, probe=True,
+                                          memory_budget_bytes=512 * 2**20)
+    cb, _, module = fit_with_gns(mlp(), *digits, callback=callback, steps=20, accelerator="gpu")
+    assert cb.probe is not None and cb.probe.measure == "cuda" and cb.probe.max_micro_batch > 8
+    assert module.net[0].weight.device.type == "cuda"
+
+
+def test_a_fit_with_the_probe_is_bit_identical_to_one_without(digits):
+    """Training for real (lr 0.1): the probe's trials, restores and timing leave the weights bit for bit as in the
+    same run without the probe (a control pair without it first shows the GPU run itself is deterministic)."""
+
+    def weights(callback):
+        _, _, module = fit_with_gns(mlp(), *digits, steps=12, accelerator="gpu", module_kwargs={"lr": 0.1},
+                                    callback=callback)
+        return [p.detach().cpu().clone() for p in module.parameters()]
+
+    control = [weights(GradientNoiseScaleCallback(method="micro_batch", verbose=False)) for _ in range(2)]
+    if not all(torch.equal(a, b) for a, b in zip(*control)):
+        pytest.skip("this GPU run is not deterministic by itself")
+    probed = weights(GradientNoiseScaleCallback(method="micro_batch", verbose=False, probe=True,
+                                                memory_budget_bytes=512 * 2**20))
+    assert all(torch.equal(a, b) for a, b in zip(control[0], probed))
