@@ -68,7 +68,7 @@ def test_quick_run_writes_the_section_and_keeps_the_others(bench, quick_run):
     assert "## Other benchmark\n\nkeep me" in text
     section = text[text.index(bench.SECTION_HEADING):]
     assert bench.SYNTHETIC_SUBSECTION in section and "not CIFAR-10" in section
-    assert "Real CIFAR-10 run on a GPU: not done yet" in section
+    assert "Real CIFAR-10: not run." in section
     rows = [line for line in section.splitlines() if line.startswith(("| baseline", "| GNS measurement", "| recommended"))]
     assert len(rows) == 3
     assert "B_simple (run average" in section and "Recommendation: batch" in section

@@ -33,9 +33,8 @@ def test_exact_value_inside_the_interval_on_cuda(digits, mlp_exact, method, prec
 def test_probe_inside_fit_measures_the_allocator_peak(digits):
     callback = GradientNoiseScaleCallback(method="micro_batch", verbose=False, probe=True,
                                           memory_budget_bytes=512 * 2**20)
-    cb, _, module = fit_with_gns(mlp(), *digits, callback=callback, steps=20, accelerator="gpu")
+    cb, _, _ = fit_with_gns(mlp(), *digits, callback=callback, steps=20, accelerator="gpu")
     assert cb.probe is not None and cb.probe.measure == "cuda" and cb.probe.max_micro_batch > 8
-    assert module.net[0].weight.device.type == "cuda"
 
 
 def test_a_fit_with_the_probe_is_bit_identical_to_one_without(digits):

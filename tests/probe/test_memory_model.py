@@ -103,10 +103,15 @@ def test_nothing_fits_tries_one_then_gives_up():
     assert answer == 0 and [t.size for t in trials] == [2, 1]
 
 
-def test_a_failed_verification_backs_off_ten_percent_first():
+def test_a_failed_verification_backs_off_a_little_then_more():
+    """Near the limit (fragmentation) one small back-off lands within the tolerance; a larger miss takes the
+    second, larger back-off before any bisection."""
+    answer, trials = run_search(lambda b: None if b > 990 else 10 * b, limit=1e12, cap=1000)
+    phases = [(t.phase, t.size, t.ok) for t in trials]
+    assert phases[3:] == [(VERIFY, 1000, False), (BACKOFF, 975, True)] and answer == 975
     answer, trials = run_search(lambda b: None if b > 950 else 10 * b, limit=1e12, cap=1000)
     phases = [(t.phase, t.size, t.ok) for t in trials]
-    assert phases[3] == (VERIFY, 1000, False) and phases[4] == (BACKOFF, 900, True)
+    assert phases[3:6] == [(VERIFY, 1000, False), (BACKOFF, 975, False), (BACKOFF, 877, True)]
     assert 905 <= answer <= 950
 
 
