@@ -151,7 +151,8 @@ class AccumulationWindow:
 
     def packed_values(self, loss_scale: torch.Tensor | float | None = None) -> list[float]:
         """:meth:`packed` as host floats, for one process whose small-batch norms are on the CPU (reading them
-        costs no device sync there): the same sums, without a tensor operation per field."""
+        costs no device sync there): the same sums (bit for bit with one backward pass; a sum over several may
+        round differently, by an ulp), without a tensor operation per field."""
         host, terms = self._host_sums()
         squares = [_dot([float(v) for v in self._sq_sums], self._weights)]
         excluded = [float(v) for v in self._excluded_sqs]
@@ -198,7 +199,7 @@ def step_estimates(
         packed: window sums (``PACKED_FIELDS``), summed over ranks, small-batch norms already unscaled: a float64
             tensor (:meth:`AccumulationWindow.packed`; the results are 0-d tensors on its device, no host sync), or
             host floats (:meth:`AccumulationWindow.packed_values`; the results are NumPy ``float64`` scalars and a
-            ``bool``, the same numbers to the bit, :mod:`gns_callback.scalar_ops`).
+            ``bool``, the same arithmetic, :mod:`gns_callback.scalar_ops`).
         step_grad_sq: ``|g|²`` of the gradient the optimizer sees (``p.grad``, unscaled, data-parallel averaged).
         loss_reduction: ``"mean"`` (Lightning's convention) or ``"sum"``; sets the big batch's effective size.
         blend: where a subset of the examples was measured, ``|G|²`` is this blend of the pair estimate and the

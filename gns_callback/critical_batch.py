@@ -270,7 +270,7 @@ class CriticalBatchAccumulator:
         self.calls += 1
 
     def update_values(self, step: np.ndarray, loss: float, valid: bool) -> None:
-        """:meth:`update` from a host :func:`~gns_callback.smoothing.step_values` and loss (the blocks on the CPU):
+        """:meth:`update` from a host :func:`~gns_callback.smoothing.step_values` and loss (the state moves to the CPU):
         the same sums, with no tensor op but the block's row added in place."""
         self._to(torch.device("cpu"))
         if self.calls == self.blocks.shape[0] * self.block_size:

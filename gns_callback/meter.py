@@ -331,7 +331,8 @@ class GradientNoiseScaleMeter:
     def _measure_on_host(self, window: AccumulationWindow, grads: list[torch.Tensor],
                          loss_scale: Union[torch.Tensor, float, None], loss: Union[torch.Tensor, float, None]) -> None:
         """:meth:`_measure` for one process on the CPU: the same numbers from host scalars (reading the step's few
-        values costs no device sync there), instead of dozens of 0-d tensor operations (:mod:`gns_callback.scalar_ops`)."""
+        values costs no device sync there) instead of dozens of 0-d tensor operations
+        (:mod:`gns_callback.scalar_ops`). On an accelerator, or with ``reduce``, every step stays on the device."""
         packed = window.packed_values(loss_scale)
         step_grad_sq = float(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum())
         blend = self.blend if self._may_measure_a_subset(window) else None

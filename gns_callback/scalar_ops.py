@@ -4,7 +4,8 @@ A step's estimates (:func:`gns_callback.accumulation.step_estimates`, :class:`gn
 a few dozen scalar operations. On an accelerator they stay on the device as 0-d tensors, so that no step waits
 for a host sync. On the CPU, with one process, each 0-d tensor operation costs microseconds of dispatch for one
 flop; there the same formulas run on NumPy ``float64`` scalars (IEEE arithmetic, so every ``+ − × ÷`` rounds as
-the tensor operation does, and a division by zero gives ``inf``/``nan`` instead of raising).
+the tensor operation does, and a division by zero gives ``inf``/``nan`` instead of raising). Sums over several
+values may round differently (a BLAS dot's order), by an ulp.
 
 The formulas are written once, with ``+ − × ÷`` and comparisons, and take one of :data:`TORCH` or :data:`HOST`
 for ``where``, ``isfinite`` and clamping. Squares are written as products: ``x * x`` is what ``torch.pow(x, 2)``
@@ -14,23 +15,23 @@ computes, and is exact to the bit on both.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
 
+@dataclass(frozen=True)
 class ScalarOps:
     """``where(cond, a, b)``, ``isfinite(x)``, ``clamp_min(x, low)``, ``clamp(x, low, high)`` of one kind of
     value; ``nan`` passes through the clamps on both kinds."""
 
-    def __init__(self, name: str, where: Callable[[Any, Any, Any], Any], isfinite: Callable[[Any], Any],
-                 clamp_min: Callable[[Any, float], Any], clamp: Callable[[Any, float, float], Any]) -> None:
-        self.name = name
-        self.where, self.isfinite, self.clamp_min, self.clamp = where, isfinite, clamp_min, clamp
-
-    def __repr__(self) -> str:
-        return f"ScalarOps({self.name!r})"
+    name: str
+    where: Callable[[Any, Any, Any], Any]
+    isfinite: Callable[[Any], Any]
+    clamp_min: Callable[[Any, float], Any]
+    clamp: Callable[[Any, float, float], Any]
 
 
 def _host_clamp_min(x: Any, low: float) -> Any:
