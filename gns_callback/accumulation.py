@@ -33,12 +33,14 @@ error of ``mean |g_i|²`` into ``|G|²``, amplified by ``B_simple/B``).
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from gns_callback.blend import PairBlend
 from gns_callback.estimators import grad_sq_norm_estimate, trace_sigma_estimate
+from gns_callback.scalar_ops import HOST, TORCH, ScalarOps, host_errors_ignored
 
 LossReduction = Literal["mean", "sum"]
 
@@ -134,9 +136,7 @@ class AccumulationWindow:
 
         ``loss_scale``: the AMP GradScaler's scale the backward passes ran with; the small-batch norms are
         divided by its square (the optimizer's ``.grad`` is unscaled by then)."""
-        host = [self.unit_size_sum, self.unit_count, float(self.micro_count), self.micro_inv_size_sum,
-                self.micro_size_sum, 1.0, self.loss_divisor, float(len(self._excluded_sqs))]
-        terms = [self.excluded_terms_over_b2, self.excluded_terms]
+        host, terms = self._host_sums()
         if not self._sq_sums:
             return torch.tensor([0.0, *host, 0.0, 0.0, *terms], dtype=torch.float64, device=device)
         sq = torch.stack(self._sq_sums).to(torch.float64)
@@ -149,6 +149,27 @@ class AccumulationWindow:
         extra = torch.tensor(terms, dtype=torch.float64).to(sq.device, non_blocking=True)
         return torch.cat([squares[:1], values, squares[1:], extra]).to(device)
 
+    def packed_values(self, loss_scale: torch.Tensor | float | None = None) -> list[float]:
+        """:meth:`packed` as host floats, for one process whose small-batch norms are on the CPU (reading them
+        costs no device sync there): the same sums (bit for bit with one backward pass; a sum over several may
+        round differently, by an ulp), without a tensor operation per field."""
+        host, terms = self._host_sums()
+        squares = [_dot([float(v) for v in self._sq_sums], self._weights)]
+        excluded = [float(v) for v in self._excluded_sqs]
+        squares += [_dot(excluded, [w for w, _ in self._excluded_weights]),
+                    _dot(excluded, [w for _, w in self._excluded_weights])]
+        if loss_scale is not None and self._sq_sums:
+            scale = float(loss_scale)
+            squares = [v / (scale * scale) for v in squares]
+        return [squares[0], *host, *squares[1:], *terms]
+
+    def _host_sums(self) -> tuple[list[float], list[float]]:
+        """The fields known on the host: those between the first square and the excluded squares, and the last
+        two (``PACKED_FIELDS`` order)."""
+        host = [self.unit_size_sum, self.unit_count, float(self.micro_count), self.micro_inv_size_sum,
+                self.micro_size_sum, 1.0, self.loss_divisor, float(len(self._excluded_sqs))]
+        return host, [self.excluded_terms_over_b2, self.excluded_terms]
+
     def _excluded_packed(self, device: torch.device) -> torch.Tensor:
         """``(Σ_j weight_j·(D_j + R_j)/b_j², Σ_j weight_j·(D_j + R_j))`` on ``device`` (zeros without example units)."""
         if not self._excluded_sqs:
@@ -158,16 +179,27 @@ class AccumulationWindow:
         return excluded @ weights
 
 
+def _dot(values: Sequence[float], weights: Sequence[float]) -> float:
+    """``Σ v·w`` in order (0 for none)."""
+    total = 0.0
+    for v, w in zip(values, weights):
+        total += v * w
+    return total
+
+
 def step_estimates(
-    packed: torch.Tensor,
-    step_grad_sq: torch.Tensor,
+    packed: Union[torch.Tensor, Sequence[float]],
+    step_grad_sq: Union[torch.Tensor, float],
     loss_reduction: LossReduction = "mean",
     blend: Optional[PairBlend] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[Any, Any, Any]:
     """One step's unbiased ``(tr(Σ), |G|², valid)`` from globally summed window sums.
 
     Args:
-        packed: window sums (``PACKED_FIELDS``), summed over ranks, small-batch norms already unscaled.
+        packed: window sums (``PACKED_FIELDS``), summed over ranks, small-batch norms already unscaled: a float64
+            tensor (:meth:`AccumulationWindow.packed`; the results are 0-d tensors on its device, no host sync), or
+            host floats (:meth:`AccumulationWindow.packed_values`; the results are NumPy ``float64`` scalars and a
+            ``bool``, the same arithmetic, :mod:`gns_callback.scalar_ops`).
         step_grad_sq: ``|g|²`` of the gradient the optimizer sees (``p.grad``, unscaled, data-parallel averaged).
         loss_reduction: ``"mean"`` (Lightning's convention) or ``"sum"``; sets the big batch's effective size.
         blend: where a subset of the examples was measured, ``|G|²`` is this blend of the pair estimate and the
@@ -181,8 +213,18 @@ def step_estimates(
     ``valid`` is False when a value is not finite (e.g. a step the GradScaler skips) or the two batch sizes
     coincide (one micro-batch on one device: nothing to compare).
     """
+    if isinstance(packed, torch.Tensor):
+        return _step_estimates(packed.unbind(), step_grad_sq.to(torch.float64), loss_reduction, blend, TORCH)
+    with host_errors_ignored():
+        values = [np.float64(v) for v in packed]
+        return _step_estimates(values, np.float64(step_grad_sq), loss_reduction, blend, HOST)
+
+
+def _step_estimates(packed: Sequence[Any], step_grad_sq: Any, loss_reduction: LossReduction,
+                    blend: Optional[PairBlend], ops: ScalarOps) -> tuple[Any, Any, Any]:
+    """:func:`step_estimates` on the unpacked fields, with ``ops`` for the tensors' or the host's scalars."""
     (unit_sq_sum, unit_size_sum, unit_count, micro_count, micro_inv_size_sum, micro_size_sum, _, divisor_sum,
-     example_micro_count, excluded_sq_over_b2, excluded_sq, excluded_terms_over_b2, excluded_terms) = packed.unbind()
+     example_micro_count, excluded_sq_over_b2, excluded_sq, excluded_terms_over_b2, excluded_terms) = packed
     grad_to_mean = divisor_sum / (micro_count if loss_reduction == "mean" else micro_size_sum)
     small_sq = unit_sq_sum / unit_size_sum
     b_small = unit_size_sum / unit_count
@@ -190,21 +232,23 @@ def step_estimates(
         b_big = micro_count * micro_count / micro_inv_size_sum
     else:
         b_big = micro_size_sum
-    big_sq = step_grad_sq.to(torch.float64) * grad_to_mean**2
+    big_sq = step_grad_sq * (grad_to_mean * grad_to_mean)
     trace = trace_sigma_estimate(small_sq, big_sq, b_small, b_big)
     grad_sq = grad_sq_norm_estimate(small_sq, big_sq, b_small, b_big)
     valid = b_big > b_small * (1.0 + 1e-9)
     if loss_reduction == "mean":  # w_j = 1/(n·b_j): Σ w_j²·v_j = Σ (v_j/b_j²)/n²
-        excluded_sq, excluded_terms = excluded_sq_over_b2 / micro_count**2, excluded_terms_over_b2 / micro_count**2
+        n2 = micro_count * micro_count
+        excluded_sq, excluded_terms = excluded_sq_over_b2 / n2, excluded_terms_over_b2 / n2
     else:  # w_j = 1/N
-        excluded_sq, excluded_terms = excluded_sq / micro_size_sum**2, excluded_terms / micro_size_sum**2
+        n2 = micro_size_sum * micro_size_sum
+        excluded_sq, excluded_terms = excluded_sq / n2, excluded_terms / n2
     pairs = (example_micro_count == micro_count) & (micro_count > 0)
     pair_grad_sq = (big_sq - excluded_sq) / (1.0 - excluded_terms)
     pair_valid = excluded_terms < 1.0 - 1e-9
     if blend is not None:
-        subset = pairs & (unit_count < micro_size_sum) & pair_valid & torch.isfinite(grad_sq)
+        subset = pairs & (unit_count < micro_size_sum) & pair_valid & ops.isfinite(grad_sq)
         pair_grad_sq = blend.blend(small_sq, pair_grad_sq, grad_sq, subset)
-    grad_sq = torch.where(pairs, pair_grad_sq, grad_sq)
-    trace = torch.where(pairs, (small_sq - pair_grad_sq) * b_small, trace)
-    valid = torch.where(pairs, pair_valid, valid)
-    return trace, grad_sq, valid & torch.isfinite(trace) & torch.isfinite(grad_sq)
+    grad_sq = ops.where(pairs, pair_grad_sq, grad_sq)
+    trace = ops.where(pairs, (small_sq - pair_grad_sq) * b_small, trace)
+    valid = ops.where(pairs, pair_valid, valid)
+    return trace, grad_sq, valid & ops.isfinite(trace) & ops.isfinite(grad_sq)

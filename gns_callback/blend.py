@@ -16,12 +16,19 @@ chosen to minimise ``Var z``:
 
 with the variances and covariance of ``z_pairs``, ``z_two`` over the *earlier* steps (inverse-variance weighting of
 two correlated unbiased estimators; the weight depends on the past only, so each step stays unbiased given it).
-Before ``MIN_STEPS`` steps, ``λ = 1/2``. All on the device: no host synchronisation.
+Before ``MIN_STEPS`` steps, ``λ = 1/2``. All on the device (no host synchronisation), or on host scalars where the
+step's values are on the CPU (:mod:`gns_callback.scalar_ops`).
 """
 
 from __future__ import annotations
 
+import math
+from typing import Any, Sequence
+
+import numpy as np
 import torch
+
+from gns_callback.scalar_ops import HOST, TORCH, ScalarOps
 
 #: Steps before the weights are estimated (an even blend until then).
 MIN_STEPS = 10
@@ -37,26 +44,29 @@ class PairBlend:
 
     def weight(self) -> torch.Tensor:
         """``λ`` from the steps so far (``1/2`` before :data:`MIN_STEPS`)."""
-        n, zp, zt, zpp, ztt, zpt, _, _ = self.sums.unbind()
-        count = n.clamp_min(1.0)
-        vp, vt = zpp / count - (zp / count) ** 2, ztt / count - (zt / count) ** 2
-        cov = zpt / count - zp * zt / count**2
-        denominator = vp + vt - 2.0 * cov
-        lam = ((vt - cov) / denominator.clamp_min(1e-300)).clamp(0.0, 1.0)
-        return torch.where((n >= MIN_STEPS) & (denominator > 0), lam, torch.full_like(lam, 0.5))
+        return blend_weight(self.sums.unbind(), TORCH)
 
-    def blend(self, mean_sq: torch.Tensor, y_pairs: torch.Tensor, y_two: torch.Tensor,
-              use: torch.Tensor) -> torch.Tensor:
+    def blend(self, mean_sq: Any, y_pairs: Any, y_two: Any, use: Any) -> Any:
         """This step's ``|G|²``: the blend where ``use`` (a subset was measured and the step is valid), else
-        ``y_pairs``; the step then joins the moments."""
+        ``y_pairs``; the step then joins the moments.
+
+        0-d tensors (kept on their device, no host sync), or NumPy ``float64`` scalars and a ``bool`` on the host
+        (the sums move to the CPU; :mod:`gns_callback.scalar_ops`): the same numbers to the bit."""
+        if isinstance(mean_sq, torch.Tensor):
+            return self._blend_tensors(mean_sq, y_pairs, y_two, use)
+        self._to(torch.device("cpu"))
+        sums = self.sums.numpy()
+        blended, step = blend_step(list(sums), mean_sq, y_pairs, y_two, HOST)
+        if use and all(math.isfinite(v) for v in step):
+            self.sums = torch.from_numpy(sums + np.array(step, dtype=np.float64))
+        return blended if use else y_pairs
+
+    def _blend_tensors(self, mean_sq: torch.Tensor, y_pairs: torch.Tensor, y_two: torch.Tensor,
+                       use: torch.Tensor) -> torch.Tensor:
         self._to(mean_sq.device)
         mean_sq, y_pairs, y_two = (v.to(torch.float64) for v in (mean_sq, y_pairs, y_two))
-        lam = self.weight()
-        blended = lam * y_pairs + (1.0 - lam) * y_two
-        x_sum, y_sum = self.sums[6] + (mean_sq - blended), self.sums[7] + blended
-        c = 1.0 + torch.where(y_sum > 0, x_sum / y_sum.clamp_min(1e-300), torch.zeros_like(y_sum)).clamp_min(0.0)
-        zp, zt = mean_sq - c * y_pairs, mean_sq - c * y_two
-        step = torch.stack([torch.ones_like(zp), zp, zt, zp * zp, zt * zt, zp * zt, mean_sq - blended, blended])
+        blended, parts = blend_step(self.sums.unbind(), mean_sq, y_pairs, y_two, TORCH)
+        step = torch.stack([torch.ones_like(parts[1]), *parts[1:]])
         ok = use & torch.isfinite(step).all()
         self.sums = self.sums + torch.where(ok, step, torch.zeros_like(step))
         return torch.where(use, blended, y_pairs)
@@ -72,4 +82,27 @@ class PairBlend:
             self.sums = self.sums.to(device)
 
 
-__all__ = ["PairBlend", "MIN_STEPS", "FIELDS"]
+def blend_weight(sums: Sequence[Any], ops: ScalarOps) -> Any:
+    """``λ`` from the moments ``sums`` (``FIELDS`` order; ``1/2`` before :data:`MIN_STEPS`)."""
+    n, zp, zt, zpp, ztt, zpt, _, _ = sums
+    count = ops.clamp_min(n, 1.0)
+    mean_p, mean_t = zp / count, zt / count
+    vp, vt = zpp / count - mean_p * mean_p, ztt / count - mean_t * mean_t
+    cov = zpt / count - zp * zt / (count * count)
+    denominator = vp + vt - 2.0 * cov
+    lam = ops.clamp((vt - cov) / ops.clamp_min(denominator, 1e-300), 0.0, 1.0)
+    return ops.where((n >= MIN_STEPS) & (denominator > 0), lam, 0.5)
+
+
+def blend_step(sums: Sequence[Any], mean_sq: Any, y_pairs: Any, y_two: Any, ops: ScalarOps) -> tuple[Any, list[Any]]:
+    """``(blended, step)``: the blend at the weight the moments ``sums`` give, and this step's contribution to
+    them (``FIELDS`` order) should it join."""
+    lam = blend_weight(sums, ops)
+    blended = lam * y_pairs + (1.0 - lam) * y_two
+    x_sum, y_sum = sums[6] + (mean_sq - blended), sums[7] + blended
+    c = 1.0 + ops.clamp_min(ops.where(y_sum > 0, x_sum / ops.clamp_min(y_sum, 1e-300), 0.0), 0.0)
+    zp, zt = mean_sq - c * y_pairs, mean_sq - c * y_two
+    return blended, [1.0, zp, zt, zp * zp, zt * zt, zp * zt, mean_sq - blended, blended]
+
+
+__all__ = ["PairBlend", "MIN_STEPS", "FIELDS", "blend_weight", "blend_step"]

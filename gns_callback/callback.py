@@ -650,6 +650,8 @@ _EMPTY_MODEL = torch.nn.Module()  # what a meter reads from before fit (or after
 
 
 def _mean(losses: list[Any]) -> Optional[torch.Tensor]:
+    if len(losses) == 1:  # the mean of one (the usual step without accumulation), without three tensor ops
+        return losses[0].float().reshape(())
     return torch.stack([loss.float().reshape(()) for loss in losses]).mean() if losses else None
 
 

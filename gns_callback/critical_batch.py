@@ -269,6 +269,18 @@ class CriticalBatchAccumulator:
         self.nonpositive_loss |= valid & (loss <= 0)
         self.calls += 1
 
+    def update_values(self, step: np.ndarray, loss: float, valid: bool) -> None:
+        """:meth:`update` from a host :func:`~gns_callback.smoothing.step_values` and loss (the state moves to the CPU):
+        the same sums, with no tensor op but the block's row added in place."""
+        self._to(torch.device("cpu"))
+        if self.calls == self.blocks.shape[0] * self.block_size:
+            self._merge_pairs()
+        if valid and math.isfinite(loss):
+            self.blocks.numpy()[self.calls // self.block_size] += np.append(step, loss)
+            if loss <= 0:
+                self.nonpositive_loss = torch.ones((), dtype=torch.bool)
+        self.calls += 1
+
     def _merge_pairs(self) -> None:
         merged = self.blocks.view(-1, 2, len(BLOCK_FIELDS)).sum(1)
         self.blocks = torch.cat([merged, torch.zeros_like(merged)])

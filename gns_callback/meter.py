@@ -38,7 +38,8 @@ from gns_callback.blend import PairBlend
 from gns_callback.collectors import COLLECTORS, Collector
 from gns_callback.critical_batch import CriticalBatchAccumulator, CriticalBatchEstimate
 from gns_callback.estimate import GNSEstimate
-from gns_callback.smoothing import RatioAccumulator, RatioSummary, step_vector, summarize_ratio
+from gns_callback.scalar_ops import host_errors_ignored
+from gns_callback.smoothing import RatioAccumulator, RatioSummary, step_values, step_vector, summarize_ratio
 from gns_callback.tracking import LocalLinearRatio
 
 LOSS_REDUCTIONS = ("mean", "sum")
@@ -307,6 +308,8 @@ class GradientNoiseScaleMeter:
     def _measure(self, window: AccumulationWindow, loss_scale: Union[torch.Tensor, float, None],
                  loss: Union[torch.Tensor, float, None] = None) -> None:
         grads = [p.grad for p in self.collector.measured_parameters() if p.grad is not None]
+        if self.reduce is None and _on_host(grads, loss_scale):
+            return self._measure_on_host(window, grads, loss_scale, loss)
         device = grads[0].device if grads else None
         packed = window.packed(device, loss_scale)
         step_loss = _loss_tensor(loss, packed)
@@ -323,6 +326,23 @@ class GradientNoiseScaleMeter:
         self.ema.update_vector(step, valid)
         self.run.update_vector(step, valid)
         self.critical.update(trace, grad_sq, step_loss, valid)  # the ranks' mean loss: identical state everywhere
+        self.losses_given = self.losses_given or loss is not None
+
+    def _measure_on_host(self, window: AccumulationWindow, grads: list[torch.Tensor],
+                         loss_scale: Union[torch.Tensor, float, None], loss: Union[torch.Tensor, float, None]) -> None:
+        """:meth:`_measure` for one process on the CPU: the same numbers from host scalars (reading the step's few
+        values costs no device sync there) instead of dozens of 0-d tensor operations
+        (:mod:`gns_callback.scalar_ops`). On an accelerator, or with ``reduce``, every step stays on the device."""
+        packed = window.packed_values(loss_scale)
+        step_grad_sq = float(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum())
+        blend = self.blend if self._may_measure_a_subset(window) else None
+        with host_errors_ignored():
+            trace, grad_sq, valid = step_estimates(packed, step_grad_sq, self.loss_reduction, blend)
+            step = step_values(trace, grad_sq)  # shared by the accumulators; a non-finite step adds nothing
+        valid = bool(valid)
+        self.ema.update_values(float(trace), float(grad_sq), valid)
+        self.run.update_values(step, valid)
+        self.critical.update_values(step, 1.0 if loss is None else float(loss), valid)
         self.losses_given = self.losses_given or loss is not None
 
     def _may_measure_a_subset(self, window: AccumulationWindow) -> bool:
@@ -432,6 +452,12 @@ def _loss_tensor(loss: Union[torch.Tensor, float, None], like: torch.Tensor) -> 
     if loss is None:
         return torch.ones((), dtype=torch.float64, device=like.device)
     return torch.as_tensor(loss).detach().to(device=like.device, dtype=torch.float64).reshape(())
+
+
+def _on_host(grads: list[torch.Tensor], loss_scale: Union[torch.Tensor, float, None]) -> bool:
+    """Whether the step's gradients (hence its small-batch norms) and the loss scale are on the CPU."""
+    scale_on_cpu = not isinstance(loss_scale, torch.Tensor) or loss_scale.device.type == "cpu"
+    return bool(grads) and scale_on_cpu and all(g.device.type == "cpu" for g in grads)
 
 
 def _as_sizes(micro_batch_size: BatchSizes) -> Optional[list[Optional[int]]]:

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from gns_callback.confidence import fieller_interval, t_quantile
@@ -68,6 +69,11 @@ def step_vector(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.stack([one, one, x, y, x * x, y * y, x * y])
 
 
+def step_values(x: float, y: float) -> np.ndarray:
+    """:func:`step_vector` of host floats, as a NumPy float64 array (the same numbers)."""
+    return np.array([1.0, 1.0, x, y, x * x, y * y, x * y], dtype=np.float64)
+
+
 class RatioAccumulator:
     """Exponentially weighted sums of per-step ``(x, y)`` pairs, kept on the device (no host sync on update).
 
@@ -93,6 +99,13 @@ class RatioAccumulator:
             self._decays = self._decays.to(step.device)
         # where() picks, so a non-finite step vector never leaks into the sums.
         self.sums = torch.where(valid, self.sums * self._decays + step, self.sums)
+
+    def update_values(self, step: np.ndarray, valid: bool) -> None:
+        """:meth:`update_vector` from a host :func:`step_values` (the sums move to the CPU): no tensor op."""
+        if self.sums.device.type != "cpu":
+            self.sums, self._decays = self.sums.cpu(), self._decays.cpu()
+        if valid:
+            self.sums = torch.from_numpy(self.sums.numpy() * self._decays.numpy() + step)
 
     def summary(self, confidence: float = 0.95) -> RatioSummary:
         """Read the ratio and its interval (one device-to-host copy)."""

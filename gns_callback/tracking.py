@@ -73,6 +73,7 @@ from gns_callback.smoothing import RatioSummary
 TREND_FIELDS = ("w", "wu", "wuu", "w2", "w2u", "w2uu", "x", "ux", "y", "uy", "uuy", "xx", "yy", "xy")
 #: Window lengths, as multiples of the base window, kept side by side.
 WINDOW_FACTORS = (1, 4, 16)
+_CPU = torch.device("cpu")
 #: Steps buffered on the device before they are folded into the sums in one vectorised block.
 BLOCK = 128
 
@@ -419,6 +420,14 @@ class LocalLinearRatio:
     def update_vector(self, step: torch.Tensor, valid: torch.Tensor, scale: Optional[torch.Tensor] = None) -> None:
         """:meth:`update` from a :func:`gns_callback.smoothing.step_vector` (``x``, ``y`` at entries 2 and 3)."""
         self.update(step[2], step[3], valid, scale)
+
+    def update_values(self, x: float, y: float, valid: bool) -> None:
+        """:meth:`update` of one stream from host floats (the state moves to the CPU): one write, no tensor op."""
+        self._to(_CPU)
+        self._pending.numpy()[self._buffered] = (x, y, abs(x) + abs(y), float(valid))
+        self._buffered += 1
+        if self._buffered == BLOCK:
+            self._flush()
 
     def _flush(self) -> None:
         """Fold the buffered steps into the sums and the scale state (device only, no host sync)."""

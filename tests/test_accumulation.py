@@ -124,3 +124,43 @@ def test_example_units_summed_over_ranks_match_one_process_accumulating():
     summed = sum(_example_window([g], [2], "mean")[0].packed() for g in passes)
     for a, b in zip(step_estimates(one.packed(), step_grad.pow(2).sum()), step_estimates(summed, step_grad.pow(2).sum())):
         torch.testing.assert_close(a, b)
+
+
+def _random_window(gen: torch.Generator, passes: int, subset: bool) -> AccumulationWindow:
+    window = AccumulationWindow(loss_divisor=passes)
+    for _ in range(passes):
+        size = int(torch.randint(2, 40, (), generator=gen))
+        measured = int(torch.randint(1, size + 1, (), generator=gen)) if subset else size
+        sq = torch.rand((), generator=gen) * 10
+        window.add_micro_batch(sq, float(measured), float(measured), size, weight=float(torch.rand((), generator=gen)),
+                               unmeasured_sq=torch.rand((), generator=gen) if subset else None)
+    return window
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("passes, subset", [(1, False), (1, True), (3, False), (4, True)])
+def test_host_values_give_the_tensor_estimates(reduction, passes, subset):
+    """The CPU fast path (``packed_values`` + host scalars) is the tensor path's arithmetic: bit for bit with one
+    backward pass; with several, the sums over passes may round differently (a BLAS dot's order), by an ulp."""
+    gen = torch.Generator().manual_seed(passes + 10 * subset)
+    rel = 0.0 if passes == 1 else 1e-14
+    for _ in range(20):
+        window = _random_window(gen, passes, subset)
+        big = torch.rand((), generator=gen)
+        packed = window.packed(loss_scale=torch.tensor(8.0))
+        assert window.packed_values(loss_scale=torch.tensor(8.0)) == pytest.approx(packed.tolist(), rel=rel, abs=0)
+        device = step_estimates(packed, big, reduction)
+        host = step_estimates(window.packed_values(loss_scale=torch.tensor(8.0)), float(big), reduction)
+        assert [float(v) for v in host[:2]] == pytest.approx([v.item() for v in device[:2]], rel=1e3 * rel, abs=0)
+        assert bool(host[2]) == device[2].item()
+
+
+def test_host_values_give_inf_and_invalid_where_tensors_do():
+    """A division by zero (equal batch sizes, an empty window) is ``inf``/``nan`` and an invalid step, not an error."""
+    window = AccumulationWindow()
+    window.add_micro_batch(torch.tensor(5.0), 4.0, 1.0, 4)
+    host, device = step_estimates(window.packed_values(), 1.0), step_estimates(window.packed(), torch.tensor(1.0))
+    assert not host[2] and not device[2].item()
+    assert str(float(host[0])) == str(device[0].item())
+    empty = step_estimates(AccumulationWindow().packed_values(), 0.0)
+    assert not empty[2]

@@ -44,3 +44,18 @@ def test_state_round_trip():
     fresh = PairBlend()
     fresh.load_state_dict(blend.state_dict())
     assert torch.equal(fresh.sums, blend.sums)
+
+
+def test_host_scalars_blend_as_the_tensors_do_to_the_bit():
+    """The CPU fast path (NumPy float64 scalars) keeps the same moments and blends, bit for bit, used or not."""
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(3)
+    device, host = PairBlend(), PairBlend()
+    for step in range(60):
+        m, y_pairs, y_two = (1.0 + torch.randn((), generator=gen, dtype=torch.float64) for _ in range(3))
+        use = step % 7 != 3
+        a = device.blend(m, y_pairs, y_two, torch.tensor(use))
+        b = host.blend(np.float64(m), np.float64(y_pairs), np.float64(y_two), use)
+        assert float(b) == a.item()
+    assert torch.equal(device.sums, host.sums) and device.sums[0].item() > MIN_STEPS

@@ -1,5 +1,6 @@
 """GradientNoiseScaleMeter in plain PyTorch loops (no Trainer), against the exact value by brute force."""
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -363,3 +364,51 @@ def test_a_measured_subset_holds_the_exact_value(digits, exact_gns):
     values_t = torch.tensor(values)
     assert held >= 5
     assert abs(values_t.mean().item() - exact) < 3 * values_t.std().item() / len(values) ** 0.5 + 0.02 * exact
+
+
+class SmallConv(torch.nn.Module):
+    """Digits as 1×8×8 images, a conv layer with GroupNorm: ``per_example`` measures a subset of each batch here."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Conv2d(1, 8, 3), torch.nn.GroupNorm(2, 8), torch.nn.Tanh(),
+                                        torch.nn.Flatten(), torch.nn.Linear(8 * 36, 10))
+
+    def forward(self, x):
+        return self.body(x.view(-1, 1, 8, 8))
+
+
+@pytest.mark.parametrize("method, passes, model", [("per_example", 1, SmallConv), ("per_example", 1, mlp),
+                                                    ("micro_batch", 3, mlp), ("per_example", 2, mlp)])
+def test_the_cpu_fast_path_keeps_the_tensor_paths_numbers(digits, method, passes, model):
+    """One process on the CPU measures on host scalars; with ``reduce`` (here the identity: one rank) every step
+    runs as 0-d tensors, as on an accelerator. Same state after 150 training steps, to rounding (bit for bit with
+    one backward pass per step), the blend of a measured subset included."""
+    x, y = digits
+    meters = []
+    for reduce in (None, lambda t: t):
+        torch.manual_seed(0)
+        net = model()
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(0)
+        with GradientNoiseScaleMeter(net, method=method, reduce=reduce, per_example_max_examples=4) as meter:
+            for _ in range(150):
+                for _ in range(passes):
+                    i = torch.randint(0, len(x), (16,), generator=g)
+                    (F.cross_entropy(net(x[i]), y[i]) / passes).backward()
+                meter.step(micro_batch_size=16, loss=torch.tensor(1.0))
+                optimizer.step()
+                optimizer.zero_grad()
+        meters.append(meter)
+    host, device = meters
+    if passes == 1:
+        assert host.state_dict() == device.state_dict()
+    for a, b in zip(host.read() + (host.critical_batch,), device.read() + (device.critical_batch,)):
+        if passes == 1:
+            assert a == b
+        else:
+            numbers = [(u, v) for u, v in zip(dataclasses.astuple(a), dataclasses.astuple(b)) if isinstance(u, float)]
+            assert all(u == pytest.approx(v, rel=1e-9, nan_ok=True) for u, v in numbers) and len(numbers) >= 3
+    assert host.read()[0].steps == 150
+    if model is SmallConv:
+        assert host.blend.sums[0].item() == 150  # every step blended: a subset was measured
