@@ -37,9 +37,10 @@ from gns_callback.accumulation import PACKED_FIELDS, AccumulationWindow, LossRed
 from gns_callback.blend import PairBlend
 from gns_callback.collectors import COLLECTORS, Collector
 from gns_callback.critical_batch import CriticalBatchAccumulator, CriticalBatchEstimate
+from gns_callback.deferred import DeferredReads
 from gns_callback.estimate import GNSEstimate
 from gns_callback.scalar_ops import host_errors_ignored
-from gns_callback.smoothing import RatioAccumulator, RatioSummary, step_values, step_vector, summarize_ratio
+from gns_callback.smoothing import RatioAccumulator, RatioSummary, step_values, summarize_ratio
 from gns_callback.tracking import LocalLinearRatio
 
 LOSS_REDUCTIONS = ("mean", "sum")
@@ -198,6 +199,7 @@ class GradientNoiseScaleMeter:
         self.recent_from = 0  # measured steps before the recent estimate started (a version-2 state's)
         self.critical = CriticalBatchAccumulator()
         self.blend = PairBlend()  # per_example with a subset measured: weights of its two |G|² estimates
+        self._reads: DeferredReads[tuple[bool, bool]] = DeferredReads()  # steps on their way from the device
         self.losses_given = False
         self.steps_seen = 0  # optimizer steps offered for measurement
         self.failure: Optional[str] = None
@@ -207,6 +209,7 @@ class GradientNoiseScaleMeter:
 
     def state_dict(self) -> dict[str, Any]:
         """Plain types only (checkpoints load with ``weights_only=True``)."""
+        self._apply_read()
         return {
             "version": STATE_VERSION,
             "method": self.method,
@@ -225,6 +228,7 @@ class GradientNoiseScaleMeter:
         """Resume from :meth:`state_dict`. A version-2 state (an EMA of the parts as the recent estimate) resumes
         the run average and the critical batch exactly; the recent estimate starts afresh, because the tracker's
         sums (normalised steps, their trend moments) can't be rebuilt from the EMA's."""
+        self._reads.clear()
         self.run.load_state_dict(state["run"])
         if int(state.get("version", 1)) >= 3:
             self.ema.load_state_dict(state["ema"])
@@ -307,9 +311,13 @@ class GradientNoiseScaleMeter:
 
     def _measure(self, window: AccumulationWindow, loss_scale: Union[torch.Tensor, float, None],
                  loss: Union[torch.Tensor, float, None] = None) -> None:
+        """The step's numbers, summed across ranks with ``reduce``, then used on the host: read at once on the
+        CPU; from an accelerator copied without a sync and used a step later (:mod:`gns_callback.deferred`)."""
         grads = [p.grad for p in self.collector.measured_parameters() if p.grad is not None]
+        context = (self._may_measure_a_subset(window), loss is not None)
         if self.reduce is None and _on_host(grads, loss_scale):
-            return self._measure_on_host(window, grads, loss_scale, loss)
+            values = [*window.packed_values(loss_scale), float(_grad_sq(grads)), 1.0 if loss is None else float(loss)]
+            return self._apply([*values, 0.0], *context)
         device = grads[0].device if grads else None
         packed = window.packed(device, loss_scale)
         step_loss = _loss_tensor(loss, packed)
@@ -317,33 +325,31 @@ class GradientNoiseScaleMeter:
             packed, step_loss = self._reduce(packed, step_loss)  # the one collective per step, joined by every rank
         if not grads:
             return
-        step_grad_sq = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
-        blend = self.blend if self._may_measure_a_subset(window) else None
-        trace, grad_sq, valid = step_estimates(packed, step_grad_sq, self.loss_reduction, blend)
-        if self._any_rank_failed is not None:
-            valid = valid & ~self._any_rank_failed.to(valid.device)
-        step = step_vector(trace, grad_sq)  # shared by both accumulators; a non-finite step adds nothing
-        self.ema.update_vector(step, valid)
-        self.run.update_vector(step, valid)
-        self.critical.update(trace, grad_sq, step_loss, valid)  # the ranks' mean loss: identical state everywhere
-        self.losses_given = self.losses_given or loss is not None
+        failed = torch.zeros(()) if self._any_rank_failed is None else self._any_rank_failed
+        parts = [packed, _grad_sq(grads), step_loss, failed.to(device=packed.device)]
+        self._reads.push(torch.cat([part.to(torch.float64).reshape(-1) for part in parts]), context)
+        self._apply_read(keep=1)
 
-    def _measure_on_host(self, window: AccumulationWindow, grads: list[torch.Tensor],
-                         loss_scale: Union[torch.Tensor, float, None], loss: Union[torch.Tensor, float, None]) -> None:
-        """:meth:`_measure` for one process on the CPU: the same numbers from host scalars (reading the step's few
-        values costs no device sync there) instead of dozens of 0-d tensor operations
-        (:mod:`gns_callback.scalar_ops`). On an accelerator, or with ``reduce``, every step stays on the device."""
-        packed = window.packed_values(loss_scale)
-        step_grad_sq = float(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum())
-        blend = self.blend if self._may_measure_a_subset(window) else None
+    def _apply_read(self, keep: int = 0) -> None:
+        """Use the steps copied from the device, all but the newest ``keep``."""
+        for values, context in self._reads.pop(keep):
+            self._apply(values, *context)
+
+    def _apply(self, values: list[float], subset: bool, loss_given: bool) -> None:
+        """One step on host floats (``PACKED_FIELDS``, then the step's |G_B|², its loss, and whether any rank
+        failed since the last agreement): step estimates (blended when a subset was measured), then the recent
+        estimate, the run average and the critical-batch sums (:mod:`gns_callback.scalar_ops`)."""
+        fields = len(PACKED_FIELDS)
+        packed, (step_grad_sq, loss, failed) = values[:fields], values[fields:]
         with host_errors_ignored():
-            trace, grad_sq, valid = step_estimates(packed, step_grad_sq, self.loss_reduction, blend)
+            trace, grad_sq, valid = step_estimates(packed, step_grad_sq, self.loss_reduction,
+                                                   self.blend if subset else None)
             step = step_values(trace, grad_sq)  # shared by the accumulators; a non-finite step adds nothing
-        valid = bool(valid)
+        valid = bool(valid) and not failed
         self.ema.update_values(float(trace), float(grad_sq), valid)
         self.run.update_values(step, valid)
-        self.critical.update_values(step, 1.0 if loss is None else float(loss), valid)
-        self.losses_given = self.losses_given or loss is not None
+        self.critical.update_values(step, loss, valid)
+        self.losses_given = self.losses_given or loss_given
 
     def _may_measure_a_subset(self, window: AccumulationWindow) -> bool:
         """Whether this step's |G|² may need the blend: ``per_example`` with fewer examples measured than seen here,
@@ -388,6 +394,7 @@ class GradientNoiseScaleMeter:
         """Stop measuring for the rest of the run: warn once; estimates read "not measured" from now on.
 
         With ``reduce``, call it on every rank at the same step (the meter's own stops are agreed across ranks)."""
+        self._apply_read()  # the steps measured before the trouble stay in the state
         if self.failure is None:
             self.failure = reason
             warnings.warn(f"gns_callback stopped measuring the gradient noise scale: {reason}", stacklevel=3)
@@ -396,6 +403,7 @@ class GradientNoiseScaleMeter:
     # ------------------------------------------------------------------ results
     def read(self) -> tuple[GNSEstimate, GNSEstimate]:
         """``(estimate, run_estimate)`` with one device-to-host copy (the tracker's and the run's sums packed)."""
+        self._apply_read()
         recent = self.ema.packed()
         values = torch.cat([recent, self.run.sums.to(recent.device)]).tolist()
         recent_row, run_sums = values[: recent.numel()], values[recent.numel():]
@@ -432,6 +440,7 @@ class GradientNoiseScaleMeter:
     def critical_batch(self) -> CriticalBatchEstimate:
         """The critical batch of the run so far (:mod:`gns_callback.critical_batch`): what a fixed batch size
         should aim at, whatever batch this run measured at. One device-to-host copy."""
+        self._apply_read()
         estimate = self.critical.summary(self.confidence)
         if not self.losses_given:
             estimate = dataclasses.replace(estimate, method="run average (no training loss was passed to step())")
@@ -452,6 +461,11 @@ def _loss_tensor(loss: Union[torch.Tensor, float, None], like: torch.Tensor) -> 
     if loss is None:
         return torch.ones((), dtype=torch.float64, device=like.device)
     return torch.as_tensor(loss).detach().to(device=like.device, dtype=torch.float64).reshape(())
+
+
+def _grad_sq(grads: list[torch.Tensor]) -> torch.Tensor:
+    """``|G_B|²``: the step's (unscaled, reduced) gradient's squared norm, in a few multi-tensor kernels."""
+    return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
 
 
 def _on_host(grads: list[torch.Tensor], loss_scale: Union[torch.Tensor, float, None]) -> bool:

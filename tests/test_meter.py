@@ -381,9 +381,10 @@ class SmallConv(torch.nn.Module):
 @pytest.mark.parametrize("method, passes, model", [("per_example", 1, SmallConv), ("per_example", 1, mlp),
                                                     ("micro_batch", 3, mlp), ("per_example", 2, mlp)])
 def test_the_cpu_fast_path_keeps_the_tensor_paths_numbers(digits, method, passes, model):
-    """One process on the CPU measures on host scalars; with ``reduce`` (here the identity: one rank) every step
-    runs as 0-d tensors, as on an accelerator. Same state after 150 training steps, to rounding (bit for bit with
-    one backward pass per step), the blend of a measured subset included."""
+    """One process on the CPU reads the step's sums straight off the window as host floats; with ``reduce``
+    (here the identity: one rank) they are packed into a tensor, summed across ranks and read a step late
+    (:mod:`gns_callback.deferred`), as on an accelerator. Same state after 150 training steps, to rounding (bit
+    for bit with one backward pass per step), the blend of a measured subset included."""
     x, y = digits
     meters = []
     for reduce in (None, lambda t: t):
