@@ -5,10 +5,17 @@ into ``.grad`` and before DDP reduces it: exactly one micro-batch's local gradie
 the AMP loss scale and the loss divisor (Lightning's ``1/accumulate_grad_batches``). The unit of the
 small-batch term is the whole micro-batch (size ``b_j``): :meth:`MicroBatchCollector.pop_into` adds
 ``b_j·|ḡ_j|²`` with ``ḡ_j = divisor·ĝ_j`` (mean loss) or ``divisor·ĝ_j/b_j`` (sum loss).
+
+The hooks only hold each gradient; ``torch._foreach_norm`` squares and sums them a bucket at a time (at most
+:data:`BUCKET_BYTES` held, or at the end of the backward pass): a few multi-tensor kernels per pass instead of a
+kernel per parameter, which on a GPU is host time the device waits for (benchmarks/RESULTS.md, "GPU: overhead of
+the callback"). Holding a gradient makes autograd copy it into an empty ``.grad`` instead of adopting it, so
+the extra memory is bounded by the bucket.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional, Sequence
 
 import torch
@@ -18,6 +25,9 @@ from torch.utils.hooks import RemovableHandle
 from gns_callback.accumulation import AccumulationWindow, LossReduction
 from gns_callback.collectors.coverage import Coverage
 from gns_callback.backward_passes import PassLedger, current_pass, in_functorch_transform
+
+#: Gradient bytes the hooks hold before squaring them in one multi-tensor kernel (the extra memory, at most).
+BUCKET_BYTES = 32 * 2**20
 
 
 class MicroBatchCollector:
@@ -33,6 +43,8 @@ class MicroBatchCollector:
         self._params: list[nn.Parameter] = []
         self._handles: list[RemovableHandle] = []
         self._passes: PassLedger[list[torch.Tensor]] = PassLedger()
+        self._held: dict[int, list[torch.Tensor]] = {}  # pass id → gradients not yet squared
+        self._held_bytes: dict[int, int] = {}
 
     def attach(self) -> None:
         self.detach()
@@ -64,23 +76,50 @@ class MicroBatchCollector:
         if not self.enabled or in_functorch_transform():
             return
         pass_id = current_pass()
+        if grad.layout != torch.strided:  # sparse: squared on its own, at once
+            self._parts(pass_id).append(torch.linalg.vector_norm(grad.coalesce().values(), dtype=torch.float32).square())
+            return
+        if pass_id not in self._held:
+            self._held[pass_id], self._held_bytes[pass_id] = [], 0
+            torch.autograd.Variable._execution_engine.queue_callback(partial(self._square_held, pass_id))
+        self._held[pass_id].append(grad)
+        self._held_bytes[pass_id] += grad.numel() * grad.element_size()
+        if self._held_bytes[pass_id] >= BUCKET_BYTES:
+            self._square_held(pass_id, keep_open=True)
+
+    def _parts(self, pass_id: int) -> list[torch.Tensor]:
         parts = self._passes.get(pass_id)
         if parts is None:
             parts = []
             self._passes.put(pass_id, parts)
-        if grad.dtype in (torch.float32, torch.float64):
-            flat = grad.reshape(-1)
-            parts.append(torch.dot(flat, flat).float())  # one kernel, about half a vector_norm's cost
-        else:  # fp16/bf16 (16-true): accumulate in float32, squares would overflow
-            parts.append(torch.linalg.vector_norm(grad, dtype=torch.float32).square())
+        return parts
+
+    def _square_held(self, pass_id: int, keep_open: bool = False) -> None:
+        """``Σ |grad|²`` of the gradients held for ``pass_id`` (float32 accumulation, also for fp16/bf16), added
+        to the pass's parts; ``keep_open``: mid-pass, more gradients of this pass follow."""
+        held = self._held.pop(pass_id, [])
+        self._held_bytes.pop(pass_id, None)
+        if keep_open:
+            self._held[pass_id], self._held_bytes[pass_id] = [], 0
+        if held:
+            norms = torch._foreach_norm(held, 2, dtype=torch.float32)
+            self._parts(pass_id).append(torch.stack(norms).square().sum())
+
+    def _square_all_held(self) -> None:
+        """Passes whose end-of-pass callback never ran (a backward that raised): square what they left."""
+        for pass_id in list(self._held):
+            self._square_held(pass_id)
 
     def discard(self) -> None:
         """Drop every pass recorded since the last pop."""
+        self._held.clear()
+        self._held_bytes.clear()
         self._passes.clear()
 
     def pop(self) -> list[torch.Tensor]:
         """``Σ_p |grad_p|²`` of each committed backward pass since the last pop (device scalars, no sync)."""
-        return [torch.stack(parts).sum() for parts in self._passes.pop() if parts]
+        self._square_all_held()
+        return [torch.stack(parts).sum() if len(parts) > 1 else parts[0] for parts in self._passes.pop() if parts]
 
     def pop_into(
         self,
