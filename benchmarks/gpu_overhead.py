@@ -38,14 +38,19 @@ if str(REPO) not in sys.path:
 import pytorch_lightning as pl  # noqa: E402
 
 from benchmarks.cifar10.model import build_model  # noqa: E402
+from benchmarks.gpu_probe_truth import GPT  # noqa: E402
 from benchmarks.overhead import (  # noqa: E402
-    BenchModule, ModelSpec, _quiet, batch_pool, classification_loss, lightning_configs, model_specs,
+    BenchModule, ModelSpec, _quiet, batch_pool, classification_loss, lightning_configs, lm_loss, model_specs,
 )
 from benchmarks.results import replace_section  # noqa: E402
 from gns_callback import GradientNoiseScaleCallback  # noqa: E402
 
 SECTION_HEADING = "## GPU: overhead of the callback"
-BATCHNORM_CONFIGS = ("base_acc4", "micro_batch", "micro_batch_nosharp")
+#: Configurations run per model beyond the three of benchmarks/overhead.py (all of its configurations): BatchNorm
+#: allows only ``micro_batch``; the GPU-bound model runs each method at its defaults.
+CONFIGS = {"EfficientNet-B0": ("base_acc4", "micro_batch", "micro_batch_nosharp"),
+           "GPT-2 small": ("base_acc1", "per_example", "base_acc4", "micro_batch")}
+SLOW_MODELS = {"EfficientNet-B0": 3, "GPT-2 small": 4}  # timed steps divided by this
 
 
 class EventTimer(pl.Callback):
@@ -77,6 +82,16 @@ class EventTimer(pl.Callback):
         gpu = [a.elapsed_time(b) for a, b in zip(self.events, self.events[1:])]
         host = [1000 * (b - a) for a, b in zip(self.host, self.host[1:])]
         return gpu, host
+
+
+def gpt_spec(batch: int = 8, seq: int = 512) -> ModelSpec:
+    """GPT-2 small (untied head), sequence 512: a model the GPU, not the host, is the bottleneck of."""
+    def make_batch(g: torch.Generator):
+        tokens = torch.randint(50257, (batch, seq + 1), generator=g)
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    return ModelSpec("GPT-2 small", f"12 layers, d 768, 12 heads, vocab 50257, untied head, seq {seq}, batch {batch}, "
+                     "fp32", batch, lambda: GPT(seq=seq, tied=False), make_batch, lm_loss)
 
 
 def efficientnet_spec() -> ModelSpec:
@@ -141,9 +156,9 @@ def run(rounds: int, steps: int, warmup: int, log=print) -> dict[str, Any]:
         "settings": {"rounds": rounds, "steps": steps, "warmup": warmup}, "models": {}, "rows": []}
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="gns_gpu_overhead_") as workdir:
-        for spec in model_specs(quick=False) + [efficientnet_spec()]:
-            chosen = [c for c in configs if spec.name != "EfficientNet-B0" or c[0] in BATCHNORM_CONFIGS]
-            spec_steps = steps if spec.name != "EfficientNet-B0" else max(20, steps // 3)
+        for spec in model_specs(quick=False) + [efficientnet_spec(), gpt_spec()]:
+            chosen = [c for c in configs if spec.name not in CONFIGS or c[0] in CONFIGS[spec.name]]
+            spec_steps = max(15, steps // SLOW_MODELS.get(spec.name, 1))
             out["models"][spec.name] = spec.description
             out["rows"] += measure_model(spec, chosen, rounds, spec_steps, warmup, workdir, log)
     out["elapsed_s"] = time.perf_counter() - started
@@ -155,7 +170,8 @@ def render(run_: dict[str, Any], command: str) -> str:
     lines = [f"- Command (on the GPU machine): `{command}`",
              f"- Device: {run_['device']}; {run_['software']}; date {run_['date']}; {run_['elapsed_s']:.0f} s",
              f"- {s['rounds']} interleaved rounds, {s['steps']} timed optimizer steps per run after {s['warmup']} "
-             "warm-up (accumulate=4 runs: half as many; EfficientNet-B0: a third), median step time on the GPU "
+             "warm-up (accumulate=4 runs: half as many; EfficientNet-B0: a third, GPT-2 small: a quarter), median "
+             "step time on the GPU "
              "timeline (CUDA events at each optimizer step, no sync during the fit).",
              "- Models: " + "; ".join(f"{k}: {v}" for k, v in run_["models"].items()), "",
              "| model | configuration | step (GPU timeline) | host step | ratio vs baseline | per-round ratios |",

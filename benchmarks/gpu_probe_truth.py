@@ -75,18 +75,21 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT-2 small's shape: token and position embeddings, pre-LN blocks, tied LM head."""
+    """GPT-2 small's shape: token and position embeddings, pre-LN blocks, an LM head tied to the token embedding
+    (``tied=False``: its own ``Linear``, which per-example norms can measure)."""
 
     def __init__(self, vocab: int = 50257, seq: int = 512, d: int = 768, layers: int = 12, heads: int = 12,
-                 dropout: float = 0.1) -> None:
+                 dropout: float = 0.1, tied: bool = True) -> None:
         super().__init__()
         self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
         self.blocks = nn.Sequential(*(Block(d, heads, dropout) for _ in range(layers)))
         self.ln = nn.LayerNorm(d)
+        self.head = None if tied else nn.Linear(d, vocab, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.ln(self.blocks(self.tok(tokens) + self.pos(positions))) @ self.tok.weight.T
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)  # a batch dim for every layer
+        hidden = self.ln(self.blocks(self.tok(tokens) + self.pos(positions)))
+        return hidden @ self.tok.weight.T if self.head is None else self.head(hidden)
 
 
 @dataclass

@@ -7,7 +7,11 @@ and is the more precise of the two. The tracker measures a subset only when this
 never for plain ``Linear`` layers, whose norms are ``|a_i|²·|δ_i|²`` (``K + L`` multiply-adds), and for layers
 with many positions (convolutions, sequences) when ``k`` is well below ``b/2``.
 
-Costs are multiply-adds per example; they only have to rank the two choices.
+Costs are multiply-adds per example; they only have to rank the two choices. On an accelerator a subset also
+costs its extra kernels (slicing, the summed gradient, one more read of each gradient): each launch takes the
+host about as long as the device takes for :data:`ACCELERATOR_LAUNCH_COST` multiply-adds, and small models wait
+for the host (benchmarks/RESULTS.md, "GPU: overhead of the callback": measuring every example of the CNN cost
+less than a subset on an H100). Measuring fewer examples launches no fewer kernels.
 """
 
 from __future__ import annotations
@@ -48,6 +52,12 @@ def elementwise_costs(module: nn.Module, inp: Tensor, output: Tensor, batch: int
     return per_example, per_example
 
 
+#: Multiply-adds a device does in the time one kernel launch costs the host (≈ 5 µs × 2·10¹³ MAC/s), rounded.
+ACCELERATOR_LAUNCH_COST = 1e8
+#: Extra kernels a subset adds per layer: slicing its examples, their summed gradient, and per parameter the
+#: unmeasured examples' block (a subtraction and a dot product).
+SUBSET_LAUNCHES_PER_LAYER = 4
+
 COSTS: dict[type[nn.Module], CostFunction] = {
     nn.Linear: linear_costs,
     nn.Conv1d: conv_costs,
@@ -59,10 +69,13 @@ COSTS: dict[type[nn.Module], CostFunction] = {
 }
 
 
-def subset_is_cheaper(costs: list[tuple[float, float, int]], batch: int, measured: int) -> bool:
+def subset_is_cheaper(costs: list[tuple[float, float, int]], batch: int, measured: int,
+                      launch_cost: float = 0.0) -> bool:
     """Whether ``measured`` examples' norms plus their summed gradient, plus one more read of every measured
-    parameter's gradient (``costs``: per layer ``(norm, summed, parameter count)``), cost less than the norms of
-    all ``batch`` examples."""
+    parameter's gradient (``costs``: per layer ``(norm, summed, parameter count)``), plus the subset's extra
+    kernel launches at ``launch_cost`` multiply-adds each (0 on the CPU, :data:`ACCELERATOR_LAUNCH_COST` on an
+    accelerator), cost less than the norms of all ``batch`` examples."""
     every = batch * sum(norm for norm, _, _ in costs)
-    subset = sum(measured * (norm + summed) + 2 * params for norm, summed, params in costs)
+    launches = launch_cost * SUBSET_LAUNCHES_PER_LAYER
+    subset = sum(measured * (norm + summed) + 2 * params + launches for norm, summed, params in costs)
     return subset < every

@@ -18,7 +18,7 @@ from torch.utils.hooks import RemovableHandle
 from gns_callback.backward_passes import PassLedger, current_pass, in_functorch_transform
 
 from .conv import conv_sq_norms, conv_summed_grads
-from .cost import COSTS, CostFunction, subset_is_cheaper
+from .cost import ACCELERATOR_LAUNCH_COST, COSTS, CostFunction, subset_is_cheaper
 from .embedding import embedding_sq_norms, embedding_summed_grads, embedding_unsupported_reason
 from .layout import LayoutError, batch_dim, is_sequence_first, position_dims
 from .linear import linear_sq_norms, linear_summed_grads
@@ -161,6 +161,7 @@ class PerExampleNormTracker:
         self._attached = False
         self._passes: PassLedger[PassNorms] = PassLedger()
         self._forward_costs: list[tuple[float, float, int]] = []  # per covered layer run since the last decision
+        self._forward_launch_cost = 0.0  # what a kernel launch costs on the device those layers ran on
         self._saw_tracked_forward = False
         self._sequence_first = False
         self._analyse()
@@ -345,6 +346,7 @@ class PerExampleNormTracker:
         if self.max_examples is not None and covered is not None:
             batch = self.expected_batch_size or inp.shape[0]
             self._forward_costs.append((*covered.cost(module, inp, output, batch), covered.param_count))
+            self._forward_launch_cost = 0.0 if output.device.type == "cpu" else ACCELERATOR_LAUNCH_COST
 
     def _pass_record(self) -> PassNorms:
         pass_id = current_pass()
@@ -403,7 +405,7 @@ class PerExampleNormTracker:
         if record.subset is None:
             costs, self._forward_costs = self._forward_costs, []
             record.subset = (self.max_examples is not None and batch_size > self.max_examples
-                             and subset_is_cheaper(costs, batch_size, self.max_examples))
+                             and subset_is_cheaper(costs, batch_size, self.max_examples, self._forward_launch_cost))
         return record.subset
 
     def _on_param_grad(self, module: nn.Module, param_name: str, grad: Tensor) -> None:

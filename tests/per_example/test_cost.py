@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gns_callback.per_example.cost import conv_costs, linear_costs, sequence_costs, subset_is_cheaper
+from gns_callback.per_example.cost import ACCELERATOR_LAUNCH_COST, conv_costs, linear_costs, sequence_costs, subset_is_cheaper
 
 
 def test_plain_linear_norms_are_cheaper_than_any_subset_gradient() -> None:
@@ -29,3 +29,16 @@ def test_sequence_norms_take_the_cheaper_of_gram_and_materialising() -> None:
     gram = 64**2 * (128 + 512 + 1)
     assert sequence_costs(64, 128, 512) == (min(gram, 65 * 128 * 512), 64 * 128 * 512)
     assert sequence_costs(1, 10, 20) == (30, 200)
+
+
+def test_on_an_accelerator_a_subset_pays_for_its_launches() -> None:
+    """The overhead benchmark's CNN layer (batch 64, 32×32): a subset is cheaper in arithmetic, but on a GPU its
+    extra kernels cost more host time than the arithmetic it saves; a large layer still prefers the subset."""
+    small = nn.Conv2d(32, 64, 3, stride=2, padding=1)
+    costs = [(*conv_costs(small, torch.zeros(64, 32, 32, 32), torch.zeros(64, 64, 16, 16), 64), small.weight.numel())]
+    assert subset_is_cheaper(costs, batch=64, measured=16)
+    assert not subset_is_cheaper(costs, batch=64, measured=16, launch_cost=ACCELERATOR_LAUNCH_COST)
+    large = nn.Conv2d(256, 256, 3, padding=1)
+    out = torch.zeros(256, 256, 56, 56, device="meta")  # shapes only
+    costs = [(*conv_costs(large, out, out, 256), large.weight.numel())]
+    assert subset_is_cheaper(costs, batch=256, measured=16, launch_cost=ACCELERATOR_LAUNCH_COST)
