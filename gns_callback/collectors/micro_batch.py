@@ -6,11 +6,12 @@ the AMP loss scale and the loss divisor (Lightning's ``1/accumulate_grad_batches
 small-batch term is the whole micro-batch (size ``b_j``): :meth:`MicroBatchCollector.pop_into` adds
 ``b_j·|ḡ_j|²`` with ``ḡ_j = divisor·ĝ_j`` (mean loss) or ``divisor·ĝ_j/b_j`` (sum loss).
 
-The hooks only hold each gradient; ``torch._foreach_norm`` squares and sums them a bucket at a time (at most
+Where ``.grad`` already holds a gradient (the second and later micro-batches of a step), the hooks only hold
+each incoming gradient, and ``torch._foreach_norm`` squares and sums them a bucket at a time (at most
 :data:`BUCKET_BYTES` held, or at the end of the backward pass): a few multi-tensor kernels per pass instead of a
 kernel per parameter, which on a GPU is host time the device waits for (benchmarks/RESULTS.md, "GPU: overhead of
-the callback"). Holding a gradient makes autograd copy it into an empty ``.grad`` instead of adopting it, so
-the extra memory is bounded by the bucket.
+the callback"). Into an empty ``.grad`` autograd adopts the gradient tensor itself, unless something else holds
+it, in which case it copies it: those gradients are squared at once instead.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class MicroBatchCollector:
     def attach(self) -> None:
         self.detach()
         self._params = [p for p in self.model.parameters() if p.requires_grad]
-        self._handles = [p.register_hook(self._on_grad) for p in self._params]
+        self._handles = [p.register_hook(partial(self._on_grad, p)) for p in self._params]
         self._passes.watch(self._params)
 
     def detach(self) -> None:
@@ -72,12 +73,12 @@ class MicroBatchCollector:
         total = sum(p.numel() for p in self._params)
         return Coverage(measured_parameters=total, trainable_parameters=total)
 
-    def _on_grad(self, grad: torch.Tensor) -> None:
+    def _on_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None:
         if not self.enabled or in_functorch_transform():
             return
         pass_id = current_pass()
-        if grad.layout != torch.strided:  # sparse: squared on its own, at once
-            self._parts(pass_id).append(torch.linalg.vector_norm(grad.coalesce().values(), dtype=torch.float32).square())
+        if param.grad is None or grad.layout != torch.strided:  # to be adopted by .grad, or sparse: square it now
+            self._parts(pass_id).append(_squared_norm(grad))
             return
         if pass_id not in self._held:
             self._held[pass_id], self._held_bytes[pass_id] = [], 0
@@ -139,6 +140,17 @@ class MicroBatchCollector:
             factor = (divisor if loss_reduction == "mean" else divisor / b) ** 2
             window.add_micro_batch(sq, float(b), 1.0, b, weight=b * factor)
         return len(passes)
+
+
+def _squared_norm(grad: torch.Tensor) -> torch.Tensor:
+    """``|grad|²`` as a float32 device scalar (one kernel for a dense float32 gradient; fp16/bf16 accumulate in
+    float32, where their squares would overflow)."""
+    if grad.layout != torch.strided:
+        grad = grad.coalesce().values()
+    if grad.dtype in (torch.float32, torch.float64):
+        flat = grad.reshape(-1)
+        return torch.dot(flat, flat).float()
+    return torch.linalg.vector_norm(grad, dtype=torch.float32).square()
 
 
 def _sizes_for(passes: Sequence[object], batch_sizes: Optional[Sequence[Optional[int]]]) -> list[int]:

@@ -65,3 +65,28 @@ def test_pop_into_scales_each_pass_by_the_loss_divisor():
     with pytest.raises(RuntimeError, match="micro_batch_size"):
         (net(xs[0]).mean()).backward()
         collector.pop_into(AccumulationWindow(), batch_sizes=None, loss_divisor=1, loss_reduction="mean")
+
+
+@pytest.mark.parametrize("bucket_bytes", [2**25, 64])
+@pytest.mark.parametrize("zeroed", [False, True])
+def test_held_gradients_are_squared_in_buckets_and_adopted_ones_at_once(monkeypatch, bucket_bytes, zeroed):
+    """A pass into an empty ``.grad`` squares each gradient at once (autograd adopts the tensor); later passes, and
+    every pass into zeroed ``.grad``, hold their gradients and square them in buckets (a tiny bucket forces
+    several per pass); nothing stays held after a pass, and each pass's value is its own gradient's."""
+    import gns_callback.collectors.micro_batch as micro_batch
+
+    monkeypatch.setattr(micro_batch, "BUCKET_BYTES", bucket_bytes)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    if zeroed:  # zero_grad(set_to_none=False): every pass accumulates into an existing .grad
+        for p in net.parameters():
+            p.grad = torch.zeros_like(p)
+    collector = MicroBatchCollector(net)
+    collector.attach()
+    for _ in range(3):
+        before = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in net.parameters()]
+        net(torch.randn(6, 5)).pow(2).mean().backward()
+        assert not collector._held
+        own = sum((p.grad - g0).pow(2).sum() for p, g0 in zip(net.parameters(), before))
+        (got,) = collector.pop()
+        assert got.item() == pytest.approx(own.item(), rel=1e-5)
