@@ -145,9 +145,10 @@ def measure_model(spec: ModelSpec, configs, rounds: int, steps: int, warmup: int
     return list(rows.values())
 
 
-def run(rounds: int, steps: int, warmup: int, log=print) -> dict[str, Any]:
+def run(rounds: int, steps: int, warmup: int, keys: list[str] | None = None, save=None, log=print) -> dict[str, Any]:
+    """Every model's configurations (``keys``: only these), ``save(result so far)`` after each model."""
     _quiet()
-    configs = lightning_configs()
+    configs = [c for c in lightning_configs() if keys is None or c[0] in keys]
     props = torch.cuda.get_device_properties(0)
     out: dict[str, Any] = {
         "device": f"{props.name}, {props.total_memory / 2**30:.1f} GiB",
@@ -161,7 +162,9 @@ def run(rounds: int, steps: int, warmup: int, log=print) -> dict[str, Any]:
             spec_steps = max(15, steps // SLOW_MODELS.get(spec.name, 1))
             out["models"][spec.name] = spec.description
             out["rows"] += measure_model(spec, chosen, rounds, spec_steps, warmup, workdir, log)
-    out["elapsed_s"] = time.perf_counter() - started
+            out["elapsed_s"] = time.perf_counter() - started
+            if save is not None:
+                save(out)
     return out
 
 
@@ -189,20 +192,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--json", type=Path, help="write the measurements here")
+    parser.add_argument("--configs", nargs="+", help="only these configuration keys (e.g. base_acc1 per_example "
+                        "base_acc4 micro_batch)")
+    parser.add_argument("--json", type=Path, help="write the measurements here (after each model)")
     parser.add_argument("--from-json", type=Path, help="no measuring: render a saved --json file")
     parser.add_argument("--out", type=Path, help="write/replace this benchmark's section of this markdown file")
     args = parser.parse_args(argv)
-    command = "python benchmarks/gpu_overhead.py --json gpu_overhead.json"
+    command = "python benchmarks/gpu_overhead.py " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.from_json:
         result = json.loads(args.from_json.read_text())
     else:
         if not torch.cuda.is_available():
             parser.error("needs a CUDA GPU (use --from-json to render saved measurements)")
-        result = run(args.rounds, args.steps, args.warmup)
-        if args.json:
-            args.json.write_text(json.dumps(result, indent=1))
-    section = render(result, command)
+        save = (lambda partial: args.json.write_text(json.dumps({**partial, "command": command}, indent=1))) \
+            if args.json else None
+        result = {**run(args.rounds, args.steps, args.warmup, args.configs, save), "command": command}
+    section = render(result, result.get("command", "python benchmarks/gpu_overhead.py --json gpu_overhead.json"))
     print(section)
     if args.out:
         replace_section(str(args.out), SECTION_HEADING, section)

@@ -149,13 +149,21 @@ class AccumulationWindow:
         extra = torch.tensor(terms, dtype=torch.float64).to(sq.device, non_blocking=True)
         return torch.cat([squares[:1], values, squares[1:], extra]).to(device)
 
-    def packed_values(self, loss_scale: torch.Tensor | float | None = None) -> list[float]:
-        """:meth:`packed` as host floats, for one process whose small-batch norms are on the CPU (reading them
-        costs no device sync there): the same sums (bit for bit with one backward pass; a sum over several may
-        round differently, by an ulp), without a tensor operation per field."""
+    def device_squares(self) -> list[torch.Tensor]:
+        """The window's device scalars (each micro-batch's ``sq_sum``, then each ``D_j + R_j``): what
+        :meth:`packed_values` reads, to be copied to the host in one go."""
+        return [*self._sq_sums, *self._excluded_sqs]
+
+    def packed_values(self, loss_scale: torch.Tensor | float | None = None,
+                      squares: Optional[Sequence[float]] = None) -> list[float]:
+        """:meth:`packed` as host floats: the same sums (bit for bit with one backward pass; a sum over several may
+        round differently, by an ulp), without a tensor operation per field. ``squares``: the values of
+        :meth:`device_squares`, already on the host (default: read now, free for CPU tensors)."""
         host, terms = self._host_sums()
-        squares = [_dot([float(v) for v in self._sq_sums], self._weights)]
-        excluded = [float(v) for v in self._excluded_sqs]
+        if squares is None:
+            squares = [float(v) for v in self.device_squares()]
+        sq_sums, excluded = list(squares[: len(self._sq_sums)]), list(squares[len(self._sq_sums):])
+        squares = [_dot(sq_sums, self._weights)]
         squares += [_dot(excluded, [w for w, _ in self._excluded_weights]),
                     _dot(excluded, [w for _, w in self._excluded_weights])]
         if loss_scale is not None and self._sq_sums:

@@ -199,7 +199,7 @@ class GradientNoiseScaleMeter:
         self.recent_from = 0  # measured steps before the recent estimate started (a version-2 state's)
         self.critical = CriticalBatchAccumulator()
         self.blend = PairBlend()  # per_example with a subset measured: weights of its two |G|² estimates
-        self._reads: DeferredReads[tuple[bool, bool]] = DeferredReads()  # steps on their way from the device
+        self._reads: DeferredReads[Union[_ReducedRow, _LocalRow]] = DeferredReads()  # steps on their way
         self.losses_given = False
         self.steps_seen = 0  # optimizer steps offered for measurement
         self.failure: Optional[str] = None
@@ -314,10 +314,12 @@ class GradientNoiseScaleMeter:
         """The step's numbers, summed across ranks with ``reduce``, then used on the host: read at once on the
         CPU; from an accelerator copied without a sync and used a step later (:mod:`gns_callback.deferred`)."""
         grads = [p.grad for p in self.collector.measured_parameters() if p.grad is not None]
-        context = (self._may_measure_a_subset(window), loss is not None)
+        subset = self._may_measure_a_subset(window)
         if self.reduce is None and _on_host(grads, loss_scale):
             values = [*window.packed_values(loss_scale), float(_grad_sq(grads)), 1.0 if loss is None else float(loss)]
-            return self._apply([*values, 0.0], *context)
+            return self._apply([*values, 0.0], subset, loss is not None)
+        if self.reduce is None:
+            return self._measure_later(window, grads, loss_scale, loss, subset)
         device = grads[0].device if grads else None
         packed = window.packed(device, loss_scale)
         step_loss = _loss_tensor(loss, packed)
@@ -327,13 +329,27 @@ class GradientNoiseScaleMeter:
             return
         failed = torch.zeros(()) if self._any_rank_failed is None else self._any_rank_failed
         parts = [packed, _grad_sq(grads), step_loss, failed.to(device=packed.device)]
-        self._reads.push(torch.cat([part.to(torch.float64).reshape(-1) for part in parts]), context)
+        self._reads.push(torch.cat([part.to(torch.float64).reshape(-1) for part in parts]),
+                         _ReducedRow(subset, loss is not None))
+        self._apply_read(keep=1)
+
+    def _measure_later(self, window: AccumulationWindow, grads: list[torch.Tensor],
+                       loss_scale: Union[torch.Tensor, float, None], loss: Union[torch.Tensor, float, None],
+                       subset: bool) -> None:
+        """One process on an accelerator: the window's device scalars, the step's |G_B|², and the loss and loss
+        scale where they are device tensors, go to the host in one copy; the window's host sums wait with them."""
+        row = _LocalRow(window, subset, loss)
+        on_device = [*window.device_squares(), _grad_sq(grads)]
+        on_device += [value for value in (loss, loss_scale) if isinstance(value, torch.Tensor)]
+        row.scale = None if isinstance(loss_scale, torch.Tensor) else loss_scale
+        row.scale_on_device = isinstance(loss_scale, torch.Tensor)
+        self._reads.push(torch.stack([v.detach().reshape(()).float() for v in on_device]), row)
         self._apply_read(keep=1)
 
     def _apply_read(self, keep: int = 0) -> None:
         """Use the steps copied from the device, all but the newest ``keep``."""
-        for values, context in self._reads.pop(keep):
-            self._apply(values, *context)
+        for values, row in self._reads.pop(keep):
+            self._apply(row.values(values), row.subset, row.loss_given)
 
     def _apply(self, values: list[float], subset: bool, loss_given: bool) -> None:
         """One step on host floats (``PACKED_FIELDS``, then the step's |G_B|², its loss, and whether any rank
@@ -461,6 +477,41 @@ def _loss_tensor(loss: Union[torch.Tensor, float, None], like: torch.Tensor) -> 
     if loss is None:
         return torch.ones((), dtype=torch.float64, device=like.device)
     return torch.as_tensor(loss).detach().to(device=like.device, dtype=torch.float64).reshape(())
+
+
+@dataclasses.dataclass
+class _ReducedRow:
+    """A step summed across ranks: its copied values are already the whole row for :meth:`_apply`."""
+
+    subset: bool
+    loss_given: bool
+
+    def values(self, copied: list[float]) -> list[float]:
+        return copied
+
+
+@dataclasses.dataclass
+class _LocalRow:
+    """A step of one process on an accelerator, while its device scalars travel to the host: the window (host
+    sums and weights), and the loss and loss scale unless they travel too (in that order, after |G_B|²)."""
+
+    window: AccumulationWindow
+    subset: bool
+    loss: Union[torch.Tensor, float, None]
+    scale: Optional[float] = None
+    scale_on_device: bool = False
+
+    @property
+    def loss_given(self) -> bool:
+        return self.loss is not None
+
+    def values(self, copied: list[float]) -> list[float]:
+        squares = len(self.window.device_squares())
+        rest = iter(copied[squares:])
+        grad_sq = next(rest)
+        loss = next(rest) if isinstance(self.loss, torch.Tensor) else 1.0 if self.loss is None else float(self.loss)
+        scale = next(rest) if self.scale_on_device else self.scale
+        return [*self.window.packed_values(scale, copied[:squares]), grad_sq, loss, 0.0]
 
 
 def _grad_sq(grads: list[torch.Tensor]) -> torch.Tensor:

@@ -413,3 +413,36 @@ def test_the_cpu_fast_path_keeps_the_tensor_paths_numbers(digits, method, passes
     assert host.read()[0].steps == 150
     if model is SmallConv:
         assert host.blend.sums[0].item() == 150  # every step blended: a subset was measured
+
+
+@pytest.mark.parametrize("loss, scale", [(None, None), (torch.tensor(2.5), torch.tensor(8.0)), (2.5, 8.0)])
+def test_one_process_on_an_accelerator_reads_a_step_late_with_the_same_numbers(digits, monkeypatch, loss, scale):
+    """Off the CPU, one process copies the window's device scalars, |G_B|² and (if tensors) the loss and loss
+    scale to the host in one copy and finishes the row from the window's host sums a step later; forced here on
+    the CPU, it must give the CPU path's numbers (bit for bit with one backward pass per step)."""
+    import gns_callback.meter as meter_module
+
+    x, y = digits
+    meters = []
+    for later in (False, True):
+        if later:
+            monkeypatch.setattr(meter_module, "_on_host", lambda grads, loss_scale: False)
+        torch.manual_seed(0)
+        net = SmallConv()
+        g = torch.Generator().manual_seed(0)
+        with GradientNoiseScaleMeter(net, method="per_example", per_example_max_examples=4) as meter:
+            for _ in range(60):
+                i = torch.randint(0, len(x), (16,), generator=g)
+                factor = 1.0 if scale is None else float(scale)
+                (F.cross_entropy(net(x[i]), y[i]) * factor).backward()
+                for p in net.parameters():
+                    p.grad /= factor  # unscaled, as after scaler.unscale_(optimizer)
+                meter.step(loss=loss, loss_scale=scale)
+                net.zero_grad()
+            if later:
+                assert len(meter._reads) == 1
+        meters.append(meter)
+    host, later = meters
+    assert host.state_dict() == later.state_dict()
+    assert host.read() == later.read() and host.critical_batch == later.critical_batch
+    assert host.blend.sums[0].item() == 60  # a subset was measured: the excluded squares travelled too
