@@ -42,7 +42,7 @@ from benchmarks.gpu_probe_truth import GPT  # noqa: E402
 from benchmarks.overhead import (  # noqa: E402
     BenchModule, ModelSpec, _quiet, batch_pool, classification_loss, lightning_configs, lm_loss, model_specs,
 )
-from benchmarks.results import replace_section  # noqa: E402
+from benchmarks.results import publish_section  # noqa: E402
 from gns_callback import GradientNoiseScaleCallback  # noqa: E402
 
 SECTION_HEADING = "## GPU: overhead of the callback"
@@ -208,9 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.json else None
         result = {**run(args.rounds, args.steps, args.warmup, args.configs, save), "command": command}
     section = render(result, result.get("command", "python benchmarks/gpu_overhead.py --json gpu_overhead.json"))
-    print(section)
-    if args.out:
-        replace_section(str(args.out), SECTION_HEADING, section)
+    publish_section(section, args.out, SECTION_HEADING)
     return 0
 
 

@@ -50,7 +50,7 @@ if str(REPO) not in sys.path:
 
 from benchmarks.cifar10.lamb import build_lamb  # noqa: E402
 from benchmarks.cifar10.model import build_model  # noqa: E402
-from benchmarks.results import replace_section  # noqa: E402
+from benchmarks.results import publish_section  # noqa: E402
 from gns_callback.probe import is_oom, probe_micro_batch  # noqa: E402
 
 SECTION_HEADING = "## GPU: the probe against the true largest micro-batch"
@@ -315,9 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             args.json.write_text(json.dumps(run, indent=1, default=str))
     section = render(run, command)
-    print(section)
-    if args.out:
-        replace_section(str(args.out), SECTION_HEADING, section)
+    publish_section(section, args.out, SECTION_HEADING)
     return 0
 
 

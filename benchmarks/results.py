@@ -17,3 +17,10 @@ def replace_section(path: str, heading: str, body: str) -> None:
     except ValueError:
         lines += ["", heading, "", body, ""]
     file.write_text("\n".join(lines).rstrip("\n") + "\n")
+
+
+def publish_section(section: str, out: "str | Path | None", heading: str) -> None:
+    """Print a benchmark's section, and replace it in ``out`` (a markdown file) when given."""
+    print(section)
+    if out:
+        replace_section(str(out), heading, section)
