@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from .linear import includes_param, upcast
 
-__all__ = ["embedding_sq_norms", "embedding_summed_grads", "embedding_unsupported_reason"]
+__all__ = ["embedding_sq_norms", "embedding_summed_grads", "embedding_unsupported_reason", "shared_table_reason"]
 
 
 def embedding_unsupported_reason(module: nn.Embedding) -> str | None:
@@ -27,6 +27,22 @@ def embedding_unsupported_reason(module: nn.Embedding) -> str | None:
     if module.scale_grad_by_freq:
         return "nn.Embedding with scale_grad_by_freq scales by batch-wide token counts, coupling examples"
     return None
+
+
+def shared_table_reason(tokens: Tensor) -> str | None:
+    """Why these indices look like one position table shared by every example, or None: ``arange(T)`` with no
+    batch dimension (or a batch dimension of 1), as in ``wpe(torch.arange(T))``. Its output is broadcast over the
+    batch, so the gradient reaching the hook is already summed over examples; read as a batch (when ``T`` happens
+    to equal the batch size) it would give wrong per-example norms."""
+    while tokens.dim() > 1 and tokens.shape[0] == 1:
+        tokens = tokens[0]
+    if tokens.dim() != 1 or tokens.numel() < 2 or tokens.is_floating_point():
+        return None
+    if not torch.equal(tokens, torch.arange(tokens.numel(), device=tokens.device, dtype=tokens.dtype)):
+        return None
+    return ("its indices are arange(...) with no batch dimension: a position table shared by every example, whose "
+            "output is broadcast over the batch, so its gradient is already summed over examples; give the indices "
+            "a batch dimension (e.g. positions.expand(batch_size, -1))")
 
 
 def _without_padding(module: nn.Embedding, tokens: Tensor, grads: Tensor) -> Tensor:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from types import TracebackType
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
@@ -19,7 +19,7 @@ from gns_callback.backward_passes import PassLedger, current_pass, in_functorch_
 
 from .conv import conv_sq_norms, conv_summed_grads
 from .cost import ACCELERATOR_LAUNCH_COST, COSTS, CostFunction, subset_is_cheaper
-from .embedding import embedding_sq_norms, embedding_summed_grads, embedding_unsupported_reason
+from .embedding import embedding_sq_norms, embedding_summed_grads, embedding_unsupported_reason, shared_table_reason
 from .layout import LayoutError, batch_dim, is_sequence_first, position_dims
 from .linear import linear_sq_norms, linear_summed_grads
 from .normalization import (
@@ -162,6 +162,7 @@ class PerExampleNormTracker:
         self._passes: PassLedger[PassNorms] = PassLedger()
         self._forward_costs: list[tuple[float, float, int]] = []  # per covered layer run since the last decision
         self._forward_launch_cost = 0.0  # what a kernel launch costs on the device those layers ran on
+        self._shared_tables: dict[nn.Module, Optional[str]] = {}  # embedding → why it is a shared position table
         self._saw_tracked_forward = False
         self._sequence_first = False
         self._analyse()
@@ -377,6 +378,9 @@ class PerExampleNormTracker:
                 f"{_MICRO_BATCH_HINT}."
             )
         record.fired.add(module)
+        shared = self._shared_table(module, inp)
+        if shared is not None:
+            return self._fail_pass(record, f"module '{covered.name}' (Embedding): {shared}; or {_MICRO_BATCH_HINT}.")
         try:
             if batch_dim(inp.shape, position_dims(module, inp), self.expected_batch_size, self._sequence_first) == 1:
                 inp, grad_output = inp.movedim(1, 0), grad_output.movedim(1, 0)  # (T, B, ...) → (B, T, ...)
@@ -385,6 +389,15 @@ class PerExampleNormTracker:
                                    f"module '{covered.name}' ({type(module).__name__}): {error}; {_MICRO_BATCH_HINT}.")
         if self._check_batch_size(record, grad_output.shape[0], covered.name):
             self._measure(record, module, covered, inp, grad_output)
+
+    def _shared_table(self, module: nn.Module, inp: Tensor) -> Optional[str]:
+        """:func:`~.embedding.shared_table_reason` for an embedding, checked on its first pass only (one compare,
+        one device sync) and remembered."""
+        if not isinstance(module, nn.Embedding):
+            return None
+        if module not in self._shared_tables:
+            self._shared_tables[module] = shared_table_reason(inp)
+        return self._shared_tables[module]
 
     def _measure(self, record: PassNorms, module: nn.Module, covered: _CoveredModule, inp: Tensor,
                  grad_output: Tensor) -> None:

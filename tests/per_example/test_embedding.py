@@ -61,3 +61,13 @@ def test_frozen_weight_gives_zeros() -> None:
     module.weight.requires_grad_(False)
     got = embedding_sq_norms(module, torch.zeros(2, 3, dtype=torch.long), torch.randn(2, 3, 3))
     assert torch.equal(got, torch.zeros(2))
+
+
+def test_a_position_table_indexed_by_arange_is_recognised() -> None:
+    from gns_callback.per_example.embedding import shared_table_reason
+
+    assert "arange" in shared_table_reason(torch.arange(8))  # nanoGPT: wpe(torch.arange(T))
+    assert "arange" in shared_table_reason(torch.arange(8).unsqueeze(0))  # position_ids of shape (1, T)
+    assert shared_table_reason(torch.arange(8).expand(3, 8)) is None  # a batch dimension: per-example rows
+    assert shared_table_reason(torch.tensor([3, 1, 4, 1, 5])) is None  # one token per example
+    assert shared_table_reason(torch.tensor([0])) is None

@@ -451,3 +451,29 @@ def per_example_vector(model: nn.Module, x: torch.Tensor, weight: torch.Tensor, 
     params = [p for n, p in model.named_parameters() if n in names]
     grads = torch.autograd.grad((model(x.unsqueeze(0)) * weight.unsqueeze(0)).sum(), params)
     return torch.cat([g.reshape(-1) for g in grads])
+
+
+
+class SharedPositions(nn.Module):
+    """nanoGPT's pattern: ``wpe(torch.arange(T))``, one position table broadcast over the batch."""
+
+    def __init__(self, vocab: int = 11, seq: int = 6, d: int = 4) -> None:
+        super().__init__()
+        self.wte, self.wpe, self.head = nn.Embedding(vocab, d), nn.Embedding(seq, d), nn.Linear(d, vocab)
+
+    def forward(self, tokens):
+        return self.head(self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1])))
+
+
+@pytest.mark.parametrize("batch", [6, 4])
+def test_a_shared_position_table_is_refused_even_when_its_length_equals_the_batch(batch):
+    """With T == B the table's (T, d) output gradient looks like a batch of T examples: reading it as one would
+    give wrong per-example norms. The pass is refused with the reason and the fix, at any batch size."""
+    torch.manual_seed(0)
+    net = SharedPositions()
+    tracker = PerExampleNormTracker(net)
+    tracker.attach()
+    tokens = torch.randint(0, 11, (batch, 6))
+    net(tokens).sum().backward()
+    with pytest.raises(RuntimeError, match=r"'wpe' \(Embedding\): its indices are arange.*expand"):
+        tracker.pop_passes()
