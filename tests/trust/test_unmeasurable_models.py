@@ -15,7 +15,7 @@ from tests.trust.setups import assert_withheld, messages, single, with_and_witho
 STEPS = 150
 MODELS = {"linear_twice": LinearTwice, "positional_embedding": PositionalEmbedding,
           "linear_on_learned_table": LinearOnLearnedTable}
-WHY = {"linear_twice": "applied more than once", "positional_embedding": "does not hold the batch",
+WHY = {"linear_twice": "applied more than once", "positional_embedding": "its indices are arange(...) with no batch",
        "linear_on_learned_table": "module 'net.project'"}
 
 
@@ -57,4 +57,12 @@ def test_one_micro_batch_per_step_withholds_with_the_reason_and_the_fix(data, na
     callback, caught = run(data, name, accumulate=1, batch_size=32, steps=10)
     assert_withheld(callback.run_estimate, WHY[name], "method='micro_batch'", "accumulate_grad_batches=2")
     assert_withheld(callback.estimate)
+    single(messages(caught, "stopped measuring"))
+
+
+def test_a_position_table_as_long_as_the_batch_is_withheld_not_misread(data):
+    """64 positions at batch 64: the table's (64, d) gradient has the batch's shape. Read as a batch it would give
+    wrong per-example norms; the run is withheld with the reason and the fix instead."""
+    callback, caught = run(data, "positional_embedding", accumulate=1, batch_size=64, steps=5)
+    assert_withheld(callback.run_estimate, WHY["positional_embedding"], "expand(batch_size, -1)", "method='micro_batch'")
     single(messages(caught, "stopped measuring"))
