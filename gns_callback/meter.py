@@ -343,7 +343,8 @@ class GradientNoiseScaleMeter:
         on_device += [value for value in (loss, loss_scale) if isinstance(value, torch.Tensor)]
         row.scale = None if isinstance(loss_scale, torch.Tensor) else loss_scale
         row.scale_on_device = isinstance(loss_scale, torch.Tensor)
-        self._reads.push(torch.stack([v.detach().reshape(()).float() for v in on_device]), row)
+        device = on_device[0].device  # a loss or scale given on another device joins the copy there
+        self._reads.push(torch.stack([v.detach().reshape(()).to(device, torch.float32) for v in on_device]), row)
         self._apply_read(keep=1)
 
     def _apply_read(self, keep: int = 0) -> None:
