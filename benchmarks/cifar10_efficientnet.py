@@ -749,11 +749,16 @@ def render_section_body(result: dict[str, Any], target_acc: float) -> str:
     return "\n".join(lines)
 
 
+def _baseline_and_recommended(result: dict[str, Any]) -> tuple[Optional[PhaseResult], Optional[PhaseResult]]:
+    """Phases 1 and 3 of a result (``None`` where a phase did not run)."""
+    phases = {p.name: p for p in map(_phase, result["phases"])}
+    return phases.get("baseline"), phases.get("recommended")
+
+
 def _prediction_check(result: dict[str, Any]) -> Optional[str]:
     """What the recommendation predicted for phase 3 over the baseline (steps, examples, time to the same loss
     under the empirical model) beside what phase 3 measured to the target; ``None`` unless both reached it."""
-    phases = {p.name: p for p in map(_phase, result["phases"])}
-    base, final = phases.get("baseline"), phases.get("recommended")
+    base, final = _baseline_and_recommended(result)
     rec = result.get("recommendation")
     if rec is None or base is None or final is None or None in (base.time_to_target, final.time_to_target):
         return None
@@ -771,8 +776,7 @@ def _prediction_check(result: dict[str, Any]) -> Optional[str]:
 
 def _comparison(result: dict[str, Any]) -> str:
     """One sentence: what phase 3 ran and how its time to target compares with the baseline's."""
-    phases = {p.name: p for p in map(_phase, result["phases"])}
-    base, final = phases.get("baseline"), phases.get("recommended")
+    base, final = _baseline_and_recommended(result)
     rec = result.get("recommendation")
     every = result.get("settings", {}).get("val_every")
     grain = f" (times to target are resolved to the validation interval, {every:g} s)" if every else ""

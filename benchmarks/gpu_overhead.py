@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import json
 import statistics
 import sys
@@ -38,7 +37,7 @@ if str(REPO) not in sys.path:
 import pytorch_lightning as pl  # noqa: E402
 
 from benchmarks.cifar10.model import build_model  # noqa: E402
-from benchmarks.gpu_probe_truth import GPT  # noqa: E402
+from benchmarks.gpu_probe_truth import GPT, environment  # noqa: E402
 from benchmarks.overhead import (  # noqa: E402
     BenchModule, ModelSpec, _quiet, batch_pool, classification_loss, lightning_configs, lm_loss, model_specs,
 )
@@ -149,12 +148,8 @@ def run(rounds: int, steps: int, warmup: int, keys: list[str] | None = None, sav
     """Every model's configurations (``keys``: only these), ``save(result so far)`` after each model."""
     _quiet()
     configs = [c for c in lightning_configs() if keys is None or c[0] in keys]
-    props = torch.cuda.get_device_properties(0)
-    out: dict[str, Any] = {
-        "device": f"{props.name}, {props.total_memory / 2**30:.1f} GiB",
-        "software": f"torch {torch.__version__}, CUDA {torch.version.cuda}, pytorch-lightning {pl.__version__}",
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "settings": {"rounds": rounds, "steps": steps, "warmup": warmup}, "models": {}, "rows": []}
+    out: dict[str, Any] = {**environment(), "settings": {"rounds": rounds, "steps": steps, "warmup": warmup},
+                           "models": {}, "rows": []}
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="gns_gpu_overhead_") as workdir:
         for spec in model_specs(quick=False) + [efficientnet_spec(), gpt_spec()]:

@@ -39,6 +39,7 @@ from gns_callback.collectors import COLLECTORS, Collector
 from gns_callback.critical_batch import CriticalBatchAccumulator, CriticalBatchEstimate
 from gns_callback.deferred import DeferredReads
 from gns_callback.estimate import GNSEstimate
+from gns_callback.norms import squared_norm_sum
 from gns_callback.scalar_ops import host_errors_ignored
 from gns_callback.smoothing import RatioAccumulator, RatioSummary, step_values, summarize_ratio
 from gns_callback.tracking import LocalLinearRatio
@@ -316,8 +317,9 @@ class GradientNoiseScaleMeter:
         grads = [p.grad for p in self.collector.measured_parameters() if p.grad is not None]
         subset = self._may_measure_a_subset(window)
         if self.reduce is None and _on_host(grads, loss_scale):
-            values = [*window.packed_values(loss_scale), float(_grad_sq(grads)), 1.0 if loss is None else float(loss)]
-            return self._apply([*values, 0.0], subset, loss is not None)
+            step_loss = 1.0 if loss is None else float(loss)
+            values = [*window.packed_values(loss_scale), float(squared_norm_sum(grads)), step_loss, 0.0]
+            return self._apply(values, subset, loss is not None)
         if self.reduce is None:
             return self._measure_later(window, grads, loss_scale, loss, subset)
         device = grads[0].device if grads else None
@@ -328,7 +330,7 @@ class GradientNoiseScaleMeter:
         if not grads:
             return
         failed = torch.zeros(()) if self._any_rank_failed is None else self._any_rank_failed
-        parts = [packed, _grad_sq(grads), step_loss, failed.to(device=packed.device)]
+        parts = [packed, squared_norm_sum(grads), step_loss, failed.to(device=packed.device)]
         self._reads.push(torch.cat([part.to(torch.float64).reshape(-1) for part in parts]),
                          _ReducedRow(subset, loss is not None))
         self._apply_read(keep=1)
@@ -338,13 +340,8 @@ class GradientNoiseScaleMeter:
                        subset: bool) -> None:
         """One process on an accelerator: the window's device scalars, the step's |G_B|², and the loss and loss
         scale where they are device tensors, go to the host in one copy; the window's host sums wait with them."""
-        row = _LocalRow(window, subset, loss)
-        on_device = [*window.device_squares(), _grad_sq(grads)]
-        on_device += [value for value in (loss, loss_scale) if isinstance(value, torch.Tensor)]
-        row.scale = None if isinstance(loss_scale, torch.Tensor) else loss_scale
-        row.scale_on_device = isinstance(loss_scale, torch.Tensor)
-        device = on_device[0].device  # a loss or scale given on another device joins the copy there
-        self._reads.push(torch.stack([v.detach().reshape(()).to(device, torch.float32) for v in on_device]), row)
+        row = _LocalRow(window, subset, loss, loss_scale)
+        self._reads.push(row.to_send(squared_norm_sum(grads)), row)
         self._apply_read(keep=1)
 
     def _apply_read(self, keep: int = 0) -> None:
@@ -493,31 +490,35 @@ class _ReducedRow:
 
 @dataclasses.dataclass
 class _LocalRow:
-    """A step of one process on an accelerator, while its device scalars travel to the host: the window (host
-    sums and weights), and the loss and loss scale unless they travel too (in that order, after |G_B|²)."""
+    """A step of one process on an accelerator, while its device scalars travel to the host in one copy: what
+    travels (:meth:`to_send`) and how the row is read back (:meth:`values`), in one place. The window keeps the host
+    sums and weights; the loss and loss scale travel only where they are tensors."""
 
     window: AccumulationWindow
     subset: bool
     loss: Union[torch.Tensor, float, None]
-    scale: Optional[float] = None
-    scale_on_device: bool = False
+    scale: Union[torch.Tensor, float, None]
 
     @property
     def loss_given(self) -> bool:
         return self.loss is not None
 
+    def to_send(self, grad_sq: torch.Tensor) -> torch.Tensor:
+        """The window's device scalars, ``|G_B|²``, then the loss and the scale where they are tensors, as one
+        float32 vector on the gradients' device (a loss or scale on another device joins it there)."""
+        tensors = [*self.window.device_squares(), grad_sq]
+        tensors += [value for value in (self.loss, self.scale) if isinstance(value, torch.Tensor)]
+        device = tensors[0].device
+        return torch.stack([v.detach().reshape(()).to(device, torch.float32) for v in tensors])
+
     def values(self, copied: list[float]) -> list[float]:
+        """The row for :meth:`GradientNoiseScaleMeter._apply` from :meth:`to_send`'s values on the host."""
         squares = len(self.window.device_squares())
         rest = iter(copied[squares:])
         grad_sq = next(rest)
         loss = next(rest) if isinstance(self.loss, torch.Tensor) else 1.0 if self.loss is None else float(self.loss)
-        scale = next(rest) if self.scale_on_device else self.scale
+        scale = next(rest) if isinstance(self.scale, torch.Tensor) else self.scale
         return [*self.window.packed_values(scale, copied[:squares]), grad_sq, loss, 0.0]
-
-
-def _grad_sq(grads: list[torch.Tensor]) -> torch.Tensor:
-    """``|G_B|²``: the step's (unscaled, reduced) gradient's squared norm, in a few multi-tensor kernels."""
-    return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
 
 
 def _on_host(grads: list[torch.Tensor], loss_scale: Union[torch.Tensor, float, None]) -> bool:

@@ -16,6 +16,7 @@ it, in which case it copies it: those gradients are squared at once instead.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Optional, Sequence
 
@@ -25,10 +26,23 @@ from torch.utils.hooks import RemovableHandle
 
 from gns_callback.accumulation import AccumulationWindow, LossReduction
 from gns_callback.collectors.coverage import Coverage
+from gns_callback.norms import squared_norm, squared_norm_sum
 from gns_callback.backward_passes import PassLedger, current_pass, in_functorch_transform
 
 #: Gradient bytes the hooks hold before squaring them in one multi-tensor kernel (the extra memory, at most).
 BUCKET_BYTES = 32 * 2**20
+
+
+@dataclass
+class _Held:
+    """One backward pass's gradients held until they are squared together, and their bytes."""
+
+    grads: list[torch.Tensor] = field(default_factory=list)
+    bytes: int = 0
+
+    def add(self, grad: torch.Tensor) -> None:
+        self.grads.append(grad)
+        self.bytes += grad.numel() * grad.element_size()
 
 
 class MicroBatchCollector:
@@ -44,8 +58,7 @@ class MicroBatchCollector:
         self._params: list[nn.Parameter] = []
         self._handles: list[RemovableHandle] = []
         self._passes: PassLedger[list[torch.Tensor]] = PassLedger()
-        self._held: dict[int, list[torch.Tensor]] = {}  # pass id → gradients not yet squared
-        self._held_bytes: dict[int, int] = {}
+        self._held: dict[int, _Held] = {}  # pass id → its gradients not yet squared
 
     def attach(self) -> None:
         self.detach()
@@ -78,14 +91,14 @@ class MicroBatchCollector:
             return
         pass_id = current_pass()
         if param.grad is None or grad.layout != torch.strided:  # to be adopted by .grad, or sparse: square it now
-            self._parts(pass_id).append(_squared_norm(grad))
+            self._parts(pass_id).append(squared_norm(grad))
             return
-        if pass_id not in self._held:
-            self._held[pass_id], self._held_bytes[pass_id] = [], 0
+        held = self._held.get(pass_id)
+        if held is None:
+            held = self._held[pass_id] = _Held()
             torch.autograd.Variable._execution_engine.queue_callback(partial(self._square_held, pass_id))
-        self._held[pass_id].append(grad)
-        self._held_bytes[pass_id] += grad.numel() * grad.element_size()
-        if self._held_bytes[pass_id] >= BUCKET_BYTES:
+        held.add(grad)
+        if held.bytes >= BUCKET_BYTES:
             self._square_held(pass_id, keep_open=True)
 
     def _parts(self, pass_id: int) -> list[torch.Tensor]:
@@ -98,13 +111,11 @@ class MicroBatchCollector:
     def _square_held(self, pass_id: int, keep_open: bool = False) -> None:
         """``Σ |grad|²`` of the gradients held for ``pass_id`` (float32 accumulation, also for fp16/bf16), added
         to the pass's parts; ``keep_open``: mid-pass, more gradients of this pass follow."""
-        held = self._held.pop(pass_id, [])
-        self._held_bytes.pop(pass_id, None)
+        held = self._held.pop(pass_id, None)
         if keep_open:
-            self._held[pass_id], self._held_bytes[pass_id] = [], 0
-        if held:
-            norms = torch._foreach_norm(held, 2, dtype=torch.float32)
-            self._parts(pass_id).append(torch.stack(norms).square().sum())
+            self._held[pass_id] = _Held()
+        if held is not None and held.grads:
+            self._parts(pass_id).append(squared_norm_sum(held.grads))
 
     def _square_all_held(self) -> None:
         """Passes whose end-of-pass callback never ran (a backward that raised): square what they left."""
@@ -114,7 +125,6 @@ class MicroBatchCollector:
     def discard(self) -> None:
         """Drop every pass recorded since the last pop."""
         self._held.clear()
-        self._held_bytes.clear()
         self._passes.clear()
 
     def pop(self) -> list[torch.Tensor]:
@@ -140,17 +150,6 @@ class MicroBatchCollector:
             factor = (divisor if loss_reduction == "mean" else divisor / b) ** 2
             window.add_micro_batch(sq, float(b), 1.0, b, weight=b * factor)
         return len(passes)
-
-
-def _squared_norm(grad: torch.Tensor) -> torch.Tensor:
-    """``|grad|²`` as a float32 device scalar (one kernel for a dense float32 gradient; fp16/bf16 accumulate in
-    float32, where their squares would overflow)."""
-    if grad.layout != torch.strided:
-        grad = grad.coalesce().values()
-    if grad.dtype in (torch.float32, torch.float64):
-        flat = grad.reshape(-1)
-        return torch.dot(flat, flat).float()
-    return torch.linalg.vector_norm(grad, dtype=torch.float32).square()
 
 
 def _sizes_for(passes: Sequence[object], batch_sizes: Optional[Sequence[Optional[int]]]) -> list[int]:

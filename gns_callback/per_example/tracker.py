@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from gns_callback.backward_passes import PassLedger, current_pass, in_functorch_transform
+from gns_callback.norms import squared_norm
 
 from .conv import conv_sq_norms, conv_summed_grads
 from .cost import ACCELERATOR_LAUNCH_COST, COSTS, CostFunction, subset_is_cheaper
@@ -90,8 +91,7 @@ class PassNorms:
 
     def add_unmeasured(self, param_name: str, grad: Tensor) -> None:
         """Add ``|grad − Σ_{i measured} g_i|²`` for one parameter whose pass gradient ``grad`` just arrived."""
-        difference = self.subset_grads.pop(param_name).sub_(grad).reshape(-1)  # ours: no new buffer
-        sq = torch.dot(difference, difference).float()
+        sq = squared_norm(self.subset_grads.pop(param_name).sub_(grad))  # ours to overwrite: no new buffer
         self.unmeasured_sq = sq if self.unmeasured_sq is None else self.unmeasured_sq + sq
 
 
