@@ -99,6 +99,10 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             ``"cost"`` the fewest device-hours. ``"time"``/``"cost"`` use the probe's measured step times, so they
             need ``probe=True``. The report and the printed table show all three.
         max_devices: let ``"time"``/``"cost"`` choose the device count up to this (``None``: the run's).
+        measure_every_n_steps: measure one optimizer step in ``n`` (``1``: every step). The callback's cost per
+            step falls about ``n``-fold (benchmarks/RESULTS.md, "Measuring one step in n"), and its intervals
+            widen about ``√n``-fold at the same number of steps; the recent estimate's window stays ``ema_decay``'s
+            in optimizer steps. The probe, logging and the sharpness monitor are unaffected.
 
     After fit: ``estimate`` (recent) and ``run_estimate`` (run average) are :class:`GNSEstimate` objects,
     ``probe`` the probe result (or None) and ``recommendation`` the recommendation (or None); with
@@ -136,6 +140,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         sharpness: bool = True,
         objective: str = "balanced",
         max_devices: Optional[int] = None,
+        measure_every_n_steps: int = 1,
     ) -> None:
         _check_arguments({name: value for name, value in locals().items() if name != "self"})
         self.method = method
@@ -146,6 +151,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         self.report_path = report_path
         self.verbose = verbose
         self.per_example_max_examples = per_example_max_examples
+        self.measure_every_n_steps = measure_every_n_steps
         self.probe_enabled = probe
         self.memory_budget_bytes = None if memory_budget_bytes is None else int(memory_budget_bytes)
         self.headroom = headroom
@@ -314,6 +320,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         meter = GradientNoiseScaleMeter(
             pl_module, method, self.ema_decay, self.confidence, self.loss_reduction,
             self.per_example_max_examples, reduce=facts.sum_across_ranks(trainer), fallback_method=fallback,
+            measure_every_n_steps=self.measure_every_n_steps,
         )
         if self._restored:
             self._restore_meter(trainer, meter)
@@ -570,6 +577,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
                 "confidence": self.confidence,
                 "loss_reduction": self.loss_reduction,
                 "per_example_max_examples": self.per_example_max_examples,
+                "measure_every_n_steps": self.measure_every_n_steps,
                 "recommend_options": dict(self.recommend_options),
             },
             "run": {
@@ -591,7 +599,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
 _OWNER = "GradientNoiseScaleCallback"
 _POSITIVE_INT = args.optional(args.int_at_least(1))
 _ARGUMENTS: dict[str, args.Rule] = {
-    **METER_ARGUMENTS,  # ema_decay, confidence, loss_reduction, per_example_max_examples
+    **METER_ARGUMENTS,  # ema_decay, confidence, loss_reduction, per_example_max_examples, measure_every_n_steps
     "method": args.Rule(args.one_of(*METHODS), "one of 'auto', 'micro_batch', 'per_example', e.g. 'auto'"),
     "log_every_n_steps": args.Rule(_POSITIVE_INT, "a positive int, e.g. 50, or None to follow the Trainer"),
     "report_path": args.Rule(lambda v: v is None or args.report_path_problem(v) is None,

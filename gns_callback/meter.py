@@ -65,6 +65,8 @@ ARGUMENTS: dict[str, args.Rule] = {
                                 "'mean' (the loss is averaged over the batch, Lightning's convention) or 'sum'"),
     "per_example_max_examples": args.Rule(args.optional(args.int_at_least(2)),
                                           "an int ≥ 2, e.g. 16, or None to measure every example of each batch"),
+    "measure_every_n_steps": args.Rule(args.int_at_least(1),
+                                       "an int ≥ 1, e.g. 1 to measure every optimizer step or 4 for one in four"),
 }
 _METHOD = args.Rule(args.one_of(*MEASURING_METHODS), "one of 'per_example', 'micro_batch', e.g. 'per_example'")
 _FALLBACK = args.Rule(args.one_of(None, *MEASURING_METHODS), "None or 'micro_batch'")
@@ -102,6 +104,11 @@ class GradientNoiseScaleMeter:
         fallback_method: the method to switch to, for the rest of the run, when the hooks find a step that
             ``method`` can't measure (``method="auto"`` in the callback: ``"micro_batch"`` where the run has several
             backward passes per step). None: stop measuring instead.
+        measure_every_n_steps: measure one optimizer step in ``n`` (the first, then every ``n``-th): the hooks do
+            nothing on the others, so the meter's cost per step falls about ``n``-fold, and the run average's
+            standard error at a given number of steps grows about ``√n``-fold (benchmarks/RESULTS.md). The recent
+            estimate keeps its window in optimizer steps (its decay per measured step is ``ema_decay**n``). With
+            ``reduce``, every rank rests on the same steps (no collective on them).
 
     Read :attr:`estimate` (recent: a local-linear fit of the ratio that follows a moving run,
     :mod:`gns_callback.tracking`) and :attr:`run_estimate` (every measured step weighted equally); each read copies
@@ -123,10 +130,12 @@ class GradientNoiseScaleMeter:
         per_example_max_examples: Optional[int] = 16,
         reduce: Optional[SumAcrossRanks] = None,
         fallback_method: Optional[str] = None,
+        measure_every_n_steps: int = 1,
     ) -> None:
         args.check_arguments("GradientNoiseScaleMeter", {
             "method": method, "ema_decay": ema_decay, "confidence": confidence, "loss_reduction": loss_reduction,
             "per_example_max_examples": per_example_max_examples, "fallback_method": fallback_method,
+            "measure_every_n_steps": measure_every_n_steps,
         }, {**ARGUMENTS, "method": _METHOD, "fallback_method": _FALLBACK})
         self.model = model
         self.method = method
@@ -137,8 +146,11 @@ class GradientNoiseScaleMeter:
         self.loss_reduction: LossReduction = loss_reduction
         self.per_example_max_examples = per_example_max_examples
         self.reduce = reduce
+        self.measure_every_n_steps = int(measure_every_n_steps)
         self.collector: Collector = COLLECTORS[method](model, max_examples=per_example_max_examples)
         self._attached = False
+        self._enabled = True
+        self.steps_offered = 0  # every call to step(), measured or resting: the duty cycle's phase
         self.reset()
 
     # ------------------------------------------------------------------ hooks on / off
@@ -155,12 +167,24 @@ class GradientNoiseScaleMeter:
 
     @property
     def enabled(self) -> bool:
-        """Whether the hooks record (False: inert, e.g. during validation with gradients on)."""
-        return self.collector.enabled
+        """Whether the hooks may record (False: inert, e.g. during validation with gradients on). They also rest
+        on the steps ``measure_every_n_steps`` skips (:attr:`measures_next_step`)."""
+        return self._enabled
 
     @enabled.setter
     def enabled(self, value: bool) -> None:
-        self.collector.enabled = value
+        self._enabled = bool(value)
+        self.collector.enabled = self._enabled and self.measures_next_step
+
+    @property
+    def measures_next_step(self) -> bool:
+        """Whether the optimizer step now under way is one the meter measures (``measure_every_n_steps``)."""
+        return self.steps_offered % self.measure_every_n_steps == 0
+
+    def _rest_or_resume(self) -> None:
+        """Count a step, and set the hooks for the next one (recording only on the steps measured)."""
+        self.steps_offered += 1
+        self.enabled = self._enabled
 
     def expect_batch_size(self, size: Optional[int]) -> None:
         """The number of examples in the micro-batch whose forward pass runs next (None: unknown).
@@ -192,10 +216,16 @@ class GradientNoiseScaleMeter:
         """Drop what the hooks recorded since the last :meth:`step` (e.g. a step that will not be taken)."""
         self.collector.discard()
 
+    @property
+    def recent_decay(self) -> float:
+        """The recent estimate's decay per *measured* step, ``ema_decay ** measure_every_n_steps``: its window spans
+        the same optimizer steps however often they are measured."""
+        return self.ema_decay ** self.measure_every_n_steps
+
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
         """Forget every measured step."""
-        self.ema = LocalLinearRatio(self.ema_decay)
+        self.ema = LocalLinearRatio(self.recent_decay)
         self.run = RatioAccumulator(1.0)
         self.recent_from = 0  # measured steps before the recent estimate started (a version-2 state's)
         self.critical = CriticalBatchAccumulator()
@@ -221,6 +251,7 @@ class GradientNoiseScaleMeter:
             "blend": self.blend.state_dict(),
             "losses_given": self.losses_given,
             "steps_seen": self.steps_seen,
+            "steps_offered": self.steps_offered,
             "failure": self.failure,
             "switched_from": self.switched_from,
         }
@@ -235,7 +266,7 @@ class GradientNoiseScaleMeter:
             self.ema.load_state_dict(state["ema"])
             self.recent_from = int(state.get("recent_from", 0))
         else:
-            self.ema = LocalLinearRatio(self.ema_decay)
+            self.ema = LocalLinearRatio(self.recent_decay)
             self.recent_from = round(float(self.run.sums[0]))
         if state.get("blend"):  # absent before this key existed: the blend restarts from an even weight
             self.blend.load_state_dict(state["blend"])
@@ -243,6 +274,8 @@ class GradientNoiseScaleMeter:
             self.critical.load_state_dict(state["critical"])
             self.losses_given = bool(state.get("losses_given"))
         self.steps_seen = int(state["steps_seen"])
+        self.steps_offered = int(state.get("steps_offered", self.steps_seen))
+        self.enabled = self._enabled  # the duty cycle's phase at the resumed step
         self.failure = state.get("failure")
         self.switched_from = state.get("switched_from")
 
@@ -266,7 +299,9 @@ class GradientNoiseScaleMeter:
             loss: the step's training loss (any constant factor is fine). With it, :attr:`critical_batch` reads the
                 critical batch off the noise scale as a function of the loss; without it, that is the run average.
         """
-        if self.failure is not None:
+        measured = self.measures_next_step
+        self._rest_or_resume()
+        if self.failure is not None or not measured:
             return self.discard_pending()
         window = self._collect(_as_sizes(micro_batch_size), loss_divisor)
         if self.reduce is not None:

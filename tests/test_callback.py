@@ -230,6 +230,7 @@ def test_checkpoint_resume_restores_the_running_state_exactly(digits, tmp_path):
         ({"confidence": 95}, "confidence"),
         ({"loss_reduction": "avg"}, "loss_reduction"),
         ({"log_every_n_steps": 0}, "log_every_n_steps"),
+        ({"measure_every_n_steps": 0}, "measure_every_n_steps"),
     ],
 )
 def test_bad_arguments_name_the_argument(kwargs, match):
@@ -280,3 +281,31 @@ def test_each_optimizer_step_hands_the_meter_what_lightning_knows(digits, monkey
                                   plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
     assert calls == [([8, 8, 8, 8], 2.0**12, 4)] * 10
     assert cb.meter.method == "micro_batch" and cb.run_estimate.steps == 10
+
+
+def test_measuring_one_step_in_n_during_a_fit(digits, mlp_exact):
+    """``measure_every_n_steps=2``: 150 of 300 steps measured, the exact value inside the interval."""
+    cb, _, _ = fit_with_gns(mlp(), *digits, callback=micro(measure_every_n_steps=2))
+    assert cb.run_estimate.steps == 150 and cb.run_estimate.skipped_steps == 0
+    assert_matches_exact(cb.run_estimate, mlp_exact)
+
+
+def test_measuring_one_step_in_n_leaves_training_unchanged_and_resumes_in_phase(digits, tmp_path):
+    """Real training (Adam): identical weights with and without the callback at ``measure_every_n_steps=3``; a
+    checkpoint at step 31 resumes the duty cycle in phase (steps 0, 3, ..., 48 measured: 17 of 50)."""
+    x, y = digits
+    weights = []
+    for callbacks in ([], [micro(measure_every_n_steps=3)]):
+        torch.manual_seed(0)
+        loader = with_replacement_loader(x, y, 8, 8 * 2 * 200, seed=0)
+        module = Classifier(mlp(), lr=1e-2, optimizer="adam")
+        trainer = quiet_trainer(max_steps=31, accumulate_grad_batches=2, callbacks=callbacks)
+        trainer.fit(module, loader)
+        weights.append(module.state_dict())
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    path = tmp_path / "gns.ckpt"
+    trainer.save_checkpoint(path)
+    continued = micro(measure_every_n_steps=3)
+    quiet_trainer(max_steps=50, max_epochs=10, accumulate_grad_batches=2, callbacks=[continued]).fit(
+        Classifier(mlp(), lr=1e-2, optimizer="adam"), loader, ckpt_path=path)
+    assert continued.run_estimate.steps == 17 and continued.meter.steps_offered == 50

@@ -25,14 +25,17 @@ class RankRecorder(pl.Callback):
 pytestmark = pytest.mark.usefixtures("file_system_sharing")
 
 
-@pytest.mark.parametrize("method, accumulate, batch_size", [("micro_batch", 2, 8), ("per_example", 1, 32)])
-def test_ddp_two_processes_agree_with_exact_and_each_other(digits, exact_gns, tmp_path, method, accumulate, batch_size):
+@pytest.mark.parametrize("method, accumulate, batch_size, every",
+                         [("micro_batch", 2, 8, 1), ("per_example", 1, 32, 1), ("per_example", 1, 32, 2)])
+def test_ddp_two_processes_agree_with_exact_and_each_other(digits, exact_gns, tmp_path, method, accumulate, batch_size,
+                                                           every):
+    """With ``measure_every_n_steps=2`` both ranks rest on the same steps (no collective there) and agree."""
     x, y = digits
     exact = exact_gns(mlp(), F.cross_entropy, x, y)[0]
     steps = 150
     loader_args = {"x": x, "y": y, "batch_size": batch_size, "num_samples": steps * accumulate * batch_size, "seed": 7}
     report = tmp_path / "report.json"
-    gns = GradientNoiseScaleCallback(method=method, report_path=str(report), verbose=False)
+    gns = GradientNoiseScaleCallback(method=method, report_path=str(report), verbose=False, measure_every_n_steps=every)
     trainer = quiet_trainer(
         strategy="ddp_spawn",
         devices=2,
@@ -46,7 +49,7 @@ def test_ddp_two_processes_agree_with_exact_and_each_other(digits, exact_gns, tm
     assert ranks[0] == ranks[1]  # identical estimate and running sums on both ranks
     estimate = load_estimate(report)
     assert estimate.to_dict() == ranks[0]["estimate"]
-    assert estimate.steps == steps and estimate.method == method
+    assert estimate.steps == steps // every and estimate.method == method
     run = load_estimate(report, "run_estimate")
     assert run.ci_low <= exact <= run.ci_high, (run, exact)
     assert run.ci_high / run.ci_low < 2.0

@@ -234,7 +234,8 @@ def test_unmeasurable_model_stops_measuring_and_warns_once(digits):
 @pytest.mark.parametrize(
     "kwargs, match",
     [({"method": "auto"}, "method"), ({"ema_decay": 1.0}, "ema_decay"), ({"confidence": 95}, "confidence"),
-     ({"loss_reduction": "avg"}, "loss_reduction"), ({"per_example_max_examples": 1}, "per_example_max_examples")],
+     ({"loss_reduction": "avg"}, "loss_reduction"), ({"per_example_max_examples": 1}, "per_example_max_examples"),
+     ({"measure_every_n_steps": 0}, "measure_every_n_steps"), ({"measure_every_n_steps": 2.0}, "measure_every_n_steps")],
 )
 def test_bad_arguments_name_themselves(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -446,3 +447,79 @@ def test_one_process_on_an_accelerator_reads_a_step_late_with_the_same_numbers(d
     assert host.state_dict() == later.state_dict()
     assert host.read() == later.read() and host.critical_batch == later.critical_batch
     assert host.blend.sums[0].item() == 60  # a subset was measured: the excluded squares travelled too
+
+
+def _batches(x, steps, seed, batch=16):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, len(x), (batch,), generator=g) for _ in range(steps)]
+
+
+def _fixed_parameter_steps(meter, net, x, y, batches, passes=1):
+    for i in batches:
+        for part in i.chunk(passes):
+            meter.expect_batch_size(len(part))
+            (F.cross_entropy(net(x[part]), y[part]) / passes).backward()
+        meter.step(micro_batch_size=len(i) // passes if passes > 1 else None)
+        net.zero_grad()
+
+
+@pytest.mark.parametrize("method, passes", [("per_example", 1), ("micro_batch", 4)])
+def test_measuring_one_step_in_n_is_measuring_those_steps_alone(digits, method, passes):
+    """``measure_every_n_steps=3`` over 60 steps reads exactly what a meter that saw only steps 0, 3, 6, ... reads
+    (recent estimate at ``ema_decay**3``), and its hooks record nothing on the other steps."""
+    x, y = digits
+    net, batches = mlp(), _batches(x, 60, seed=3)
+    with GradientNoiseScaleMeter(net, method, measure_every_n_steps=3) as sparse:
+        for k, i in enumerate(batches):
+            assert sparse.collector.enabled == (k % 3 == 0)  # resting steps: the hooks return at once
+            _fixed_parameter_steps(sparse, net, x, y, [i], passes)
+    with GradientNoiseScaleMeter(net, method, ema_decay=0.99**3) as only_those:
+        _fixed_parameter_steps(only_those, net, x, y, batches[::3], passes)
+    assert sparse.run_estimate == only_those.run_estimate and sparse.run_estimate.steps == 20
+    assert sparse.estimate == only_those.estimate
+    assert sparse.steps_offered == 60 and sparse.run_estimate.skipped_steps == 0
+
+
+def test_measuring_one_step_in_n_holds_the_exact_value(digits, exact_gns):
+    """At fixed parameters, one step in 4 of 800 on digits: 200 measured steps, and the exact B_simple (brute force
+    over the whole data set) lies inside the run average's interval."""
+    x, y = digits
+    net = mlp()
+    exact = exact_gns(net, F.cross_entropy, x, y)[0]
+    with GradientNoiseScaleMeter(net, measure_every_n_steps=4) as meter:
+        _fixed_parameter_steps(meter, net, x, y, _batches(x, 800, seed=4))
+    run = meter.run_estimate
+    assert run.steps == 200 and run.ci_low <= exact <= run.ci_high, (run, exact)
+
+
+def test_measuring_one_step_in_n_resumes_in_phase(digits):
+    """A checkpoint taken between measured steps resumes the duty cycle where it was: the same readings as an
+    uninterrupted run."""
+    x, y = digits
+    net, batches = mlp(), _batches(x, 50, seed=5)
+    with GradientNoiseScaleMeter(net, measure_every_n_steps=4) as whole:
+        _fixed_parameter_steps(whole, net, x, y, batches)
+    with GradientNoiseScaleMeter(net, measure_every_n_steps=4) as first:
+        _fixed_parameter_steps(first, net, x, y, batches[:23])
+    state = json.loads(json.dumps(first.state_dict()))
+    with GradientNoiseScaleMeter(net, measure_every_n_steps=4) as resumed:
+        resumed.load_state_dict(state)
+        assert not resumed.collector.enabled  # step 23 rests
+        _fixed_parameter_steps(resumed, net, x, y, batches[23:])
+    assert resumed.run_estimate == whole.run_estimate and resumed.estimate == whole.estimate
+    assert whole.run_estimate.steps == 13
+
+
+def test_validation_pause_and_the_duty_cycle_combine(digits):
+    """Hooks record only when neither a pause nor a resting step says otherwise, and a pause ends in phase."""
+    net = mlp()
+    meter = GradientNoiseScaleMeter(net, measure_every_n_steps=2).attach()
+    meter.enabled = False
+    assert not meter.collector.enabled
+    meter.enabled = True
+    assert meter.collector.enabled  # step 0 is measured
+    _fixed_parameter_steps(meter, net, *digits, _batches(digits[0], 1, seed=6))
+    with meter.paused():
+        assert not meter.collector.enabled
+    assert not meter.collector.enabled  # step 1 rests
+    meter.detach()
