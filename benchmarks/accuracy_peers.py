@@ -22,7 +22,8 @@ Estimators (each reads the same batches of a stream):
   and ``meter.run_estimate`` (run average), each with its 95% interval; at its defaults (``per_example``,
   ``per_example_max_examples=16``: every example where its cost model says that is cheaper, else 16 examples plus
   their summed gradient), with ``per_example_max_examples=None``, and ``method="micro_batch"`` in backward passes of
-  8 examples (each loss divided by their count, ``meter.step(micro_batch_size=8)``);
+  8 examples (each loss divided by their count, ``meter.step(micro_batch_size=8)``), and at its defaults measuring
+  one step in four (``measure_every_n_steps=4``: a quarter of the steps, for about a quarter of the cost);
 * nanoGNS, gpt-neox and AdaptDL as re-implemented in ``benchmarks/peers_gns.py`` (sources, commits and deviations in
   its docstring), fed each step's batch gradient and per-example squared norms, computed from the exact per-example
   gradient rows of the step's batch (parameters are fixed, so these are the gradients the peer would read).
@@ -139,6 +140,7 @@ OURS = {  # row label prefix: meter arguments, micro-batch size (None: one backw
     "this project, `per_example` at its defaults": ({}, None),
     "this project, `per_example_max_examples=None`": ({"per_example_max_examples": None}, None),
     "this project, `micro_batch`, passes of 8": ({"method": "micro_batch"}, MICRO),
+    "this project, `measure_every_n_steps=4`": ({"measure_every_n_steps": 4}, None),
 }
 READS = (("`estimate` (recent)", 0), ("`run_estimate`", 1))
 PEERS = ("nanoGNS exact per-example (every example), EMA 0.99", "gpt-neox, 5 consecutive steps, EMA 0.99",

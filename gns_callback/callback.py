@@ -101,8 +101,10 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         max_devices: let ``"time"``/``"cost"`` choose the device count up to this (``None``: the run's).
         measure_every_n_steps: measure one optimizer step in ``n`` (``1``: every step). The callback's cost per
             step falls about ``n``-fold (benchmarks/RESULTS.md, "Measuring one step in n"), and its intervals
-            widen about ``√n``-fold at the same number of steps; the recent estimate's window stays ``ema_decay``'s
-            in optimizer steps. The probe, logging and the sharpness monitor are unaffected.
+            widen about ``√n``-fold at the same number of steps, more in short runs; ``ema_decay`` weighs measured
+            steps, so the recent window spans ``n`` times as many optimizer steps. For long runs, where a quarter
+            of the steps still measures the noise scale precisely. The probe, logging and the sharpness monitor are
+            unaffected.
 
     After fit: ``estimate`` (recent) and ``run_estimate`` (run average) are :class:`GNSEstimate` objects,
     ``probe`` the probe result (or None) and ``recommendation`` the recommendation (or None); with

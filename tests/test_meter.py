@@ -466,14 +466,14 @@ def _fixed_parameter_steps(meter, net, x, y, batches, passes=1):
 @pytest.mark.parametrize("method, passes", [("per_example", 1), ("micro_batch", 4)])
 def test_measuring_one_step_in_n_is_measuring_those_steps_alone(digits, method, passes):
     """``measure_every_n_steps=3`` over 60 steps reads exactly what a meter that saw only steps 0, 3, 6, ... reads
-    (recent estimate at ``ema_decay**3``), and its hooks record nothing on the other steps."""
+    (recent estimate included), and its hooks record nothing on the other steps."""
     x, y = digits
     net, batches = mlp(), _batches(x, 60, seed=3)
     with GradientNoiseScaleMeter(net, method, measure_every_n_steps=3) as sparse:
         for k, i in enumerate(batches):
             assert sparse.collector.enabled == (k % 3 == 0)  # resting steps: the hooks return at once
             _fixed_parameter_steps(sparse, net, x, y, [i], passes)
-    with GradientNoiseScaleMeter(net, method, ema_decay=0.99**3) as only_those:
+    with GradientNoiseScaleMeter(net, method) as only_those:
         _fixed_parameter_steps(only_those, net, x, y, batches[::3], passes)
     assert sparse.run_estimate == only_those.run_estimate and sparse.run_estimate.steps == 20
     assert sparse.estimate == only_those.estimate
