@@ -569,12 +569,12 @@ def lightning_configs() -> list[tuple[str, str, str | None, int, str | None, dic
         ("micro_batch_nosharp", "micro_batch, sharpness=False, accumulate=4", "micro_batch", 4, "base_acc4",
          {"sharpness": False}),
     ]
-    if EVERY_ARG in inspect.signature(GradientNoiseScaleCallback).parameters:  # one step in 4 measured: read the
-        configs.insert(4, ("per_example_every4", f"{per_example_label.split(',')[0]}, sharpness=False, "  # ratio of means
-                           f"{EVERY_ARG}=4, accumulate=1", "per_example", 1, "base_acc1",
-                           {"sharpness": False, EVERY_ARG: 4}))
+    if EVERY_ARG in inspect.signature(GradientNoiseScaleCallback).parameters:  # one step in 4: read the ratio of means
+        quarter = {"sharpness": False, EVERY_ARG: 4}
+        configs.insert(4, ("per_example_every4", f"{per_example_label.split(',')[0]}, sharpness=False, {EVERY_ARG}=4, "
+                           "accumulate=1", "per_example", 1, "base_acc1", quarter))
         configs.append(("micro_batch_every4", f"micro_batch, sharpness=False, {EVERY_ARG}=4, accumulate=4",
-                        "micro_batch", 4, "base_acc4", {"sharpness": False, EVERY_ARG: 4}))
+                        "micro_batch", 4, "base_acc4", quarter))
     return configs
 
 

@@ -19,13 +19,10 @@ from gns_callback.accumulation import AccumulationWindow, LossReduction
 from gns_callback.collectors.coverage import Coverage
 from gns_callback.collectors.micro_batch import MicroBatchCollector
 from gns_callback.collectors.per_example import PerExampleCollector
+from gns_callback.per_example.tracker import MIN_COVERAGE
 
 METHODS = ("auto", "micro_batch", "per_example")
 
-#: Under ``method="auto"``, per-example norms are used only if they cover at least this share of the trainable
-#: parameters; below it ``micro_batch`` (which covers all of them) is preferred where the run allows it, and
-#: otherwise a warning states the share. B_simple of a subset of the parameters is a different quantity.
-MIN_COVERAGE = 0.9
 
 
 class Collector(Protocol):

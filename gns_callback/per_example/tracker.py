@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from types import TracebackType
 from typing import Any, Optional
+import warnings
 
 import torch
 from torch import Tensor, nn
@@ -63,6 +64,12 @@ SUMMED_GRADIENTS: dict[type[nn.Module], SummedGradFunction] = {
 
 #: The layer functions measure exactly these parameters of a supported module.
 _MEASURED_PARAM_NAMES = frozenset({"weight", "bias"})
+
+#: Under ``method="auto"``, per-example norms are used only if they cover at least this share of the trainable
+#: parameters; below it ``micro_batch`` (which covers all of them) is preferred where the run allows it, and
+#: otherwise a warning states the share. B_simple of a subset of the parameters is a different quantity. A position
+#: table found at run time is left out only while the rest keeps this share.
+MIN_COVERAGE = 0.9
 
 _MICRO_BATCH_HINT = (
     "measure this model with method='micro_batch', which needs several backward passes per optimizer step "
@@ -176,6 +183,7 @@ class PerExampleNormTracker:
                 owners.setdefault(id(param), []).append((module_name, module, local_name))
 
         self.excluded_reasons = {}
+        self._shared_tables = {}
         self._sequence_first = is_sequence_first(self.model)
         self._covered_modules = {}
         self._covered_params = []
@@ -338,7 +346,7 @@ class PerExampleNormTracker:
         if not (isinstance(output, Tensor) and output.requires_grad and torch.is_grad_enabled()):
             return
         inp = args[0] if args else kwargs.get("input")
-        if not isinstance(inp, Tensor):
+        if not isinstance(inp, Tensor) or self._left_out(module, inp):
             return
         self._saw_tracked_forward = True
         # The hook lives on the output's autograd node, so the saved input is freed with the graph.
@@ -390,6 +398,41 @@ class PerExampleNormTracker:
         if self._check_batch_size(record, grad_output.shape[0], covered.name):
             self._measure(record, module, covered, inp, grad_output)
 
+    def _left_out(self, module: nn.Module, inp: Tensor) -> bool:
+        """Whether ``module`` is no longer measured: an embedding found, at its first forward, to be a position table
+        shared by every example (:func:`~.embedding.shared_table_reason`) is left out of both norms, as an
+        unsupported layer would be, while the rest keeps :data:`MIN_COVERAGE` of the trainable parameters (else its
+        backward fails the pass with the reason and the fix)."""
+        if module not in self._covered_modules:
+            return True
+        if isinstance(module, nn.Embedding) and module not in self._shared_tables:
+            reason = self._shared_table(module, inp)
+            if reason is not None and self._coverage_without(module) >= MIN_COVERAGE:
+                self._exclude(module, reason)
+                return True
+        return False
+
+    def _coverage_without(self, module: nn.Module) -> float:
+        """:meth:`coverage_fraction` once ``module``'s parameters are left out."""
+        ids = {id(getattr(module, name)) for name in self._covered_modules[module].param_names}
+        left = sum(p.numel() for _, p in self._covered_params if id(p) in ids)
+        total = sum(p.numel() for _, p in self._covered_params + self._uncovered_params)
+        return self.coverage_fraction() - left / total if total else 0.0
+
+    def _exclude(self, module: nn.Module, reason: str) -> None:
+        """Move ``module``'s parameters from covered to left out (with ``reason``), and say so once."""
+        covered = self._covered_modules.pop(module)
+        ids = {id(getattr(module, name)) for name in covered.param_names}
+        moved = [(name, p) for name, p in self._covered_params if id(p) in ids]
+        self._covered_params = [(name, p) for name, p in self._covered_params if id(p) not in ids]
+        self._uncovered_params += moved
+        for name, _ in moved:
+            self.excluded_reasons[name] = reason
+        warnings.warn(
+            f"gns_callback left the embedding '{covered.name}' ({sum(p.numel() for _, p in moved)} parameters) out "
+            f"of both norms: {reason}. The noise scale now covers {self.coverage_fraction():.1%} of the trainable "
+            "parameters (the report's coverage lists what is left out).", stacklevel=2)
+
     def _shared_table(self, module: nn.Module, inp: Tensor) -> Optional[str]:
         """:func:`~.embedding.shared_table_reason` for an embedding, checked on its first pass only (one compare,
         one device sync) and remembered."""
@@ -422,7 +465,7 @@ class PerExampleNormTracker:
         return record.subset
 
     def _on_param_grad(self, module: nn.Module, param_name: str, grad: Tensor) -> None:
-        if not self._active() or not self._saw_tracked_forward:
+        if not self._active() or not self._saw_tracked_forward or module not in self._covered_modules:
             return
         record = self._pass_record()
         if param_name in record.subset_grads:

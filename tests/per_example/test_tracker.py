@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -455,7 +457,8 @@ def per_example_vector(model: nn.Module, x: torch.Tensor, weight: torch.Tensor, 
 
 
 class SharedPositions(nn.Module):
-    """nanoGPT's pattern: ``wpe(torch.arange(T))``, one position table broadcast over the batch."""
+    """nanoGPT's pattern: ``wpe(torch.arange(T))``, one position table broadcast over the batch (24 of 123 trainable
+    parameters at the defaults; 24 of 474 with ``vocab=50``)."""
 
     def __init__(self, vocab: int = 11, seq: int = 6, d: int = 4) -> None:
         super().__init__()
@@ -468,7 +471,8 @@ class SharedPositions(nn.Module):
 @pytest.mark.parametrize("batch", [6, 4])
 def test_a_shared_position_table_is_refused_even_when_its_length_equals_the_batch(batch):
     """With T == B the table's (T, d) output gradient looks like a batch of T examples: reading it as one would
-    give wrong per-example norms. The pass is refused with the reason and the fix, at any batch size."""
+    give wrong per-example norms. Where leaving the table out would cover less than 90% of the parameters (here
+    80%), the pass is refused with the reason and the fix, at any batch size."""
     torch.manual_seed(0)
     net = SharedPositions()
     tracker = PerExampleNormTracker(net)
@@ -477,3 +481,28 @@ def test_a_shared_position_table_is_refused_even_when_its_length_equals_the_batc
     net(tokens).sum().backward()
     with pytest.raises(RuntimeError, match=r"'wpe' \(Embedding\): its indices are arange.*expand"):
         tracker.pop_passes()
+
+
+@pytest.mark.parametrize("batch", [6, 4])
+def test_a_shared_position_table_is_left_out_of_both_norms_when_the_rest_keeps_the_coverage(batch):
+    """The table holds 5% of the parameters: it is left out at its first forward (one warning, listed in the
+    coverage), and the per-example norms are exactly those of the other parameters, also at T == B."""
+    torch.manual_seed(0)
+    net = SharedPositions(vocab=50).double()
+    tracker = PerExampleNormTracker(net).attach()
+    tokens, weights = torch.randint(0, 50, (batch, 6)), torch.randn(batch, 6, 50, dtype=torch.float64)
+    with pytest.warns(UserWarning, match=r"left the embedding 'wpe' \(24 parameters\) out of both norms.*94\.9%"):
+        (net(tokens) * weights).sum().backward()
+    (record,) = tracker.pop_passes()
+    others = {"wte.weight", "head.weight", "head.bias"}
+    expected = per_example_sq_norms_reference(net, tokens, weights, others)
+    torch.testing.assert_close(record.sq_norms.double(), expected, rtol=1e-6, atol=0)  # summed in float32
+    assert set(dict(tracker.uncovered_parameters())) == {"wpe.weight"}
+    assert "arange" in tracker.excluded_reasons["wpe.weight"]
+    assert {id(p) for p in tracker.covered_parameters()} == {id(p) for n, p in net.named_parameters() if n in others}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # later passes: no second warning, the same coverage
+        (net(tokens) * weights).sum().backward()
+    assert tracker.pop_passes()[0].sq_norms.shape == (batch,)
+    tracker.attach()  # re-attaching decides coverage afresh, the table included until its next forward
+    assert len(tracker.covered_parameters()) == 4
