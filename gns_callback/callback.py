@@ -467,6 +467,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             sharpness=None if self.sharpness_monitor is None else self.sharpness_monitor.largest,
             dataset_size=facts.dataset_size(trainer),
             steps_per_epoch=facts.steps_per_epoch(trainer),
+            coverage=self.meter.coverage.get("fraction", 1.0),
             **self.recommend_options,
         )
 

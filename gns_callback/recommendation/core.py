@@ -38,6 +38,7 @@ from gns_callback.recommendation.objective import (
     objective_plans,
     with_learning_rates,
 )
+from gns_callback.per_example.tracker import MIN_COVERAGE
 from gns_callback.recommendation.operating_point import (
     Economics,
     operating_point,
@@ -88,6 +89,7 @@ def recommend(
     sharpness: Optional[float] = None,
     objective: str = BALANCED,
     max_devices: Optional[int] = None,
+    coverage: float = 1.0,
 ) -> Recommendation:
     """Recommend a global batch size ≈ ``B_simple``, its ``micro × accumulate × devices`` split, LR and warmup.
 
@@ -128,6 +130,9 @@ def recommend(
             probe that measured none gives the balanced batch, with a note). All three are in ``plans``.
         max_devices: let "time"/"cost" choose the device count, up to this (``None``: keep ``num_devices``);
             throughput is assumed to scale linearly with devices.
+        coverage: the share of the trainable parameters the estimate measured (the meter's ``coverage``). Below
+            ``MIN_COVERAGE`` (90%) it is another quantity than the model's noise scale (an LSTM with per-example
+            norms of its Linear head alone: 6%), so the batch is kept (status ``partial_coverage``).
     """
     _check_arguments(current_batch_size, num_devices, multiple_of)
     check_objective(objective, max_devices)
@@ -137,6 +142,7 @@ def recommend(
     status, reason = verdict(est, current_batch_size, max_ci_ratio=max_ci_ratio, min_steps=min_steps,
                              keep_within_interval=keep_within_interval)
     status, reason = _calibrated(status, reason, est, current_batch_size, optimizer)
+    status, reason = _covered(status, reason, coverage)
     hardware = read_hardware(probe, max_micro_batch, throughput, current)
     bounds = batch_bounds(min_batch_size, max_batch_size, dataset_size)
     grid = Grid(multiple_of, power_of_two)
@@ -247,6 +253,17 @@ def _calibrated(status: str, reason: str, est: EstimateView, current_batch_size:
     target = est.b_simple if status == R.OK else near_end(est, current_batch_size)
     why = may_move(target, current_batch_size, optimizer)
     return (status, reason) if why is None else (R.NOT_CALIBRATED, why)
+
+
+def _covered(status: str, reason: str, coverage: float) -> tuple[str, str]:
+    """``partial_coverage`` (keep) when the estimate measured less than ``MIN_COVERAGE`` of the parameters."""
+    if status == R.NO_ESTIMATE or coverage >= MIN_COVERAGE:
+        return status, reason
+    return R.PARTIAL_COVERAGE, (
+        f"the noise scale was measured on {coverage:.1%} of the trainable parameters (the rest are in layers "
+        "per-example norms don't support): keeping the current batch size; measure the whole model with "
+        "method='micro_batch' (accumulate_grad_batches ≥ 2, or several devices)"
+    )
 
 
 def _finite_or_none(value: Optional[float]) -> Optional[float]:

@@ -19,9 +19,10 @@ UNBOUNDED = "unbounded"  # |G|² not resolved: ci_high (or B_simple) infinite
 TOO_WIDE = "too_wide"  # ci_high/ci_low above max_ci_ratio
 TOWARD_INTERVAL = "toward_interval"  # too wide or unbounded, but the whole interval lies on one side: moved to its near end
 NOT_CALIBRATED = "not_calibrated"  # a decrease on an optimizer the critical batch is not calibrated for: kept
+PARTIAL_COVERAGE = "partial_coverage"  # the estimate is that of too small a share of the parameters: kept
 TRUSTED = (OK, WITHIN_INTERVAL)
 STATUSES = (OK, WITHIN_INTERVAL, NO_ESTIMATE, TOO_FEW_STEPS, UNBOUNDED, TOO_WIDE, TOWARD_INTERVAL,
-            NOT_CALIBRATED)
+            NOT_CALIBRATED, PARTIAL_COVERAGE)
 
 # Float fields whose ``null`` in JSON means "unbounded" (``inf``), unless nothing was measured (``nan``).
 _UNBOUNDED_FIELDS = {

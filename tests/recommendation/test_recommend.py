@@ -162,6 +162,18 @@ def test_untrusted_interval_keeps_current_batch_and_says_why(kw, status, words):
     assert_consistent(r)
 
 
+@pytest.mark.parametrize("coverage, status", [(0.058, "partial_coverage"), (0.89, "partial_coverage"), (0.9, "ok")])
+def test_an_estimate_of_too_few_parameters_keeps_the_batch_and_says_how_to_measure_the_rest(coverage, status):
+    """A resolved B_simple of 200 from batch 8 would move to 200, unless it measured under 90% of the parameters."""
+    r = rec_for(200.0, coverage=coverage)
+    assert r.status == status
+    if status == "partial_coverage":
+        assert r.batch_size == 8 and not r.changed and r.learning_rate == 0.1
+        assert f"{coverage:.1%} of the trainable parameters" in r.reason and "method='micro_batch'" in r.reason
+    else:
+        assert r.batch_size == 200
+
+
 @pytest.mark.parametrize(
     "current, lo, hi, expected",
     [

@@ -3,7 +3,7 @@ the Linear only (5.8% of the parameters), and nothing was printed. ``auto`` now 
 covers every parameter) when per-example norms would cover less than ``MIN_COVERAGE`` (90%) and the run has
 several micro-batches; otherwise it measures the covered share and says so: a warning at fit start with the
 fraction, a line in the fit-end summary, and ``coverage`` in the report. The value is then exactly the noise scale
-of the covered parameters."""
+of the covered parameters, and no batch size is recommended from it (status ``partial_coverage``)."""
 
 import json
 
@@ -53,3 +53,6 @@ def test_one_micro_batch_measures_the_covered_share_and_says_so(digits, exact_gn
     covered = LstmClassifier()
     covered.lstm.requires_grad_(False)  # the exact noise scale of the head's parameters alone
     assert_matches_exact(callback.run_estimate, exact_gns(covered, F.cross_entropy, *digits)[0])
+    # ... which is not the model's: no batch size is recommended from it (the current one is kept, with the fix)
+    assert callback.recommendation.status == "partial_coverage" and not callback.recommendation.changed
+    assert "5.8% of the trainable parameters" in callback.recommendation.reason
