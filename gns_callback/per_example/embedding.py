@@ -45,7 +45,7 @@ def shared_table_reason(tokens: Tensor) -> str | None:
             "a batch dimension (e.g. positions.expand(batch_size, -1))")
 
 
-def _without_padding(module: nn.Embedding, tokens: Tensor, grads: Tensor) -> Tensor:
+def without_padding(module: nn.Embedding, tokens: Tensor, grads: Tensor) -> Tensor:
     """``grads`` (``tokens``' shape plus the embedding dim) with the ``padding_idx`` positions zeroed: that row
     receives no gradient."""
     if module.padding_idx is None:
@@ -78,7 +78,7 @@ def embedding_sq_norms(
         return grads.new_zeros(batch_size)
     tokens = inp.reshape(batch_size, -1)
     grads = grads.reshape(batch_size, tokens.shape[1], module.embedding_dim)
-    grads = _without_padding(module, tokens, grads)
+    grads = without_padding(module, tokens, grads)
 
     sorted_tokens, order = tokens.sort(dim=1)
     starts_new_token = torch.ones_like(sorted_tokens, dtype=torch.bool)
@@ -107,5 +107,5 @@ def embedding_summed_grads(
     (grads,) = upcast(grad_output)
     tokens = inp.reshape(-1)
     rows = grads.reshape(tokens.shape[0], module.embedding_dim)
-    rows = _without_padding(module, tokens, rows)
+    rows = without_padding(module, tokens, rows)
     return {"weight": rows.new_zeros(module.num_embeddings, module.embedding_dim).index_add_(0, tokens, rows)}

@@ -24,6 +24,7 @@ from .cost import ACCELERATOR_LAUNCH_COST, COSTS, CostFunction, subset_is_cheape
 from .embedding import embedding_sq_norms, embedding_summed_grads, embedding_unsupported_reason, shared_table_reason
 from .layout import LayoutError, batch_dim, is_sequence_first, position_dims
 from .linear import linear_sq_norms, linear_summed_grads
+from .tied import cross_term, logits_at_tokens, tied_pair
 from .normalization import (
     group_norm_sq_norms,
     group_norm_summed_grads,
@@ -92,6 +93,10 @@ class PassNorms:
     source: str = ""
     fired: set = field(default_factory=set)
     failure: str | None = None  # why this pass can't be measured (matters only if it fills ``.grad``)
+    #: Tied tables (:mod:`.tied`) whose Linear side came first: embedding → ``u``, the logits at its tokens.
+    tied_logits: dict = field(default_factory=dict)
+    #: ... whose embedding side came first: embedding → (tokens, output gradient).
+    tied_lookups: dict = field(default_factory=dict)
 
     def add(self, sq_norms: Tensor) -> None:
         self.sq_norms = sq_norms if self.sq_norms is None else self.sq_norms + sq_norms
@@ -125,9 +130,10 @@ class PerExampleNormTracker:
     rescaling is the caller's job.
 
     Supported layers are listed in :data:`SUPPORTED_MODULES`. A trainable parameter is *covered*
-    when it belongs to exactly one supported module; parameters of other modules, parameters shared
-    between modules (tied weights) and embeddings with unsupported options are left out and listed in
-    :attr:`excluded_reasons`.
+    when it belongs to exactly one supported module, or is the ``weight`` tied between one ``nn.Embedding`` and
+    one ``nn.Linear`` (a language model's input and output embeddings, :mod:`.tied`; a subset of the examples is
+    then never measured); parameters of other modules, other parameters shared between modules and embeddings
+    with unsupported options are left out and listed in :attr:`excluded_reasons`.
 
     Errors are raised (from :meth:`pop_passes`; hooks never raise inside ``backward``) instead of returning
     wrong numbers when a covered module's output gradient arrives twice in one backward pass (the module was
@@ -144,7 +150,7 @@ class PerExampleNormTracker:
     return immediately. Coverage is decided at :meth:`attach`; re-attach after changing
     ``requires_grad``. Known blind spot: a parameter used *both* by its module and functionally
     elsewhere (e.g. ``logits = h @ embedding.weight.T``) is not detected; tie weights by sharing the
-    Parameter between modules instead, which is detected.
+    Parameter between an Embedding and a Linear instead, which is measured.
     """
 
     def __init__(self, model: nn.Module, max_examples: int | None = None) -> None:
@@ -184,6 +190,8 @@ class PerExampleNormTracker:
 
         self.excluded_reasons = {}
         self._shared_tables = {}
+        self._tied: dict[nn.Module, nn.Module] = {}  # embedding ↔ Linear sharing one table (both directions)
+        self._tied_tokens: dict[nn.Module, Tensor] = {}  # a tied embedding's input in its latest forward
         self._sequence_first = is_sequence_first(self.model)
         self._covered_modules = {}
         self._covered_params = []
@@ -195,6 +203,13 @@ class PerExampleNormTracker:
             entries = owners[id(param)]
             distinct_modules = {id(module): module for _, module, _ in entries}
             reason = None
+            pair = tied_pair(list({id(m): (m, n) for _, m, n in entries}.values()))
+            if pair is not None:
+                self._tied.update({pair[0]: pair[1], pair[1]: pair[0]})
+                self._covered_params.append((param_name, param))
+                for module_name, module, local_name in entries:
+                    covered_names.setdefault(module, (module_name, set()))[1].add(local_name)
+                continue
             if len(distinct_modules) > 1:
                 aliases = ", ".join(_qualified(m, n) for m, _, n in entries)
                 reason = (
@@ -257,12 +272,17 @@ class PerExampleNormTracker:
         """(Re-)decide coverage and register the hooks. Returns ``self``."""
         self.detach()
         self._analyse()
+        hooked: set[int] = set()
         for module, covered in self._covered_modules.items():
             self._handles.append(module.register_forward_hook(self._on_forward, with_kwargs=True))
             for local_name in sorted(covered.param_names):
                 param = getattr(module, local_name)
+                if id(param) in hooked:
+                    continue  # a tied table: one hook, for both of its modules
+                hooked.add(id(param))
+                owners = (module, self._tied[module]) if module in self._tied and local_name == "weight" else (module,)
                 qualified = _qualified(covered.name, local_name)
-                self._handles.append(param.register_hook(partial(self._on_param_grad, module, qualified)))
+                self._handles.append(param.register_hook(partial(self._on_param_grad, owners, qualified)))
         self._passes.watch(self.covered_parameters())
         self._attached = True
         self._reset_state()
@@ -349,6 +369,8 @@ class PerExampleNormTracker:
         if not isinstance(inp, Tensor) or self._left_out(module, inp):
             return
         self._saw_tracked_forward = True
+        if isinstance(module, nn.Embedding) and module in self._tied:
+            self._tied_tokens[module] = inp.detach()
         # The hook lives on the output's autograd node, so the saved input is freed with the graph.
         output.register_hook(partial(self._on_output_grad, module, inp.detach()))
         covered = self._covered_modules.get(module)
@@ -397,6 +419,33 @@ class PerExampleNormTracker:
                                    f"module '{covered.name}' ({type(module).__name__}): {error}; {_MICRO_BATCH_HINT}.")
         if self._check_batch_size(record, grad_output.shape[0], covered.name):
             self._measure(record, module, covered, inp, grad_output)
+            if module in self._tied:
+                self._add_cross_term(record, module, inp, grad_output)
+
+    def _add_cross_term(self, record: PassNorms, module: nn.Module, inp: Tensor, grad_output: Tensor) -> None:
+        """A tied table's ``2⟨E_i, H_i⟩`` (:mod:`.tied`), once both of its modules' gradients have arrived."""
+        with torch.no_grad():
+            if isinstance(module, nn.Embedding):
+                logits = record.tied_logits.pop(module, None)
+                if logits is None:
+                    record.tied_lookups[module] = (inp, grad_output)
+                else:
+                    record.add(cross_term(module, inp, grad_output, logits).float())
+                return
+            embedding = self._tied[module]
+            lookup = record.tied_lookups.pop(embedding, None)
+            if lookup is not None:
+                tokens, lookup_grad = lookup
+                record.add(cross_term(embedding, tokens, lookup_grad, logits_at_tokens(tokens, inp, grad_output)).float())
+                return
+            tokens = self._tied_tokens.get(embedding)
+            if tokens is None:
+                return  # the table was not looked up in this forward: no cross term
+            if tokens.shape[0] != grad_output.shape[0]:
+                return self._fail_pass(record, f"the table tied between '{self._covered_modules[embedding].name}' and "
+                                       f"'{self._covered_modules[module].name}' was looked up with tokens of shape "
+                                       f"{tuple(tokens.shape)}, not batch-first; {_MICRO_BATCH_HINT}.")
+            record.tied_logits[embedding] = logits_at_tokens(tokens, inp, grad_output)
 
     def _left_out(self, module: nn.Module, inp: Tensor) -> bool:
         """Whether ``module`` is no longer measured: an embedding found, at its first forward, to be a position table
@@ -405,7 +454,7 @@ class PerExampleNormTracker:
         backward fails the pass with the reason and the fix)."""
         if module not in self._covered_modules:
             return True
-        if isinstance(module, nn.Embedding) and module not in self._shared_tables:
+        if isinstance(module, nn.Embedding) and module not in self._shared_tables and module not in self._tied:
             reason = self._shared_table(module, inp)
             if reason is not None and self._coverage_without(module) >= MIN_COVERAGE:
                 self._exclude(module, reason)
@@ -460,18 +509,19 @@ class PerExampleNormTracker:
         layers seen in the forward passes since the last decision say it is cheaper (:mod:`.cost`)."""
         if record.subset is None:
             costs, self._forward_costs = self._forward_costs, []
-            record.subset = (self.max_examples is not None and batch_size > self.max_examples
+            record.subset = (self.max_examples is not None and batch_size > self.max_examples and not self._tied
                              and subset_is_cheaper(costs, batch_size, self.max_examples, self._forward_launch_cost))
         return record.subset
 
-    def _on_param_grad(self, module: nn.Module, param_name: str, grad: Tensor) -> None:
-        if not self._active() or not self._saw_tracked_forward or module not in self._covered_modules:
+    def _on_param_grad(self, modules: tuple[nn.Module, ...], param_name: str, grad: Tensor) -> None:
+        """``modules``: the parameter's module, or both modules of a tied table."""
+        if not self._active() or not self._saw_tracked_forward or not any(m in self._covered_modules for m in modules):
             return
         record = self._pass_record()
         if param_name in record.subset_grads:
             with torch.no_grad():
                 record.add_unmeasured(param_name, grad)
-        if record.failure is None and module not in record.fired:
+        if record.failure is None and not any(m in record.fired for m in modules):
             self._fail_pass(record,
                 f"parameter '{param_name}' received a gradient that did not flow through its module's output: "
                 "it is used outside the module's forward (e.g. F.linear(x, module.weight), or a positional "

@@ -210,33 +210,76 @@ def test_no_grad_forward_is_ignored() -> None:
         assert tracker.pop() is None
 
 
-def test_tied_weights_are_excluded_with_reason() -> None:
-    class TiedModel(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embedding = nn.Embedding(9, 4)
-            self.mixer = nn.Linear(4, 4)
-            self.decoder = nn.Linear(4, 9)
-            self.decoder.weight = self.embedding.weight
+class TiedModel(nn.Module):
+    """A language model's tied input and output embeddings (``decoder.weight = embedding.weight``). ``pool``: the
+    head sees one vector per example (2-D input) instead of every position; ``padding_idx``: token 0 pads."""
 
-        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-            return self.decoder(self.mixer(self.embedding(tokens)))
+    def __init__(self, pool: bool = False, padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(9, 4, padding_idx=padding_idx)
+        self.mixer = nn.Linear(4, 4)
+        self.decoder = nn.Linear(4, 9)
+        self.decoder.weight = self.embedding.weight
+        self.pool = pool
 
-    model = TiedModel().double()
-    tracker = PerExampleNormTracker(model)
-    assert set(tracker.excluded_reasons) == {"embedding.weight"}
-    reason = tracker.excluded_reasons["embedding.weight"]
-    assert "embedding.weight" in reason and "decoder.weight" in reason
-    assert covered_names(model, tracker) == {"mixer.weight", "mixer.bias", "decoder.bias"}
-    assert tracker.coverage_fraction() == pytest.approx((16 + 4 + 9) / (36 + 16 + 4 + 9))
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.mixer(self.embedding(tokens)))
+        return self.decoder(h.mean(1) if self.pool else h)
 
+
+class HeadFirst(nn.Module):
+    """The tied Linear runs before the lookup in the forward, so the embedding's gradient arrives first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding, self.decoder, self.mix = nn.Embedding(9, 4), nn.Linear(4, 9, bias=False), nn.Linear(4, 9)
+        self.decoder.weight = self.embedding.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = self.decoder(tokens[:, :4].to(self.decoder.weight.dtype) / 9.0)
+        return logits + self.mix(self.embedding(tokens).mean(1))
+
+
+@pytest.mark.parametrize("model", [TiedModel(), TiedModel(pool=True), TiedModel(padding_idx=0), HeadFirst()],
+                         ids=["per-position head", "pooled head", "padding_idx", "head first"])
+def test_a_table_tied_between_an_embedding_and_a_linear_is_measured_exactly(model: nn.Module) -> None:
+    """The tied table's per-example gradient is the sum of both uses: its norm is each use's plus twice their
+    inner product (:mod:`gns_callback.per_example.tied`), against torch.func over every parameter."""
+    torch.manual_seed(0)
+    model = model.double()
+    tracker = PerExampleNormTracker(model, max_examples=2)  # a subset is never measured with a tied table
+    assert tracker.excluded_reasons == {} and tracker.coverage_fraction() == 1.0
     tokens = torch.randint(9, (BATCH, 5))
-    weights = torch.randn(BATCH, 5, 9, dtype=torch.float64)
+    weights = torch.randn_like(model(tokens))
     with tracker:
-        assert model.embedding._forward_hooks == {}
         run_backward(model, tokens, weights)
         got = tracker.pop()
-    torch.testing.assert_close(got, expected_sq_norms(model, tracker, tokens, weights), rtol=1e-4, atol=0)
+    expected = per_example_sq_norms_reference(model, tokens, weights)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=0)
+
+
+def test_a_table_shared_by_two_linears_is_excluded_with_reason() -> None:
+    class SharedLinear(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+            self.second.weight = self.first.weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.second(torch.tanh(self.first(x)))
+
+    model = SharedLinear().double()
+    tracker = PerExampleNormTracker(model)
+    assert set(tracker.excluded_reasons) == {"first.weight"}
+    reason = tracker.excluded_reasons["first.weight"]
+    assert "first.weight" in reason and "second.weight" in reason
+    assert covered_names(model, tracker) == {"first.bias", "second.bias"}
+    inputs = torch.randn(BATCH, 4, dtype=torch.float64)
+    weights = torch.randn(BATCH, 4, dtype=torch.float64)
+    with tracker:
+        run_backward(model, inputs, weights)
+        got = tracker.pop()
+    torch.testing.assert_close(got, expected_sq_norms(model, tracker, inputs, weights), rtol=1e-4, atol=0)
 
 
 def test_module_registered_under_two_names_is_covered_once() -> None:

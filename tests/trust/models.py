@@ -131,3 +131,22 @@ def exact_b_simple_of_loss(loss_of_one, net: nn.Module, x: torch.Tensor, y: torc
         g = vmap(grad(loss_of_one), in_dims=(None, 0, 0))(params, x[start:start + chunk], y[start:start + chunk])
         rows.append(torch.cat([v.reshape(v.shape[0], -1) for v in g.values()], dim=1))
     return exact_noise_scale(torch.cat(rows).double())
+
+
+class TiedLanguageModel(nn.Module):
+    """GPT-style tied embeddings: ``head.weight = tokens.weight`` (one (17, 8) table looks tokens up and produces
+    per-position logits), an MLP block with LayerNorm between them, the logits mean-pooled into a classifier."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.tokens, self.norm = nn.Embedding(17, 8), nn.LayerNorm(8)
+        self.up, self.down = nn.Linear(8, 32), nn.Linear(32, 8)
+        self.head = nn.Linear(8, 17, bias=False)
+        self.head.weight = self.tokens.weight
+        self.classify = nn.Linear(17, 10)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tokens(tokens)
+        h = h + self.down(torch.tanh(self.up(self.norm(h))))
+        return self.classify(self.head(h).mean(1))
