@@ -441,10 +441,17 @@ class PerExampleNormTracker:
             tokens = self._tied_tokens.get(embedding)
             if tokens is None:
                 return  # the table was not looked up in this forward: no cross term
+            try:  # the layout rule of the embedding's own hook (:mod:`.layout`)
+                if batch_dim(tokens.shape, position_dims(embedding, tokens), self.expected_batch_size,
+                             self._sequence_first) == 1:
+                    tokens = tokens.movedim(1, 0)
+            except LayoutError as error:
+                return self._fail_pass(record, f"module '{self._covered_modules[embedding].name}' (Embedding, tied to "
+                                               f"'{self._covered_modules[module].name}'): {error}; {_MICRO_BATCH_HINT}.")
             if tokens.shape[0] != grad_output.shape[0]:
                 return self._fail_pass(record, f"the table tied between '{self._covered_modules[embedding].name}' and "
-                                       f"'{self._covered_modules[module].name}' was looked up with tokens of shape "
-                                       f"{tuple(tokens.shape)}, not batch-first; {_MICRO_BATCH_HINT}.")
+                                       f"'{self._covered_modules[module].name}' was looked up for {tokens.shape[0]} "
+                                       f"examples, its head saw {grad_output.shape[0]}; {_MICRO_BATCH_HINT}.")
             record.tied_logits[embedding] = logits_at_tokens(tokens, inp, grad_output)
 
     def _left_out(self, module: nn.Module, inp: Tensor) -> bool:

@@ -549,3 +549,34 @@ def test_a_shared_position_table_is_left_out_of_both_norms_when_the_rest_keeps_t
     assert tracker.pop_passes()[0].sq_norms.shape == (batch,)
     tracker.attach()  # re-attaching decides coverage afresh, the table included until its next forward
     assert len(tracker.covered_parameters()) == 4
+
+
+class SequenceFirstTied(nn.Module):
+    """A tied table in a sequence-first model: tokens (T, B), every activation (T, B, ·)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding, self.mixer, self.decoder = nn.Embedding(9, 4), nn.Linear(4, 4), nn.Linear(4, 9)
+        self.decoder.weight = self.embedding.weight
+        self.marker = nn.Module()
+        self.marker.batch_first = False  # what nn.TransformerEncoderLayer() declares by default
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.decoder(torch.tanh(self.mixer(self.embedding(tokens))))
+
+
+def test_a_tied_table_in_a_sequence_first_model_is_measured_exactly() -> None:
+    """Batch 5 in dim 1 of tokens (T = 6); reference: each example's gradient by its own backward pass."""
+    torch.manual_seed(0)
+    model = SequenceFirstTied().double()
+    tokens, weights = torch.randint(9, (6, 5)), torch.randn(6, 5, 9, dtype=torch.float64)
+    tracker = PerExampleNormTracker(model).attach()
+    tracker.expected_batch_size = 5
+    (model(tokens) * weights).sum().backward()
+    got = tracker.pop().double()
+    tracker.detach()
+    expected = []
+    for i in range(5):
+        grads = torch.autograd.grad((model(tokens[:, i:i + 1]) * weights[:, i:i + 1]).sum(), list(model.parameters()))
+        expected.append(sum(g.pow(2).sum() for g in grads))
+    torch.testing.assert_close(got, torch.stack(expected), rtol=1e-6, atol=0)
