@@ -21,6 +21,8 @@ from typing import Optional
 
 from torch import Tensor, nn
 
+from .transposed_linear import TransposedLinear, layer_kind
+
 __all__ = ["LayoutError", "batch_dim", "is_sequence_first", "position_dims"]
 
 
@@ -30,8 +32,9 @@ class LayoutError(ValueError):
 
 #: How many leading dims of a module's input index examples and positions (the rest are its features). A
 #: channels-first layer (convolution, GroupNorm) has only dim 0 for the batch.
-_POSITION_DIMS: dict[type[nn.Module], Callable[[nn.Module, Tensor], int]] = {
+_POSITION_DIMS: dict[type, Callable[[nn.Module, Tensor], int]] = {
     nn.Linear: lambda module, inp: inp.dim() - 1,
+    TransposedLinear: lambda module, inp: inp.dim() - 1,
     nn.Embedding: lambda module, inp: inp.dim(),
     nn.LayerNorm: lambda module, inp: inp.dim() - len(module.normalized_shape),
     nn.RMSNorm: lambda module, inp: inp.dim() - len(module.normalized_shape),
@@ -40,7 +43,7 @@ _POSITION_DIMS: dict[type[nn.Module], Callable[[nn.Module, Tensor], int]] = {
 
 def position_dims(module: nn.Module, inp: Tensor) -> int:
     """Leading dims of ``inp`` that are batch or sequence dims for ``module`` (1 for channels-first layers)."""
-    rule = _POSITION_DIMS.get(type(module))
+    rule = _POSITION_DIMS.get(layer_kind(module))
     return rule(module, inp) if rule is not None else 1
 
 

@@ -25,6 +25,7 @@ from .embedding import embedding_sq_norms, embedding_summed_grads, embedding_uns
 from .layout import LayoutError, batch_dim, is_sequence_first, position_dims
 from .linear import linear_sq_norms, linear_summed_grads
 from .tied import cross_term, logits_at_tokens, tied_pair
+from .transposed_linear import TransposedLinear, layer_kind, transposed_linear_costs, transposed_linear_summed_grads
 from .normalization import (
     group_norm_sq_norms,
     group_norm_summed_grads,
@@ -39,10 +40,12 @@ __all__ = ["SUPPORTED_MODULES", "PerExampleNormTracker"]
 SqNormFunction = Callable[..., Tensor]
 SummedGradFunction = Callable[..., dict[str, Tensor]]
 
-#: Exact module types handled. Subclasses are deliberately not matched: a subclass may override
-#: ``forward`` so that the gradient w.r.t. its output is no longer the gradient w.r.t. the base op.
-SUPPORTED_MODULES: dict[type[nn.Module], SqNormFunction] = {
+#: Exact module types handled (keys: :func:`~.transposed_linear.layer_kind`). Subclasses are deliberately not
+#: matched: a subclass may override ``forward`` so that the gradient w.r.t. its output is no longer the gradient
+#: w.r.t. the base op.
+SUPPORTED_MODULES: dict[type, SqNormFunction] = {
     nn.Linear: linear_sq_norms,
+    TransposedLinear: linear_sq_norms,  # transformers' Conv1D: the same norms as the Linear it transposes
     nn.Conv1d: conv_sq_norms,
     nn.Conv2d: conv_sq_norms,
     nn.Embedding: embedding_sq_norms,
@@ -53,8 +56,9 @@ SUPPORTED_MODULES: dict[type[nn.Module], SqNormFunction] = {
 
 #: Per supported type, the gradient a subset of the batch's examples contributes (``max_examples`` below the batch
 #: size): with it, the unmeasured examples' summed gradient is the pass's gradient minus the subset's.
-SUMMED_GRADIENTS: dict[type[nn.Module], SummedGradFunction] = {
+SUMMED_GRADIENTS: dict[type, SummedGradFunction] = {
     nn.Linear: linear_summed_grads,
+    TransposedLinear: transposed_linear_summed_grads,
     nn.Conv1d: conv_summed_grads,
     nn.Conv2d: conv_summed_grads,
     nn.Embedding: embedding_summed_grads,
@@ -62,6 +66,8 @@ SUMMED_GRADIENTS: dict[type[nn.Module], SummedGradFunction] = {
     nn.GroupNorm: group_norm_summed_grads,
     nn.RMSNorm: rms_norm_summed_grads,
 }
+
+_COSTS: dict[type, CostFunction] = {**COSTS, TransposedLinear: transposed_linear_costs}
 
 #: The layer functions measure exactly these parameters of a supported module.
 _MEASURED_PARAM_NAMES = frozenset({"weight", "bias"})
@@ -218,7 +224,7 @@ class PerExampleNormTracker:
                 )
             else:
                 module_name, module, local_name = entries[0]
-                if type(module) not in SUPPORTED_MODULES:
+                if layer_kind(module) not in SUPPORTED_MODULES:
                     reason = f"unsupported module type {type(module).__name__}"
                 elif local_name not in _MEASURED_PARAM_NAMES:
                     reason = f"extra parameter '{local_name}' on {type(module).__name__} is not measured"
@@ -235,9 +241,9 @@ class PerExampleNormTracker:
             self._covered_modules[module] = _CoveredModule(
                 name=module_name or type(module).__name__,
                 param_names=frozenset(local_names),
-                sq_norms=SUPPORTED_MODULES[type(module)],
-                summed_grads=SUMMED_GRADIENTS[type(module)],
-                cost=COSTS[type(module)],
+                sq_norms=SUPPORTED_MODULES[layer_kind(module)],
+                summed_grads=SUMMED_GRADIENTS[layer_kind(module)],
+                cost=_COSTS[layer_kind(module)],
                 param_count=sum(getattr(module, name).numel() for name in local_names),
             )
 
