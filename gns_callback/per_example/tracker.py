@@ -432,33 +432,52 @@ class PerExampleNormTracker:
         """A tied table's ``2⟨E_i, H_i⟩`` (:mod:`.tied`), once both of its modules' gradients have arrived."""
         with torch.no_grad():
             if isinstance(module, nn.Embedding):
-                logits = record.tied_logits.pop(module, None)
-                if logits is None:
-                    record.tied_lookups[module] = (inp, grad_output)
-                else:
-                    record.add(cross_term(module, inp, grad_output, logits).float())
-                return
-            embedding = self._tied[module]
-            lookup = record.tied_lookups.pop(embedding, None)
-            if lookup is not None:
-                tokens, lookup_grad = lookup
-                record.add(cross_term(embedding, tokens, lookup_grad, logits_at_tokens(tokens, inp, grad_output)).float())
-                return
-            tokens = self._tied_tokens.get(embedding)
-            if tokens is None:
-                return  # the table was not looked up in this forward: no cross term
-            try:  # the layout rule of the embedding's own hook (:mod:`.layout`)
-                if batch_dim(tokens.shape, position_dims(embedding, tokens), self.expected_batch_size,
-                             self._sequence_first) == 1:
-                    tokens = tokens.movedim(1, 0)
-            except LayoutError as error:
-                return self._fail_pass(record, f"module '{self._covered_modules[embedding].name}' (Embedding, tied to "
-                                               f"'{self._covered_modules[module].name}'): {error}; {_MICRO_BATCH_HINT}.")
-            if tokens.shape[0] != grad_output.shape[0]:
-                return self._fail_pass(record, f"the table tied between '{self._covered_modules[embedding].name}' and "
-                                       f"'{self._covered_modules[module].name}' was looked up for {tokens.shape[0]} "
-                                       f"examples, its head saw {grad_output.shape[0]}; {_MICRO_BATCH_HINT}.")
+                self._cross_at_lookup(record, module, inp, grad_output)
+            else:
+                self._cross_at_head(record, module, inp, grad_output)
+
+    def _cross_at_lookup(self, record: PassNorms, embedding: nn.Module, tokens: Tensor, grad_output: Tensor) -> None:
+        """The embedding's side: finish the cross term if the head's came first, else wait for it."""
+        logits = record.tied_logits.pop(embedding, None)
+        if logits is None:
+            record.tied_lookups[embedding] = (tokens, grad_output)
+        else:
+            record.add(cross_term(embedding, tokens, grad_output, logits).float())
+
+    def _cross_at_head(self, record: PassNorms, head: nn.Module, inp: Tensor, grad_output: Tensor) -> None:
+        """The Linear's side: finish the cross term if the lookup's came first, else read the logits' gradient at
+        the tokens of the lookup's forward, for the embedding's side to finish."""
+        embedding = self._tied[head]
+        lookup = record.tied_lookups.pop(embedding, None)
+        if lookup is not None:
+            tokens, lookup_grad = lookup
+            record.add(cross_term(embedding, tokens, lookup_grad, logits_at_tokens(tokens, inp, grad_output)).float())
+            return
+        tokens = self._batch_first_tokens(record, embedding, head, grad_output.shape[0])
+        if tokens is not None:
             record.tied_logits[embedding] = logits_at_tokens(tokens, inp, grad_output)
+
+    def _batch_first_tokens(self, record: PassNorms, embedding: nn.Module, head: nn.Module,
+                            batch: int) -> Optional[Tensor]:
+        """The tied embedding's tokens in its latest forward, batch first (the layout rule of its own hook,
+        :mod:`.layout`); None if it was not looked up, or when they can't be matched to the head's batch (the pass
+        then fails with the reason)."""
+        tokens = self._tied_tokens.get(embedding)
+        if tokens is None:
+            return None  # the table was not looked up in this forward: no cross term
+        names = f"'{self._covered_modules[embedding].name}' (Embedding, tied to '{self._covered_modules[head].name}')"
+        try:
+            if batch_dim(tokens.shape, position_dims(embedding, tokens), self.expected_batch_size,
+                         self._sequence_first) == 1:
+                tokens = tokens.movedim(1, 0)
+        except LayoutError as error:
+            self._fail_pass(record, f"module {names}: {error}; {_MICRO_BATCH_HINT}.")
+            return None
+        if tokens.shape[0] != batch:
+            self._fail_pass(record, f"module {names} looked up {tokens.shape[0]} examples, its head saw {batch}; "
+                                    f"{_MICRO_BATCH_HINT}.")
+            return None
+        return tokens
 
     def _left_out(self, module: nn.Module, inp: Tensor) -> bool:
         """Whether ``module`` is no longer measured: an embedding found, at its first forward, to be a position table
