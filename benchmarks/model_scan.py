@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """The callback at its defaults on model types its tests were not written for, against the exact value.
 
-    python benchmarks/model_scan.py [--seeds 5] [--steps 150]
+    python benchmarks/model_scan.py [--seeds 5] [--steps 150] [--only GPT2]
 
-Each model is held at its initial parameters (SGD with lr 0, so every step samples one distribution) and fitted in
+With ``transformers`` installed, Hugging Face's ``GPT2LMHeadModel`` (tiny) is scanned too. Each model is held at its
+initial parameters (SGD with lr 0, so every step samples one distribution) and fitted in
 Lightning for ``--steps`` optimizer steps at batch 32, one micro-batch per step, batches of scikit-learn's digits
 drawn with replacement (``--seeds`` data orders). Tokens are the 64 pixel intensities (0..16) of each image; the
 label is the digit. Exact = ``gns_callback.exact`` over all 1797 examples, for every trainable parameter and for
@@ -88,10 +89,33 @@ class Conv1dNet(nn.Module):
         return self.head(F.relu(self.norm(self.conv(x.unsqueeze(1)))).flatten(1))
 
 
+class HuggingFaceGpt2(nn.Module):
+    """``transformers``' ``GPT2LMHeadModel`` (2 layers, width 32, vocabulary 17, dropout off), its logits mean-pooled
+    over positions; the first 10 vocabulary entries are the class logits. Only where ``transformers`` is installed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        config = transformers.GPT2Config(vocab_size=17, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                         attn_implementation="eager")
+        self.gpt = transformers.GPT2LMHeadModel(config)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.gpt(input_ids=tokens).logits.mean(1)[:, :10]
+
+
 MODELS: dict[str, tuple[Callable[[], nn.Module], bool]] = {  # name → (model, reads tokens)
     "LSTM": (LstmNet, True), "nn.TransformerEncoderLayer": (EncoderNet, True),
     "GPT-style (arange positions, tied head)": (GptStyle, True), "Conv1d + GroupNorm": (Conv1dNet, False),
 }
+try:
+    import transformers  # noqa: F401  (optional: not a dependency of the package)
+
+    MODELS["Hugging Face GPT2LMHeadModel"] = (HuggingFaceGpt2, True)
+except ImportError:
+    pass
 
 
 class Frozen(pl.LightningModule):
@@ -133,6 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--only", help="only the models whose name contains this (e.g. GPT2)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     for logger in ("pytorch_lightning", "lightning", "lightning.pytorch", "lightning_fabric"):
@@ -144,6 +169,8 @@ def main(argv: list[str] | None = None) -> None:
     print("| model | seed | run average [95%] | exact, covered | exact, whole model | holds | coverage | method "
           "| recommendation |\n|---|---|---|---|---|---|---|---|---|")
     for name, (make, reads_tokens) in MODELS.items():
+        if args.only and args.only not in name:
+            continue
         x = tokens if reads_tokens else pixels
         for seed in range(args.seeds):
             net, callback, covered = fit(make, x, y, seed, args.steps)
