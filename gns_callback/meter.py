@@ -176,6 +176,10 @@ class GradientNoiseScaleMeter:
     @enabled.setter
     def enabled(self, value: bool) -> None:
         self._enabled = bool(value)
+        self._set_hooks()
+
+    def _set_hooks(self) -> None:
+        """The collector records only when enabled and on a step the meter measures."""
         self.collector.enabled = self._enabled and self.measures_next_step
 
     @property
@@ -186,7 +190,7 @@ class GradientNoiseScaleMeter:
     def _rest_or_resume(self) -> None:
         """Count a step, and set the hooks for the next one (recording only on the steps measured)."""
         self.steps_offered += 1
-        self.enabled = self._enabled
+        self._set_hooks()
 
     def expect_batch_size(self, size: Optional[int]) -> None:
         """The number of examples in the micro-batch whose forward pass runs next (None: unknown).
@@ -271,7 +275,7 @@ class GradientNoiseScaleMeter:
             self.losses_given = bool(state.get("losses_given"))
         self.steps_seen = int(state["steps_seen"])
         self.steps_offered = int(state.get("steps_offered", self.steps_seen))
-        self.enabled = self._enabled  # the duty cycle's phase at the resumed step
+        self._set_hooks()  # the duty cycle's phase at the resumed step
         self.failure = state.get("failure")
         self.switched_from = state.get("switched_from")
 
@@ -426,10 +430,9 @@ class GradientNoiseScaleMeter:
             f"restarts from the next step), because the per-step check found: {reason}",
             stacklevel=4,
         )
-        enabled = self.enabled
         self.collector.detach()
         self.collector = COLLECTORS[method](self.model, max_examples=self.per_example_max_examples)
-        self.enabled = enabled
+        self._set_hooks()  # the new collector takes the pause and the duty cycle as they are
         if self._attached:
             self.collector.attach()
         self.switched_from, self.method, self.fallback_method = self.method, method, None

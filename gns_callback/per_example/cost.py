@@ -21,6 +21,7 @@ from typing import Callable
 from torch import Tensor, nn
 
 from .linear import sequence_norm_costs
+from .transposed_linear import TransposedLinear
 
 #: ``(norm cost, summed-gradient cost)`` of one example, from the module, its input and output, and the batch size.
 CostFunction = Callable[[nn.Module, Tensor, Tensor, int], tuple[float, float]]
@@ -38,6 +39,12 @@ def sequence_costs(positions: float, in_features: float, out_features: float) ->
 def linear_costs(module: nn.Linear, inp: Tensor, output: Tensor, batch: int) -> tuple[float, float]:
     positions = 1.0 if inp.dim() == 2 else inp.numel() / (batch * module.in_features)
     return sequence_costs(positions, module.in_features, module.out_features)
+
+
+def transposed_linear_costs(module: nn.Module, inp: Tensor, output: Tensor, batch: int) -> tuple[float, float]:
+    """As :func:`linear_costs` for ``transformers``' ``Conv1D`` (:mod:`.transposed_linear`): ``nx`` in, ``nf`` out."""
+    positions = 1.0 if inp.dim() == 2 else inp.numel() / (batch * module.nx)
+    return sequence_costs(positions, module.nx, module.nf)
 
 
 def conv_costs(module: nn.Conv1d | nn.Conv2d, inp: Tensor, output: Tensor, batch: int) -> tuple[float, float]:
@@ -58,8 +65,10 @@ ACCELERATOR_LAUNCH_COST = 1e8
 #: unmeasured examples' block (a subtraction and a dot product).
 SUBSET_LAUNCHES_PER_LAYER = 4
 
-COSTS: dict[type[nn.Module], CostFunction] = {
+#: Keyed by :func:`~.transposed_linear.layer_kind`, as the tracker's tables.
+COSTS: dict[type, CostFunction] = {
     nn.Linear: linear_costs,
+    TransposedLinear: transposed_linear_costs,
     nn.Conv1d: conv_costs,
     nn.Conv2d: conv_costs,
     nn.Embedding: elementwise_costs,

@@ -25,7 +25,7 @@ from .embedding import embedding_sq_norms, embedding_summed_grads, embedding_uns
 from .layout import LayoutError, batch_dim, is_sequence_first, position_dims
 from .linear import linear_sq_norms, linear_summed_grads
 from .tied import cross_term, logits_at_tokens, tied_pair
-from .transposed_linear import TransposedLinear, layer_kind, transposed_linear_costs, transposed_linear_summed_grads
+from .transposed_linear import TransposedLinear, layer_kind, transposed_linear_summed_grads
 from .normalization import (
     group_norm_sq_norms,
     group_norm_summed_grads,
@@ -66,8 +66,6 @@ SUMMED_GRADIENTS: dict[type, SummedGradFunction] = {
     nn.GroupNorm: group_norm_summed_grads,
     nn.RMSNorm: rms_norm_summed_grads,
 }
-
-_COSTS: dict[type, CostFunction] = {**COSTS, TransposedLinear: transposed_linear_costs}
 
 #: The layer functions measure exactly these parameters of a supported module.
 _MEASURED_PARAM_NAMES = frozenset({"weight", "bias"})
@@ -238,12 +236,13 @@ class PerExampleNormTracker:
             covered_names.setdefault(module, (module_name, set()))[1].add(local_name)
 
         for module, (module_name, local_names) in covered_names.items():
+            kind = layer_kind(module)
             self._covered_modules[module] = _CoveredModule(
                 name=module_name or type(module).__name__,
                 param_names=frozenset(local_names),
-                sq_norms=SUPPORTED_MODULES[layer_kind(module)],
-                summed_grads=SUMMED_GRADIENTS[layer_kind(module)],
-                cost=_COSTS[layer_kind(module)],
+                sq_norms=SUPPORTED_MODULES[kind],
+                summed_grads=SUMMED_GRADIENTS[kind],
+                cost=COSTS[kind],
                 param_count=sum(getattr(module, name).numel() for name in local_names),
             )
 
@@ -375,10 +374,11 @@ class PerExampleNormTracker:
         if not isinstance(inp, Tensor) or self._left_out(module, inp):
             return
         self._saw_tracked_forward = True
+        saved = inp.detach()
         if isinstance(module, nn.Embedding) and module in self._tied:
-            self._tied_tokens[module] = inp.detach()
+            self._tied_tokens[module] = saved
         # The hook lives on the output's autograd node, so the saved input is freed with the graph.
-        output.register_hook(partial(self._on_output_grad, module, inp.detach()))
+        output.register_hook(partial(self._on_output_grad, module, saved))
         covered = self._covered_modules.get(module)
         if self.max_examples is not None and covered is not None:
             batch = self.expected_batch_size or inp.shape[0]
@@ -493,18 +493,22 @@ class PerExampleNormTracker:
                 return True
         return False
 
+    def _covered_params_of(self, module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        """``(qualified name, parameter)`` of the covered parameters that ``module`` owns."""
+        ids = {id(getattr(module, name)) for name in self._covered_modules[module].param_names}
+        return [(name, p) for name, p in self._covered_params if id(p) in ids]
+
     def _coverage_without(self, module: nn.Module) -> float:
         """:meth:`coverage_fraction` once ``module``'s parameters are left out."""
-        ids = {id(getattr(module, name)) for name in self._covered_modules[module].param_names}
-        left = sum(p.numel() for _, p in self._covered_params if id(p) in ids)
+        left = sum(p.numel() for _, p in self._covered_params_of(module))
         total = sum(p.numel() for _, p in self._covered_params + self._uncovered_params)
         return self.coverage_fraction() - left / total if total else 0.0
 
     def _exclude(self, module: nn.Module, reason: str) -> None:
         """Move ``module``'s parameters from covered to left out (with ``reason``), and say so once."""
+        moved = self._covered_params_of(module)
         covered = self._covered_modules.pop(module)
-        ids = {id(getattr(module, name)) for name in covered.param_names}
-        moved = [(name, p) for name, p in self._covered_params if id(p) in ids]
+        ids = {id(p) for _, p in moved}
         self._covered_params = [(name, p) for name, p in self._covered_params if id(p) not in ids]
         self._uncovered_params += moved
         for name, _ in moved:

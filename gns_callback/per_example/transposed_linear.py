@@ -16,11 +16,9 @@ from collections.abc import Collection
 
 from torch import Tensor, nn
 
-from .cost import sequence_costs
 from .linear import linear_summed_grads
 
-__all__ = ["TransposedLinear", "is_transposed_linear", "layer_kind", "transposed_linear_costs",
-           "transposed_linear_summed_grads"]
+__all__ = ["TransposedLinear", "is_transposed_linear", "layer_kind", "transposed_linear_summed_grads"]
 
 
 class TransposedLinear:
@@ -49,9 +47,3 @@ def transposed_linear_summed_grads(module: nn.Module, inp: Tensor, grad_output: 
     if "weight" in summed:
         summed["weight"] = summed["weight"].t()
     return summed
-
-
-def transposed_linear_costs(module: nn.Module, inp: Tensor, output: Tensor, batch: int) -> tuple[float, float]:
-    """As :func:`~.cost.linear_costs`, with ``nx`` inputs and ``nf`` outputs."""
-    positions = 1.0 if inp.dim() == 2 else inp.numel() / (batch * module.nx)
-    return sequence_costs(positions, module.nx, module.nf)
