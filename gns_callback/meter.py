@@ -352,8 +352,7 @@ class GradientNoiseScaleMeter:
         grads = [p.grad for p in self.collector.measured_parameters() if p.grad is not None]
         subset = self._may_measure_a_subset(window)
         if self.reduce is None and _on_host(grads, loss_scale):
-            step_loss = 1.0 if loss is None else float(loss)
-            values = [*window.packed_values(loss_scale), float(squared_norm_sum(grads)), step_loss, 0.0]
+            values = [*window.packed_values(loss_scale), float(squared_norm_sum(grads)), _host_loss(loss), 0.0]
             return self._apply(values, subset, loss is not None)
         if self.reduce is None:
             return self._measure_later(window, grads, loss_scale, loss, subset)
@@ -503,6 +502,11 @@ class GradientNoiseScaleMeter:
         return self.collector.coverage().to_dict()
 
 
+def _host_loss(loss: Union[torch.Tensor, float, None]) -> float:
+    """The step's loss as a host float (1 when not given, as in :func:`_loss_tensor`)."""
+    return 1.0 if loss is None else float(loss)
+
+
 def _loss_tensor(loss: Union[torch.Tensor, float, None], like: torch.Tensor) -> torch.Tensor:
     """The step's loss as a 0-d float64 tensor on ``like``'s device (1 when not given: a flat loss, so the
     critical batch is the run average)."""
@@ -550,7 +554,7 @@ class _LocalRow:
         squares = len(self.window.device_squares())
         rest = iter(copied[squares:])
         grad_sq = next(rest)
-        loss = next(rest) if isinstance(self.loss, torch.Tensor) else 1.0 if self.loss is None else float(self.loss)
+        loss = next(rest) if isinstance(self.loss, torch.Tensor) else _host_loss(self.loss)
         scale = next(rest) if isinstance(self.scale, torch.Tensor) else self.scale
         return [*self.window.packed_values(scale, copied[:squares]), grad_sq, loss, 0.0]
 
