@@ -49,7 +49,7 @@ class LstmNet(nn.Module):
 
 
 class EncoderNet(nn.Module):
-    """PyTorch's own ``nn.TransformerEncoderLayer`` (its attention projections are used functionally)."""
+    """PyTorch's own ``nn.TransformerEncoderLayer`` (its attention projections are applied functionally)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -59,6 +59,21 @@ class EncoderNet(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.head(self.enc(self.emb(tokens)).mean(1))
+
+
+class DecoderNet(nn.Module):
+    """PyTorch's ``nn.TransformerDecoderLayer`` at its default ``batch_first=False``: self-attention, and
+    cross-attention on a memory of every other position (its key is its value, the query differs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(17, 16)
+        self.dec = nn.TransformerDecoderLayer(16, 2, 32, dropout=0.0)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens).transpose(0, 1)  # (T, B, D)
+        return self.head(self.dec(h, h[::2]).mean(0))
 
 
 class GptStyle(nn.Module):
@@ -108,6 +123,7 @@ class HuggingFaceGpt2(nn.Module):
 
 MODELS: dict[str, tuple[Callable[[], nn.Module], bool]] = {  # name → (model, reads tokens)
     "LSTM": (LstmNet, True), "nn.TransformerEncoderLayer": (EncoderNet, True),
+    "nn.TransformerDecoderLayer (sequence-first)": (DecoderNet, True),
     "GPT-style (arange positions, tied head)": (GptStyle, True), "Conv1d + GroupNorm": (Conv1dNet, False),
 }
 try:

@@ -13,7 +13,7 @@ from collections.abc import Collection
 import torch
 from torch import Tensor, nn
 
-__all__ = ["linear_sq_norms", "linear_summed_grads", "prefers_gram", "sequence_norm_costs", "sequence_sq_norms"]
+__all__ = ["linear_part_sq_norms", "linear_sq_norms", "linear_summed_grads", "prefers_gram", "sequence_norm_costs", "sequence_sq_norms"]
 
 
 def upcast(*tensors: Tensor) -> tuple[Tensor, ...]:
@@ -89,11 +89,16 @@ def linear_sq_norms(
     """
     if inp.dim() < 2:
         raise ValueError(f"Linear input needs a leading batch dimension, got shape {tuple(inp.shape)}")
+    return linear_part_sq_norms(inp, grad_output, includes_param(module, "weight", param_names),
+                                includes_param(module, "bias", param_names))
+
+
+def linear_part_sq_norms(inp: Tensor, grad_output: Tensor, use_weight: bool, use_bias: bool) -> Tensor:
+    """:func:`linear_sq_norms` of a linear map given by its input (B, *, K) and output gradient (B, *, L) alone:
+    the weight's part if ``use_weight``, the bias's if ``use_bias``."""
     activations, grads = upcast(inp, grad_output)
     batch_size = activations.shape[0]
     total = activations.new_zeros(batch_size)
-    use_weight = includes_param(module, "weight", param_names)
-    use_bias = includes_param(module, "bias", param_names)
     if activations.dim() == 2:
         grad_sq = grads.square().sum(dim=1)
         if use_weight:

@@ -19,6 +19,15 @@ from torch.utils.hooks import RemovableHandle
 from gns_callback.backward_passes import PassLedger, current_pass, in_functorch_transform
 from gns_callback.norms import squared_norm
 
+from .attention import (
+    MEASURED_ATTENTION_PARAMS,
+    ProjectionCall,
+    ProjectionCalls,
+    attention_batch_size,
+    attention_query,
+    is_attention,
+    projection_sq_norms,
+)
 from .conv import conv_sq_norms, conv_summed_grads
 from .cost import ACCELERATOR_LAUNCH_COST, COSTS, CostFunction, subset_is_cheaper
 from .embedding import embedding_sq_norms, embedding_summed_grads, embedding_unsupported_reason, shared_table_reason
@@ -67,7 +76,8 @@ SUMMED_GRADIENTS: dict[type, SummedGradFunction] = {
     nn.RMSNorm: rms_norm_summed_grads,
 }
 
-#: The layer functions measure exactly these parameters of a supported module.
+#: The layer functions measure exactly these parameters of a supported module (an ``nn.MultiheadAttention``:
+#: :data:`~.attention.MEASURED_ATTENTION_PARAMS`, its ``out_proj`` included).
 _MEASURED_PARAM_NAMES = frozenset({"weight", "bias"})
 
 #: Under ``method="auto"``, per-example norms are used only if they cover at least this share of the trainable
@@ -113,11 +123,13 @@ class PassNorms:
 
 @dataclass(frozen=True)
 class _CoveredModule:
+    """A measured module; the three functions are None for an ``nn.MultiheadAttention`` (:mod:`.attention`)."""
+
     name: str
     param_names: frozenset[str]
-    sq_norms: SqNormFunction
-    summed_grads: SummedGradFunction
-    cost: CostFunction
+    sq_norms: Optional[SqNormFunction]
+    summed_grads: Optional[SummedGradFunction]
+    cost: Optional[CostFunction]
     param_count: int
 
 
@@ -182,15 +194,27 @@ class PerExampleNormTracker:
         self._shared_tables: dict[nn.Module, Optional[str]] = {}  # embedding → why it is a shared position table
         self._saw_tracked_forward = False
         self._sequence_first = False
+        self._captures: dict[nn.Module, ProjectionCalls] = {}  # attention modules inside their forward now
         self._analyse()
 
     # ------------------------------------------------------------------ coverage
 
-    def _analyse(self) -> None:
+    def _owners(self) -> dict[int, list[tuple[str, nn.Module, str]]]:
+        """Per parameter, ``(module name, module, local name)`` of every module holding it; an attention module's
+        ``out_proj`` parameters belong to the attention module (``"out_proj.weight"``), which applies them."""
         owners: dict[int, list[tuple[str, nn.Module, str]]] = {}
         for module_name, module in self.model.named_modules(remove_duplicate=False):
             for local_name, param in module.named_parameters(recurse=False):
                 owners.setdefault(id(param), []).append((module_name, module, local_name))
+        for module_name, module in self.model.named_modules(remove_duplicate=False):
+            if is_attention(module):
+                for local_name, param in module.out_proj.named_parameters(recurse=False):
+                    owners[id(param)] = [(module_name, module, f"out_proj.{local_name}") if owner is module.out_proj
+                                         else (name, owner, local) for name, owner, local in owners[id(param)]]
+        return owners
+
+    def _analyse(self) -> None:
+        owners = self._owners()
 
         self.excluded_reasons = {}
         self._shared_tables = {}
@@ -222,9 +246,10 @@ class PerExampleNormTracker:
                 )
             else:
                 module_name, module, local_name = entries[0]
-                if layer_kind(module) not in SUPPORTED_MODULES:
+                measured = MEASURED_ATTENTION_PARAMS if is_attention(module) else _MEASURED_PARAM_NAMES
+                if layer_kind(module) not in SUPPORTED_MODULES and not is_attention(module):
                     reason = f"unsupported module type {type(module).__name__}"
-                elif local_name not in _MEASURED_PARAM_NAMES:
+                elif local_name not in measured:
                     reason = f"extra parameter '{local_name}' on {type(module).__name__} is not measured"
                 elif isinstance(module, nn.Embedding):
                     reason = embedding_unsupported_reason(module)
@@ -240,10 +265,10 @@ class PerExampleNormTracker:
             self._covered_modules[module] = _CoveredModule(
                 name=module_name or type(module).__name__,
                 param_names=frozenset(local_names),
-                sq_norms=SUPPORTED_MODULES[kind],
-                summed_grads=SUMMED_GRADIENTS[kind],
-                cost=COSTS[kind],
-                param_count=sum(getattr(module, name).numel() for name in local_names),
+                sq_norms=SUPPORTED_MODULES.get(kind),
+                summed_grads=SUMMED_GRADIENTS.get(kind),
+                cost=COSTS.get(kind),
+                param_count=sum(module.get_parameter(name).numel() for name in local_names),
             )
 
     def covered_parameters(self) -> list[nn.Parameter]:
@@ -279,9 +304,9 @@ class PerExampleNormTracker:
         self._analyse()
         hooked: set[int] = set()
         for module, covered in self._covered_modules.items():
-            self._handles.append(module.register_forward_hook(self._on_forward, with_kwargs=True))
+            self._handles += self._module_hooks(module)
             for local_name in sorted(covered.param_names):
-                param = getattr(module, local_name)
+                param = module.get_parameter(local_name)
                 if id(param) in hooked:
                     continue  # a tied table: one hook, for both of its modules
                 hooked.add(id(param))
@@ -292,6 +317,14 @@ class PerExampleNormTracker:
         self._attached = True
         self._reset_state()
         return self
+
+    def _module_hooks(self, module: nn.Module) -> list[RemovableHandle]:
+        """The forward hook of a supported layer; around an attention module's forward, the capture of its
+        projections (:mod:`.attention`), removed however the forward ends."""
+        if not is_attention(module):
+            return [module.register_forward_hook(self._on_forward, with_kwargs=True)]
+        return [module.register_forward_pre_hook(self._on_attention_start, with_kwargs=True),
+                module.register_forward_hook(self._on_attention_end, always_call=True)]
 
     def detach(self) -> None:
         """Remove every hook from the model. Hooks already placed on live output tensors go inert."""
@@ -397,22 +430,11 @@ class PerExampleNormTracker:
         if not self._active() or module not in self._covered_modules:
             return
         covered = self._covered_modules[module]
-        if grad_output.requires_grad:
-            return self._fail(
-                f"a backward pass with create_graph=True reached '{covered.name}' (e.g. a gradient penalty): the "
-                "step's gradient then holds second-order terms that per-example hooks can't see; "
-                f"{_MICRO_BATCH_HINT}."
-            )
-        record = self._pass_record()
-        if record.failure is not None:
+        record = self._first_order_record(covered, grad_output)
+        if record is None:
             return
         if module in record.fired:
-            return self._fail_pass(record,
-                f"module '{covered.name}' ({type(module).__name__}) was applied more than once in the forward "
-                "pass and received several output gradients in one backward pass. The per-example norm of the "
-                f"summed gradient is not the sum of per-call norms, so it can't be measured with hooks; "
-                f"{_MICRO_BATCH_HINT}."
-            )
+            return self._fail_applied_twice(record, module)
         record.fired.add(module)
         shared = self._shared_table(module, inp)
         if shared is not None:
@@ -427,6 +449,76 @@ class PerExampleNormTracker:
             self._measure(record, module, covered, inp, grad_output)
             if module in self._tied:
                 self._add_cross_term(record, module, inp, grad_output)
+
+    def _first_order_record(self, covered: _CoveredModule, grad_output: Tensor) -> Optional[PassNorms]:
+        """This pass's record, or None where it can't be measured: a ``create_graph=True`` pass stops measuring,
+        a pass that failed already is left as it is."""
+        if grad_output.requires_grad:
+            self._fail(
+                f"a backward pass with create_graph=True reached '{covered.name}' (e.g. a gradient penalty): the "
+                "step's gradient then holds second-order terms that per-example hooks can't see; "
+                f"{_MICRO_BATCH_HINT}."
+            )
+            return None
+        record = self._pass_record()
+        return record if record.failure is None else None
+
+    def _fail_applied_twice(self, record: PassNorms, module: nn.Module) -> None:
+        self._fail_pass(record,
+            f"module '{self._covered_modules[module].name}' ({type(module).__name__}) was applied more than once in "
+            "the forward pass and received several output gradients in one backward pass. The per-example norm of "
+            f"the summed gradient is not the sum of per-call norms, so it can't be measured with hooks; "
+            f"{_MICRO_BATCH_HINT}."
+        )
+
+    # ------------------------------------------------------------------ attention modules (:mod:`.attention`)
+
+    def _on_attention_start(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self._active() and torch.is_grad_enabled() and module in self._covered_modules:
+            batch = attention_batch_size(module, attention_query(args, kwargs))
+            self._captures[module] = ProjectionCalls(module, partial(self._on_projection, module, batch)).__enter__()
+
+    def _on_attention_end(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        capture = self._captures.pop(module, None)
+        if capture is not None:
+            capture.__exit__(None, None, None)
+
+    def _on_projection(self, module: nn.Module, batch: Optional[int], call: ProjectionCall, inp: Tensor,
+                       output: Tensor) -> None:
+        if output.requires_grad:
+            self._saw_tracked_forward = True
+            output.register_hook(partial(self._on_projection_grad, module, call, inp.detach(), batch))
+
+    def _on_projection_grad(self, module: nn.Module, call: ProjectionCall, inp: Tensor, batch: Optional[int],
+                            grad_output: Tensor) -> None:
+        """One projection of an attention module: its rows' per-example squared norms join the pass."""
+        if not self._active() or module not in self._covered_modules:
+            return
+        covered = self._covered_modules[module]
+        record = self._first_order_record(covered, grad_output)
+        if record is None:
+            return
+        keys = {(module, *key) for key in call.keys()}
+        if keys & record.fired:
+            return self._fail_applied_twice(record, module)
+        record.fired.update(keys | {module})
+        reason = self._attention_batch_reason(module, batch)
+        if reason is not None:
+            return self._fail_pass(record, f"module '{covered.name}' (MultiheadAttention): {reason}; "
+                                           f"{_MICRO_BATCH_HINT}.")
+        if self._check_batch_size(record, batch, covered.name):
+            with torch.no_grad():
+                record.add(projection_sq_norms(call, inp, grad_output, batch).float())
+
+    def _attention_batch_reason(self, module: nn.Module, batch: Optional[int]) -> Optional[str]:
+        """Why the examples of an attention module's query can't be told, or None."""
+        if batch is None:
+            return "its query is not batched (a 3-D tensor), so its examples can't be told"
+        if self.expected_batch_size is not None and batch != self.expected_batch_size:
+            layout = "(N, L, E)" if module.batch_first else "(L, N, E)"
+            return (f"with batch_first={module.batch_first} its query {layout} holds {batch} examples, but the "
+                    f"batch has {self.expected_batch_size}")
+        return None
 
     def _add_cross_term(self, record: PassNorms, module: nn.Module, inp: Tensor, grad_output: Tensor) -> None:
         """A tied table's ``2⟨E_i, H_i⟩`` (:mod:`.tied`), once both of its modules' gradients have arrived."""
@@ -495,7 +587,7 @@ class PerExampleNormTracker:
 
     def _covered_params_of(self, module: nn.Module) -> list[tuple[str, nn.Parameter]]:
         """``(qualified name, parameter)`` of the covered parameters that ``module`` owns."""
-        ids = {id(getattr(module, name)) for name in self._covered_modules[module].param_names}
+        ids = {id(module.get_parameter(name)) for name in self._covered_modules[module].param_names}
         return [(name, p) for name, p in self._covered_params if id(p) in ids]
 
     def _coverage_without(self, module: nn.Module) -> float:
@@ -546,6 +638,7 @@ class PerExampleNormTracker:
         if record.subset is None:
             costs, self._forward_costs = self._forward_costs, []
             record.subset = (self.max_examples is not None and batch_size > self.max_examples and not self._tied
+                             and not any(is_attention(m) for m in self._covered_modules)
                              and subset_is_cheaper(costs, batch_size, self.max_examples, self._forward_launch_cost))
         return record.subset
 

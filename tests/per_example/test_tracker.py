@@ -347,28 +347,6 @@ def test_functional_use_of_covered_weight_is_reported_at_pop() -> None:
             tracker.pop()
 
 
-@pytest.mark.filterwarnings("ignore:There is a performance drop")
-def test_multihead_attention_projection_is_not_covered() -> None:
-    class Attention(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.attention = nn.MultiheadAttention(4, 2, batch_first=True)
-            self.head = nn.Linear(4, 2)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(self.attention(x, x, x, need_weights=False)[0])
-
-    model = Attention().double()
-    inputs = torch.randn(BATCH, 5, 4, dtype=torch.float64)
-    weights = torch.randn(BATCH, 5, 2, dtype=torch.float64)
-    with PerExampleNormTracker(model) as tracker:
-        assert covered_names(model, tracker) == {"head.weight", "head.bias"}
-        assert "attention.out_proj.weight" in tracker.excluded_reasons
-        run_backward(model, inputs, weights)
-        got = tracker.pop()
-    torch.testing.assert_close(got, expected_sq_norms(model, tracker, inputs, weights), rtol=1e-4, atol=0)
-
-
 def test_non_reentrant_activation_checkpointing() -> None:
     class Checkpointed(nn.Module):
         def __init__(self) -> None:

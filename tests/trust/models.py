@@ -19,7 +19,7 @@ class SequenceFirstEncoder(nn.Module):
         self.embed = nn.Linear(8, dim)
         self.encoder = nn.TransformerEncoderLayer(dim, nhead=2, dim_feedforward=32, dropout=0.0)
         self.head = nn.Linear(dim, 10)
-        if freeze_attention:  # its projections are not per-example-covered layer types: freezing them leaves 100%
+        if freeze_attention:  # the feed-forward, norm and embedding layers alone
             self.encoder.self_attn.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

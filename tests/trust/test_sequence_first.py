@@ -46,8 +46,9 @@ def test_batch_equal_to_the_sequence_length_is_refused_not_guessed(digits):
     single(messages(caught, "stopped measuring"))  # warned once
 
 
-def test_auto_measures_the_whole_model_with_micro_batches(digits, exact):
-    """Attention projections are not per-example layers (coverage ≈ 50%): auto takes micro_batch, which covers all."""
+def test_the_attention_projections_are_measured_along_dim_1_too(digits, exact):
+    """``nn.MultiheadAttention`` applies its projections functionally; they are measured all the same
+    (:mod:`gns_callback.per_example.attention`), so ``auto`` keeps ``per_example`` and covers the whole model."""
     callback, _ = run(digits, batch_size=16, accumulate=2, freeze_attention=False, method="auto")
-    assert callback.run_estimate.method == "micro_batch" and callback.coverage["fraction"] == 1.0
+    assert callback.run_estimate.method == "per_example" and callback.coverage["fraction"] == 1.0
     assert_matches_exact(callback.run_estimate, exact[False])
