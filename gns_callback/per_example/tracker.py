@@ -427,12 +427,10 @@ class PerExampleNormTracker:
         return record
 
     def _on_output_grad(self, module: nn.Module, inp: Tensor, grad_output: Tensor) -> None:
-        if not self._active() or module not in self._covered_modules:
+        found = self._first_order_record(module, grad_output)
+        if found is None:
             return
-        covered = self._covered_modules[module]
-        record = self._first_order_record(covered, grad_output)
-        if record is None:
-            return
+        covered, record = found
         if module in record.fired:
             return self._fail_applied_twice(record, module)
         record.fired.add(module)
@@ -450,9 +448,13 @@ class PerExampleNormTracker:
             if module in self._tied:
                 self._add_cross_term(record, module, inp, grad_output)
 
-    def _first_order_record(self, covered: _CoveredModule, grad_output: Tensor) -> Optional[PassNorms]:
-        """This pass's record, or None where it can't be measured: a ``create_graph=True`` pass stops measuring,
-        a pass that failed already is left as it is."""
+    def _first_order_record(self, module: nn.Module,
+                            grad_output: Tensor) -> Optional[tuple[_CoveredModule, PassNorms]]:
+        """``module``'s entry and this pass's record, or None where nothing is measured: the tracker is inactive or
+        the module not covered, a ``create_graph=True`` pass (it stops measuring), a pass that failed already."""
+        if not self._active() or module not in self._covered_modules:
+            return None
+        covered = self._covered_modules[module]
         if grad_output.requires_grad:
             self._fail(
                 f"a backward pass with create_graph=True reached '{covered.name}' (e.g. a gradient penalty): the "
@@ -461,7 +463,7 @@ class PerExampleNormTracker:
             )
             return None
         record = self._pass_record()
-        return record if record.failure is None else None
+        return (covered, record) if record.failure is None else None
 
     def _fail_applied_twice(self, record: PassNorms, module: nn.Module) -> None:
         self._fail_pass(record,
@@ -492,12 +494,10 @@ class PerExampleNormTracker:
     def _on_projection_grad(self, module: nn.Module, call: ProjectionCall, inp: Tensor, batch: Optional[int],
                             grad_output: Tensor) -> None:
         """One projection of an attention module: its rows' per-example squared norms join the pass."""
-        if not self._active() or module not in self._covered_modules:
+        found = self._first_order_record(module, grad_output)
+        if found is None:
             return
-        covered = self._covered_modules[module]
-        record = self._first_order_record(covered, grad_output)
-        if record is None:
-            return
+        covered, record = found
         keys = {(module, *key) for key in call.keys()}
         if keys & record.fired:
             return self._fail_applied_twice(record, module)

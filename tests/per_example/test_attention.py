@@ -143,34 +143,28 @@ def test_a_capture_leaves_a_later_patch_in_place() -> None:
         F.linear = linear
 
 
-def test_attention_applied_twice_is_refused() -> None:
-    class Twice(Attention):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            once = self.attention(x, x, x, need_weights=False)[0]
-            return self.head(self.attention(once, once, once, need_weights=False)[0])
+class Twice(Attention):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        once = self.attention(x, x, x, need_weights=False)[0]
+        return self.head(self.attention(once, once, once, need_weights=False)[0])
 
-    model = Twice()
+
+REFUSED = {  # name: (model, input shape, expected batch size, reason)
+    "applied twice": (Twice, (BATCH, LENGTH, DIM), None, "applied more than once"),
+    # a batch-first module fed (L, N, E): its "examples" would be positions
+    "examples disagree with the batch": (Attention, (LENGTH, BATCH, DIM), BATCH, "holds 5 examples, but the batch has 3"),
+    "unbatched query": (Attention, (LENGTH, DIM), None, "not batched"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_what_cannot_be_measured_is_refused_with_the_reason(case: str) -> None:
+    make, shape, expected, reason = REFUSED[case]
+    model = make()
     with PerExampleNormTracker(model) as tracker:
-        model(torch.randn(BATCH, LENGTH, DIM)).sum().backward()
-        with pytest.raises(RuntimeError, match="applied more than once"):
-            tracker.pop()
-
-
-def test_a_query_whose_examples_disagree_with_the_batch_is_refused() -> None:
-    """A batch-first module fed ``(L, N, E)``: its "examples" would be positions; the pass is refused."""
-    model = Attention(mode="self")
-    with PerExampleNormTracker(model) as tracker:
-        tracker.expected_batch_size = BATCH
-        model(torch.randn(LENGTH, BATCH, DIM)).sum().backward()
-        with pytest.raises(RuntimeError, match="holds 5 examples, but the batch has 3"):
-            tracker.pop()
-
-
-def test_an_unbatched_query_is_refused() -> None:
-    model = Attention(mode="self")
-    with PerExampleNormTracker(model) as tracker:
-        model(torch.randn(LENGTH, DIM)).sum().backward()
-        with pytest.raises(RuntimeError, match="not batched"):
+        tracker.expected_batch_size = expected
+        model(torch.randn(*shape)).sum().backward()
+        with pytest.raises(RuntimeError, match=reason):
             tracker.pop()
 
 
