@@ -191,3 +191,14 @@ def test_non_reentrant_activation_checkpointing() -> None:
     model = Checkpointed().double()
     got, expected = measure(model, torch.randn(BATCH, LENGTH, DIM, dtype=torch.float64))
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
+
+
+def test_under_bf16_autocast() -> None:
+    """The projections run in bf16 under autocast; norms are computed in float32 from what the wrapper saw and
+    agree with per-example backward passes under the same autocast to bf16's precision."""
+    model = Attention(mode="cross")
+    inputs = torch.randn(BATCH, LENGTH, DIM)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, expected = measure(model, inputs)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=3e-2, atol=0)
