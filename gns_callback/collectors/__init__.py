@@ -75,7 +75,8 @@ def per_example_problem(model: nn.Module) -> tuple[Optional[str], float]:
     collector = PerExampleCollector(model)
     coverage = collector.coverage()
     if coverage.measured_parameters == 0:
-        return "no parameter is in a supported layer (Linear, Conv1d/2d, Embedding, LayerNorm, GroupNorm, RMSNorm, MultiheadAttention)", 0.0
+        return ("no parameter is in a supported layer (Linear, Conv1d/2d, Embedding, LayerNorm, GroupNorm, RMSNorm, "
+                "MultiheadAttention)"), 0.0
     if collector.tracker.has_batchnorm_in_training():
         return (
             "the model has BatchNorm in training mode, which couples the examples of a batch, so per-example "

@@ -20,7 +20,7 @@ Checked against per-example backward passes in ``tests/per_example/test_attentio
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Optional
@@ -80,12 +80,14 @@ def _rows_of(tensor: Optional[Tensor], params: dict[str, Tensor]) -> Optional[tu
 
 
 class ProjectionCalls:
-    """While entered, every ``F.linear`` on ``module``'s trainable parameters goes to ``on_call(call, input, output)``
-    after it ran (module docstring). Enter it around one forward of the module only."""
+    """While entered, every ``F.linear`` on the parameters ``param_names`` of ``module`` (local names, e.g.
+    ``"out_proj.weight"``: those the tracker covers, so that a parameter it left out, e.g. one shared with another
+    module, never reaches the norms) goes to ``on_call(call, input, output)`` after it ran (module docstring). Enter
+    it around one forward of the module only."""
 
-    def __init__(self, module: nn.Module, on_call: Callable[[ProjectionCall, Tensor, Tensor], None]) -> None:
-        self.params = {name: param for name, param in module.named_parameters()
-                       if name in MEASURED_ATTENTION_PARAMS and param.requires_grad}
+    def __init__(self, module: nn.Module, param_names: Collection[str],
+                 on_call: Callable[[ProjectionCall, Tensor, Tensor], None]) -> None:
+        self.params = {name: module.get_parameter(name) for name in param_names}
         self.on_call = on_call
         self._original: Optional[Callable[..., Tensor]] = None
         self._wrapper = self._linear  # one bound method, so that `F.linear is self._wrapper` can tell it is ours

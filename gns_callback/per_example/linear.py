@@ -13,7 +13,8 @@ from collections.abc import Collection
 import torch
 from torch import Tensor, nn
 
-__all__ = ["linear_part_sq_norms", "linear_sq_norms", "linear_summed_grads", "prefers_gram", "sequence_norm_costs", "sequence_sq_norms"]
+__all__ = ["linear_part_sq_norms", "linear_sq_norms", "linear_summed_grads", "prefers_gram", "sequence_norm_costs",
+           "sequence_sq_norms"]
 
 
 def upcast(*tensors: Tensor) -> tuple[Tensor, ...]:

@@ -270,6 +270,9 @@ class PerExampleNormTracker:
                 cost=COSTS.get(kind),
                 param_count=sum(module.get_parameter(name).numel() for name in local_names),
             )
+        # A subset's summed gradient is not assembled over a tied table's two uses, nor over an attention module's
+        # row blocks: with either, every example is measured.
+        self._subset_allowed = not self._tied and not any(is_attention(m) for m in self._covered_modules)
 
     def covered_parameters(self) -> list[nn.Parameter]:
         """Trainable parameters whose per-example norms are measured."""
@@ -478,7 +481,9 @@ class PerExampleNormTracker:
     def _on_attention_start(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._active() and torch.is_grad_enabled() and module in self._covered_modules:
             batch = attention_batch_size(module, attention_query(args, kwargs))
-            self._captures[module] = ProjectionCalls(module, partial(self._on_projection, module, batch)).__enter__()
+            on_call = partial(self._on_projection, module, batch)
+            capture = ProjectionCalls(module, self._covered_modules[module].param_names, on_call)
+            self._captures[module] = capture.__enter__()
 
     def _on_attention_end(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         capture = self._captures.pop(module, None)
@@ -637,8 +642,7 @@ class PerExampleNormTracker:
         layers seen in the forward passes since the last decision say it is cheaper (:mod:`.cost`)."""
         if record.subset is None:
             costs, self._forward_costs = self._forward_costs, []
-            record.subset = (self.max_examples is not None and batch_size > self.max_examples and not self._tied
-                             and not any(is_attention(m) for m in self._covered_modules)
+            record.subset = (self.max_examples is not None and batch_size > self.max_examples and self._subset_allowed
                              and subset_is_cheaper(costs, batch_size, self.max_examples, self._forward_launch_cost))
         return record.subset
 

@@ -100,6 +100,26 @@ def test_add_bias_kv_leaves_out_only_the_extra_key_and_value() -> None:
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
 
 
+def test_a_projection_shared_with_another_module_is_left_out_of_the_norms() -> None:
+    """``out_proj.weight`` tied to another Linear is left out (a shared parameter); its projection's calls must not
+    reach the norms either, or they would hold a parameter the big-batch norm does not."""
+
+    class Shared(Attention):
+        def __init__(self) -> None:
+            super().__init__(mode="self")
+            self.extra = nn.Linear(DIM, DIM)
+            self.extra.weight = self.attention.out_proj.weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(self.extra(x))
+
+    model = Shared().double()
+    with PerExampleNormTracker(model) as tracker:
+        assert "attention.out_proj.weight" in tracker.excluded_reasons
+    got, expected = measure(model, torch.randn(BATCH, LENGTH, DIM, dtype=torch.float64))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
+
+
 @pytest.mark.parametrize("batch_first", [True, False])
 def test_a_transformer_encoder_layer_is_measured_whole(batch_first: bool) -> None:
     torch.manual_seed(0)
@@ -134,7 +154,7 @@ def test_f_linear_is_restored_when_the_forward_raises() -> None:
 
 def test_a_capture_leaves_a_later_patch_in_place() -> None:
     linear = F.linear
-    capture = ProjectionCalls(nn.MultiheadAttention(DIM, 2), lambda *args: None).__enter__()
+    capture = ProjectionCalls(nn.MultiheadAttention(DIM, 2), {"in_proj_weight"}, lambda *args: None).__enter__()
     try:
         F.linear = theirs = lambda *args, **kwargs: linear(*args, **kwargs)
         capture.__exit__(None, None, None)
@@ -152,7 +172,8 @@ class Twice(Attention):
 REFUSED = {  # name: (model, input shape, expected batch size, reason)
     "applied twice": (Twice, (BATCH, LENGTH, DIM), None, "applied more than once"),
     # a batch-first module fed (L, N, E): its "examples" would be positions
-    "examples disagree with the batch": (Attention, (LENGTH, BATCH, DIM), BATCH, "holds 5 examples, but the batch has 3"),
+    "examples disagree with the batch": (Attention, (LENGTH, BATCH, DIM), BATCH,
+                                         "holds 5 examples, but the batch has 3"),
     "unbatched query": (Attention, (LENGTH, DIM), None, "not batched"),
 }
 
