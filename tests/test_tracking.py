@@ -23,6 +23,7 @@ from gns_callback.tracking import (
     detrended_moments,
     fit_window,
     fits_of_row,
+    lepski_choice,
     power_sums,
     steps_of,
     stream_of_row,
@@ -410,34 +411,41 @@ def _fixed_parameter_streams(runs: int, steps: int, seed: int) -> tuple[np.ndarr
     return _per_example_steps(np.random.default_rng(seed), runs, grad, np.ones(steps), 32)
 
 
-@pytest.mark.parametrize("pair", [(0, 1), (0, 5), (2, 5)])
-def test_the_window_test_rejects_at_its_nominal_rate_when_nothing_moves(pair):
-    """400 streams at fixed parameters: the base trend fit against the base level (0, 1), against the 16× level
-    (0, 5), the 4× trend fit against the 16× level (2, 5). Each test is at 95%: it rejects 5% of the time, within
-    the binomial standard error (the shared steps' covariance is accounted for, or the rate would be far off)."""
-    runs = 400
+def test_the_window_checks_reject_at_bonferronis_rate_when_nothing_moves():
+    """1000 streams at fixed parameters. Each check is at 1 − 0.05/5 = 99% (the longest candidate faces five): the
+    base trend fit against the base level (0, 1), against the 16× level (0, 5), the 4× trend fit against the 16×
+    level (2, 5) each reject 1% of the time, within the binomial standard error (the shared steps' covariance is
+    accounted for, or the rates would be far off); and the choice reads the longest window in at least 95% of the
+    streams (at 95% per check it read a shorter one in about one stream in six)."""
+    runs = 1000
     x, y = _fixed_parameter_streams(runs, 300, 11)
     _, fits, tests = _candidates_and_tests(x, y, 0.99)
-    rejected = np.mean([not consistent(f[pair[0]], f[pair[1]], test) for f, test in zip(fits, tests)])
-    assert abs(rejected - 0.05) < 3 * math.sqrt(0.05 * 0.95 / runs) + 0.01
+    tolerance = 3 * math.sqrt(0.01 * 0.99 / runs) + 0.005
+    for short, long in [(0, 1), (0, 5), (2, 5)]:
+        rejected = np.mean([not consistent(f[short], f[long], test) for f, test in zip(fits, tests)])
+        assert abs(rejected - 0.01) < tolerance, (short, long, rejected)
+    shorter = np.mean([lepski_choice(f, test) is not f[5] for f, test in zip(fits, tests)])
+    assert shorter < 0.05
 
 
 def test_the_window_test_detects_a_drift_the_base_level_lags_behind():
-    """B_simple rising 15× over 400 steps: the base level fit lags it by half; the test rejects it nearly always."""
+    """B_simple rising 15× over 400 steps: the base level fit reads 0.46× the last step's value; the check of the
+    base trend fit against it, at its Bonferroni level (99%), rejects it in most streams (it rejects 1% of
+    fixed-parameter streams)."""
     runs, steps = 200, 400
     t = np.arange(steps)
     grad_sq, trace = 0.6 * np.exp(-np.log(30.0) * t / (steps - 1)), 24.0 * np.exp(-np.log(2.0) * t / (steps - 1))
     x, y = _per_example_steps(np.random.default_rng(12), runs, np.sqrt(grad_sq / 24)[:, None] * np.ones(24),
                               np.sqrt(trace / 24), 32)
     _, fits, tests = _candidates_and_tests(x, y, 0.99)
-    assert np.mean([not consistent(f[0], f[1], test) for f, test in zip(fits, tests)]) > 0.9
+    assert np.mean([not consistent(f[0], f[1], test) for f, test in zip(fits, tests)]) > 0.5
 
 
 def test_at_fixed_parameters_the_chosen_window_is_far_more_accurate_than_the_base_trend_fit():
     """400 streams of 300 steps, B_simple = 60 at B = 32: the reading's mean |relative error| is well below the base
-    trend fit's (0.57× here) and near the 16× level fit's (1.4×; the most smoothed, ≈ the run average here: each
-    test rejects wrongly 5% of the time, and the walk then stops at a shorter window); its interval covers at least
-    at the nominal rate."""
+    trend fit's (0.44× here) and near the 16× level fit's (1.09×; the most smoothed, ≈ the run average here; it
+    was 1.41× with each window check at 95%, when about one stream in six stopped at a shorter window); its
+    interval covers at least at the nominal rate."""
     runs = 400
     x, y = _fixed_parameter_streams(runs, 300, 13)
     tracker, fits, _ = _candidates_and_tests(x, y, 0.99)
@@ -447,7 +455,7 @@ def test_at_fixed_parameters_the_chosen_window_is_far_more_accurate_than_the_bas
         return float(np.mean(np.abs(np.asarray(ratios) / 60.0 - 1.0)))
 
     base, longest = error([f[0].summary.ratio for f in fits]), error([f[5].summary.ratio for f in fits])
-    assert error([s.ratio for s in chosen]) < min(0.65 * base, 1.6 * longest)
+    assert error([s.ratio for s in chosen]) < min(0.65 * base, 1.2 * longest)
     cover = np.mean([s.ci_low <= 60.0 <= s.ci_high for s in chosen])
     assert cover > 0.95 - 3 * math.sqrt(0.95 * 0.05 / runs)
 
