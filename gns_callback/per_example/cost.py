@@ -20,7 +20,7 @@ from typing import Callable
 
 from torch import Tensor, nn
 
-from .linear import sequence_norm_costs
+from .linear import sequence_norm_cost
 from .transposed_linear import TransposedLinear
 
 #: ``(norm cost, summed-gradient cost)`` of one example, from the module, its input and output, and the batch size.
@@ -28,12 +28,11 @@ CostFunction = Callable[[nn.Module, Tensor, Tensor, int], tuple[float, float]]
 
 
 def sequence_costs(positions: float, in_features: float, out_features: float) -> tuple[float, float]:
-    """``Σ_t a_tᵀ δ_t`` per example: the norm by the cheaper of the Gram form and materialising
-    (:func:`~gns_callback.per_example.linear.sequence_norm_costs`, the rule the norms themselves follow); the summed
-    gradient ``T·K·L``."""
+    """``Σ_t a_tᵀ δ_t`` per example: the norm by the method the norms themselves pick (Gram form, materialising or
+    sketch: :func:`~gns_callback.per_example.linear.sequence_norm_cost`); the summed gradient ``T·K·L``."""
     if positions <= 1:
         return in_features + out_features, in_features * out_features
-    return min(sequence_norm_costs(positions, in_features, out_features)), positions * in_features * out_features
+    return sequence_norm_cost(positions, in_features, out_features), positions * in_features * out_features
 
 
 def linear_costs(module: nn.Linear, inp: Tensor, output: Tensor, batch: int) -> tuple[float, float]:

@@ -2,8 +2,8 @@
 
 The weight gradient of a linear map is ``Σ_i a_iᵀ δ_i`` (``a``: layer input, ``δ``: gradient of the
 backpropagated loss w.r.t. the layer output), so example ``i`` contributes ``G_i = a_iᵀ δ_i``.
-``sequence_sq_norms`` computes ``|G_i|²_F`` for inputs with a sequence axis and is reused by the
-convolution layers after im2col.
+``sequence_sq_norms`` computes ``|G_i|²_F`` for inputs with a sequence axis (exactly, or for long sequences
+through wide layers as an unbiased sketch, :mod:`.sketch`) and is reused by the convolution layers after im2col.
 """
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ from collections.abc import Collection
 import torch
 from torch import Tensor, nn
 
-__all__ = ["linear_part_sq_norms", "linear_sq_norms", "linear_summed_grads", "prefers_gram", "sequence_norm_costs",
-           "sequence_sq_norms"]
+from .sketch import SKETCH_MARGIN, sketch_cost, sketched_sq_norms
+
+__all__ = ["linear_part_sq_norms", "linear_sq_norms", "linear_summed_grads", "prefers_gram", "sequence_norm_cost",
+           "sequence_norm_costs", "sequence_norm_method", "sequence_sq_norms"]
 
 
 def upcast(*tensors: Tensor) -> tuple[Tensor, ...]:
@@ -52,16 +54,36 @@ def prefers_gram(seq_len: int, in_features: int, out_features: int) -> bool:
     return gram < materialise
 
 
+def sequence_norm_method(seq_len: float, in_features: float, out_features: float) -> str:
+    """``"gram"``, ``"materialise"`` (exact, whichever is cheaper) or ``"sketch"`` (:mod:`.sketch`, unbiased) when
+    that is at least :data:`~.sketch.SKETCH_MARGIN` times cheaper than both: long sequences through wide layers."""
+    gram, materialise = sequence_norm_costs(seq_len, in_features, out_features)
+    if SKETCH_MARGIN * sketch_cost(seq_len, in_features, out_features) < min(gram, materialise):
+        return "sketch"
+    return "gram" if gram < materialise else "materialise"
+
+
+def sequence_norm_cost(seq_len: float, in_features: float, out_features: float) -> float:
+    """Multiply-adds per example of the method :func:`sequence_norm_method` picks."""
+    method = sequence_norm_method(seq_len, in_features, out_features)
+    if method == "sketch":
+        return sketch_cost(seq_len, in_features, out_features)
+    return min(sequence_norm_costs(seq_len, in_features, out_features))
+
+
 def sequence_sq_norms(activations: Tensor, grad_outputs: Tensor) -> Tensor:
     """``|Σ_t a_{i,t}ᵀ δ_{i,t}|²_F`` for ``activations`` (N, T, K) and ``grad_outputs`` (N, T, L).
 
-    Either the Gram form ``Σ_{t,t'} (a_t·a_t')(δ_t·δ_t')`` (Goodfellow 2015, "Efficient per-example
-    gradient computations"; BackPACK ``batch_l2_grad``) or the materialised ``G_i = a_iᵀ δ_i``,
-    whichever :func:`prefers_gram` says is cheaper for these shapes. Returns shape (N,).
+    The Gram form ``Σ_{t,t'} (a_t·a_t')(δ_t·δ_t')`` (Goodfellow 2015, "Efficient per-example gradient
+    computations"; BackPACK ``batch_l2_grad``), the materialised ``G_i = a_iᵀ δ_i``, or, for long sequences through
+    wide layers, an unbiased random-probe sketch (:func:`~.sketch.sketched_sq_norms`): whichever
+    :func:`sequence_norm_method` picks for these shapes. Returns shape (N,).
     """
     _, seq_len, in_features = activations.shape
-    out_features = grad_outputs.shape[-1]
-    if prefers_gram(seq_len, in_features, out_features):
+    method = sequence_norm_method(seq_len, in_features, grad_outputs.shape[-1])
+    if method == "sketch":
+        return sketched_sq_norms(activations, grad_outputs)
+    if method == "gram":
         activation_gram = torch.bmm(activations, activations.transpose(1, 2))
         grad_gram = torch.bmm(grad_outputs, grad_outputs.transpose(1, 2))
         # Mathematically >= 0; rounding can make a near-zero result slightly negative. A product and a sum
