@@ -1,4 +1,5 @@
-"""Exact per-example squared gradient norms without materialising per-example gradients."""
+"""Per-example squared gradient norms without materialising per-example gradients: exact, or for long sequences
+through wide layers an unbiased random-probe sketch (:mod:`.sketch`)."""
 
 from .conv import conv_sq_norms, unfold_input
 from .embedding import embedding_sq_norms, embedding_unsupported_reason
