@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gns_callback import GradientNoiseScaleMeter
+from benchmarks.sketch_accuracy import PixelSequence, stream_estimates, train
 from gns_callback.exact import exact_noise_scale, per_example_gradients
 from gns_callback.per_example import sketch
 from gns_callback.per_example.conv import conv_sq_norms, per_example_weight_grads
@@ -101,55 +101,18 @@ def test_short_or_narrow_sequences_stay_exact():
     assert sequence_norm_method(64, 128, 512) == "sketch"
 
 
-class PixelSequence(nn.Module):
-    """The digits as sequences of 64 pixel tokens through a 64 → 96 layer at every position (sketched)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(17, 64)
-        self.mix = nn.Linear(64, 96)
-        self.head = nn.Linear(96, 10)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.mix(self.embed(tokens))).mean(dim=1))
-
-
 def test_a_sketched_meter_holds_the_exact_noise_scale_of_real_data(digits):
     """Fixed parameters after 150 SGD steps (exact ``B_simple`` 54 at batch 32, brute force over all 1797
     examples), 8 streams of 100 batches: the meter, whose sequence layer is sketched, holds the exact value in its
     interval on at least 7 streams (nominal 7.6), and its mean error is that of a ratio of 100 steps' means, about
-    0.1 here. (Against the same meter with exact norms on many streams: benchmarks/RESULTS.md.)"""
+    0.1 here. (Against the same meter with exact norms on many streams: benchmarks/sketch_accuracy.py.)"""
     x, y = digits
     tokens = (x * 16).round().long()
     torch.manual_seed(0)
     model = PixelSequence()
-    _train(model, tokens, y, steps=150)
+    train(model, tokens, y, steps=150)
     assert sequence_norm_method(64, 64, 96) == "sketch"
     exact = exact_noise_scale(per_example_gradients(model, F.cross_entropy, tokens, y))[0]
-    estimates = _stream_estimates(model, tokens, y, streams=8, steps=100)
+    estimates = stream_estimates(model, tokens, y, streams=8, steps=100)
     assert sum(e.ci_low <= exact <= e.ci_high for e in estimates) >= 7
     assert np.mean([abs(e.b_simple / exact - 1) for e in estimates]) < 0.2
-
-
-def _train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int) -> None:
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    generator = torch.Generator().manual_seed(1)
-    for _ in range(steps):
-        index = torch.randint(0, x.shape[0], (32,), generator=generator)
-        optimizer.zero_grad()
-        F.cross_entropy(model(x[index]), y[index]).backward()
-        optimizer.step()
-
-
-def _stream_estimates(model: nn.Module, x: torch.Tensor, y: torch.Tensor, streams: int, steps: int) -> list:
-    estimates = []
-    for stream in range(streams):
-        generator = torch.Generator().manual_seed(100 + stream)
-        with GradientNoiseScaleMeter(model) as meter:
-            for _ in range(steps):
-                index = torch.randint(0, x.shape[0], (32,), generator=generator)
-                model.zero_grad()
-                F.cross_entropy(model(x[index]), y[index]).backward()
-                meter.step()
-            estimates.append(meter.run_estimate)
-    return estimates
