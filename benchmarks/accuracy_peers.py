@@ -117,15 +117,21 @@ def frozen_model(case: Case, x: torch.Tensor, y: torch.Tensor, steps: Optional[i
     steps = case.train_steps if steps is None else steps
     torch.manual_seed(0)
     model = case.model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=TRAIN_LR)
-    draws = torch.Generator().manual_seed(0)
+    train_sgd(model, x, y, steps, TRAIN_LR)
+    return model
+
+
+def train_sgd(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, lr: float, seed: int = 0) -> None:
+    """``steps`` plain SGD steps of cross-entropy on batches of ``BATCH`` drawn with replacement (draws seeded
+    ``seed``); gradients cleared after."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    draws = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         index = torch.randint(0, x.shape[0], (BATCH,), generator=draws)
         optimizer.zero_grad()
         F.cross_entropy(model(x[index]), y[index]).backward()
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return model
 
 
 # ---------------------------------------------------------------------------------------------- estimators

@@ -3,8 +3,8 @@
 
     python benchmarks/per_example_speedup.py --against 1461142 [--models CNN] [--steps 30] [--quick]
 
-The layer functions (``gns_callback/per_example/{linear,conv,embedding,normalization}.py``) of ``--against`` are
-read with ``git show`` into a temporary package; the tracker (hooks, glue) is the working tree's for both. Per
+The layer functions (``gns_callback/per_example/{linear,conv,embedding,normalization,sketch}.py``) of
+``--against`` are read with ``git show`` into a temporary package; the tracker (hooks, glue) is the working tree's for both. Per
 model of ``benchmarks/overhead.py`` (full size, all examples, one thread), three plain-loop steps alternate,
 their order rotating every step: baseline (no hooks), tracker with the old layer functions, tracker with the new
 ones. Reported: median CPU time (``time.thread_time``) per step, ratios to the baseline, and the largest relative
@@ -33,7 +33,7 @@ if str(REPO) not in sys.path:
 from benchmarks.overhead import GnsTrackerStep, PlainStep, batch_pool, model_specs, set_threads  # noqa: E402
 from gns_callback.per_example import tracker as tracker_module  # noqa: E402
 
-LAYER_FILES = ("linear", "conv", "embedding", "normalization")
+LAYER_FILES = ("linear", "conv", "embedding", "normalization", "sketch")
 
 
 def load_old_functions(revision: str, workdir: Path) -> dict[type, object]:
@@ -41,15 +41,18 @@ def load_old_functions(revision: str, workdir: Path) -> dict[type, object]:
     package = workdir / "old_per_example"
     package.mkdir()
     (package / "__init__.py").write_text("")
+    present = []
     for name in LAYER_FILES:
-        source = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:gns_callback/per_example/{name}.py"],
-                                check=True, capture_output=True, text=True).stdout
-        (package / f"{name}.py").write_text(source)
+        shown = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:gns_callback/per_example/{name}.py"],
+                               capture_output=True, text=True)
+        if shown.returncode == 0:  # a helper module a revision may not have yet (sketch.py before 6ec8cfd)
+            (package / f"{name}.py").write_text(shown.stdout)
+            present.append(name)
     spec = importlib.util.spec_from_file_location("old_per_example", package / "__init__.py",
                                                   submodule_search_locations=[str(package)])
     sys.modules["old_per_example"] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sys.modules["old_per_example"])
-    modules = {name: importlib.import_module(f"old_per_example.{name}") for name in LAYER_FILES}
+    modules = {name: importlib.import_module(f"old_per_example.{name}") for name in present}
     return {cls: next(getattr(m, fn.__name__) for m in modules.values() if hasattr(m, fn.__name__))
             for cls, fn in tracker_module.SUPPORTED_MODULES.items()}
 

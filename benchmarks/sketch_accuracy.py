@@ -37,11 +37,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from sklearn.datasets import load_digits  # noqa: E402
 
+from benchmarks.accuracy_peers import BATCH, train_sgd  # noqa: E402
 from gns_callback import GradientNoiseScaleMeter  # noqa: E402
 from gns_callback.exact import exact_noise_scale, per_example_gradients  # noqa: E402
 from gns_callback.per_example import linear  # noqa: E402
 
-BATCH = 32
 
 
 class PixelSequence(nn.Module):
@@ -71,14 +71,9 @@ def digits() -> tuple[torch.Tensor, torch.Tensor]:
 CASES = {"sequence": (PixelSequence, lambda x: (x * 16).round().long()), "conv": (pooled_cnn, lambda x: x)}
 
 
-def train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, lr: float = 0.5) -> None:
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    generator = torch.Generator().manual_seed(1)
-    for _ in range(steps):
-        index = torch.randint(0, x.shape[0], (BATCH,), generator=generator)
-        optimizer.zero_grad()
-        F.cross_entropy(model(x[index]), y[index]).backward()
-        optimizer.step()
+def train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int) -> None:
+    """Plain SGD at lr 0.5 (batches of 32, draws seeded 1), as :func:`benchmarks.accuracy_peers.train_sgd`."""
+    train_sgd(model, x, y, steps, lr=0.5, seed=1)
 
 
 def stream_estimates(model: nn.Module, x: torch.Tensor, y: torch.Tensor, streams: int, steps: int) -> list:
