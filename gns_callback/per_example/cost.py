@@ -4,8 +4,10 @@ With ``max_examples = k`` below the batch size ``b``, a pass computes the norms 
 gradient (so that ``|G|²`` keeps the pairs with the unmeasured examples, :mod:`gns_callback.accumulation`), and
 reads every measured parameter's gradient once more. Measuring every example costs ``b`` norms and nothing else,
 and is the more precise of the two. The tracker measures a subset only when this model says it is cheaper:
-never for plain ``Linear`` layers, whose norms are ``|a_i|²·|δ_i|²`` (``K + L`` multiply-adds), and for layers
-with many positions (convolutions, sequences) when ``k`` is well below ``b/2``.
+never for plain ``Linear`` layers, whose norms are ``|a_i|²·|δ_i|²`` (``K + L`` multiply-adds), rarely where the
+norms of a layer with many positions are sketched (:mod:`.sketch`: ``T·k·(K+L)`` against the summed gradient's
+``T·K·L``), and for models whose norms cost about what their gradient does (exact norms of convolutions and
+sequences, memory-bound normalisation layers) when ``k`` is well below ``b/2``.
 
 Costs are multiply-adds per example; they only have to rank the two choices. On an accelerator a subset also
 costs its extra kernels (slicing, the summed gradient, one more read of each gradient): each launch takes the
