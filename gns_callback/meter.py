@@ -40,6 +40,7 @@ from gns_callback.critical_batch import CriticalBatchAccumulator, CriticalBatchE
 from gns_callback.deferred import DeferredReads
 from gns_callback.estimate import GNSEstimate
 from gns_callback.norms import squared_norm_sum
+from gns_callback.per_example.sketch import reseed_probes
 from gns_callback.scalar_ops import host_errors_ignored
 from gns_callback.smoothing import RatioAccumulator, RatioSummary, step_values, summarize_ratio
 from gns_callback.tracking import LocalLinearRatio
@@ -153,6 +154,7 @@ class GradientNoiseScaleMeter:
         self._attached = False
         self._enabled = True
         self.steps_offered = 0  # every call to step(), measured or resting: the duty cycle's phase
+        reseed_probes(0)  # sketched norms draw their probes per step (per_example/sketch.py)
         self.reset()
 
     # ------------------------------------------------------------------ hooks on / off
@@ -190,6 +192,7 @@ class GradientNoiseScaleMeter:
     def _rest_or_resume(self) -> None:
         """Count a step, and set the hooks for the next one (recording only on the steps measured)."""
         self.steps_offered += 1
+        reseed_probes(self.steps_offered)
         self._set_hooks()
 
     def expect_batch_size(self, size: Optional[int]) -> None:
@@ -275,6 +278,7 @@ class GradientNoiseScaleMeter:
             self.losses_given = bool(state.get("losses_given"))
         self.steps_seen = int(state["steps_seen"])
         self.steps_offered = int(state.get("steps_offered", self.steps_seen))
+        reseed_probes(self.steps_offered)
         self._set_hooks()  # the duty cycle's phase at the resumed step
         self.failure = state.get("failure")
         self.switched_from = state.get("switched_from")

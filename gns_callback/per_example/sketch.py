@@ -14,8 +14,9 @@ independently per example, so these errors average out over the batch, as the ex
 and part of the meter's step-to-step variance, so of its interval.
 ``A s`` is computed as ``δᵀ(a·s)`` from the narrower side, without forming ``A``.
 
-The probes come from a generator of their own (one per device, seeded by the process's rank), so the user's random
-streams are never touched.
+The probes come from generators of their own (one per device, seeded by the process's rank and the optimizer step,
+:func:`reseed_probes`), so the user's random streams are never touched and a resumed run measures as an
+uninterrupted one does.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["PROBES", "SKETCH_MARGIN", "RANDOM_DRAW_COST", "sketch_cost", "sketched_sq_norms", "probe_signs"]
+__all__ = ["PROBES", "SKETCH_MARGIN", "RANDOM_DRAW_COST", "sketch_cost", "sketched_sq_norms", "probe_signs",
+           "reseed_probes"]
 
 #: Probes per example (a multiple of 8, :func:`probe_signs`): relative standard deviation at most √(2/8) = 0.5 per
 #: example and layer, before averaging.
@@ -38,6 +40,7 @@ SKETCH_MARGIN = 2.0
 #: accelerators.
 RANDOM_DRAW_COST = 100.0
 _SEED = 0x9E5
+_step = 0  # the optimizer step the probes are drawn for (reseed_probes)
 _generators: dict[torch.device, torch.Generator] = {}
 _tables: dict[tuple[torch.device, torch.dtype], Tensor] = {}
 
@@ -79,9 +82,23 @@ def _sign_table(device: torch.device, dtype: torch.dtype) -> Tensor:
     return _tables[key]
 
 
+def reseed_probes(step: int) -> None:
+    """Restart every device's probe stream at the seed of ``(rank, step)``. The meter calls this as each optimizer
+    step begins, with its count of steps, which its checkpoint keeps: a resumed run draws the probes an
+    uninterrupted one would, and every rank draws its own."""
+    global _step
+    _step = int(step)
+    for generator in _generators.values():
+        generator.manual_seed(_seed())
+
+
+def _seed() -> int:
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    rank = torch.distributed.get_rank() if distributed else 0
+    return (_SEED << 40) + (rank << 32) + _step
+
+
 def _generator(device: torch.device) -> torch.Generator:
     if device not in _generators:
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        rank = torch.distributed.get_rank() if distributed else 0
-        _generators[device] = torch.Generator(device=device).manual_seed(_SEED + rank)
+        _generators[device] = torch.Generator(device=device).manual_seed(_seed())
     return _generators[device]

@@ -17,7 +17,8 @@ from gns_callback.exact import exact_noise_scale, per_example_gradients
 from gns_callback.per_example import sketch
 from gns_callback.per_example.conv import conv_sq_norms, per_example_weight_grads
 from gns_callback.per_example.linear import sequence_norm_method
-from gns_callback.per_example.sketch import PROBES, probe_signs, sketched_sq_norms
+from gns_callback import GradientNoiseScaleMeter
+from gns_callback.per_example.sketch import PROBES, probe_signs, reseed_probes, sketched_sq_norms
 
 DRAWS = 3000
 
@@ -26,6 +27,7 @@ DRAWS = 3000
 def fresh_probe_streams():
     """Every test starts the sketch's generators from their seed, whatever ran before."""
     sketch._generators.clear()
+    reseed_probes(0)
     yield
     sketch._generators.clear()
 
@@ -116,3 +118,34 @@ def test_a_sketched_meter_holds_the_exact_noise_scale_of_real_data(digits):
     estimates = stream_estimates(model, tokens, y, streams=8, steps=100)
     assert sum(e.ci_low <= exact <= e.ci_high for e in estimates) >= 7
     assert np.mean([abs(e.b_simple / exact - 1) for e in estimates]) < 0.2
+
+
+def test_a_resumed_meter_draws_the_probes_an_uninterrupted_one_would(digits):
+    """The probes are seeded by the optimizer step, which the checkpoint keeps: saved after 30 steps and resumed in
+    a fresh meter, the sketched estimate after 60 is bit for bit the uninterrupted one's, though another meter ran
+    in between."""
+    x, y = digits
+    tokens = (x * 16).round().long()
+    torch.manual_seed(0)
+    model = PixelSequence()
+
+    def run(meter: GradientNoiseScaleMeter, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        for _ in range(30):
+            index = torch.randint(0, x.shape[0], (32,), generator=generator)
+            model.zero_grad()
+            F.cross_entropy(model(tokens[index]), y[index]).backward()
+            meter.step()
+
+    with GradientNoiseScaleMeter(model) as whole:
+        run(whole, 0)
+        run(whole, 1)
+    with GradientNoiseScaleMeter(model) as first:
+        run(first, 0)
+    state = first.state_dict()
+    with GradientNoiseScaleMeter(model) as other:
+        run(other, 2)
+    with GradientNoiseScaleMeter(model) as resumed:
+        resumed.load_state_dict(state)
+        run(resumed, 1)
+    assert resumed.run_estimate == whole.run_estimate and resumed.estimate == whole.estimate
