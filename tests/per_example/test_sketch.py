@@ -63,16 +63,18 @@ def test_a_wide_side_larger_than_the_narrow_one_is_probed_on_the_narrow_side():
 
 @pytest.mark.parametrize("conv, size", [(nn.Conv2d(16, 48, 3, padding=1), (20, 20)),
                                         (nn.Conv2d(32, 48, 3, stride=2, groups=2), (40, 40)),
-                                        (nn.Conv1d(16, 48, 5), (200,))])
+                                        (nn.Conv1d(16, 48, 5), (200,)),
+                                        (nn.Conv1d(4, 64, 9), (400,))])  # few input channels: im2col, then sketched
 def test_the_convolution_sketch_is_unbiased(conv, size):
     torch.manual_seed(2)
     conv = conv.double()
     x = torch.randn(3, conv.in_channels, *size, dtype=torch.float64)
     grad = torch.randn_like(conv(x))
     positions = grad[0, 0].numel()
-    assert sequence_norm_method(positions, conv.weight[0].numel(), 48 // conv.groups) == "sketch"
+    out = conv.out_channels
+    assert sequence_norm_method(positions, conv.weight[0].numel(), out // conv.groups) == "sketch"
     weight = per_example_weight_grads(conv, x, grad).reshape(3, -1).square().sum(1)
-    exact = weight + grad.reshape(3, 48, -1).sum(-1).square().sum(1)
+    exact = weight + grad.reshape(3, out, -1).sum(-1).square().sum(1)
     draws = torch.stack([conv_sq_norms(conv, x, grad) for _ in range(DRAWS // 3)])
     standard_error = draws.std(0) / math.sqrt(draws.shape[0])
     assert torch.all((draws.mean(0) - exact).abs() < 4 * standard_error)
