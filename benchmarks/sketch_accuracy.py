@@ -7,6 +7,8 @@ Models, trained briefly with SGD and then frozen, where the sketch replaces the 
 
 * ``sequence``: the digits as sequences of 64 pixel tokens, ``Embedding(17, 64)`` then ``Linear(64, 96)`` at every
   position (sketched), mean-pooled, ``Linear(96, 10)``;
+* ``transformer``: the same tokens with learned positions through one ``nn.TransformerEncoderLayer`` (width 64,
+  4 heads, feed-forward 256: attention projections and feed-forward layers sketched);
 * ``conv``: the digits as 8×8 images, ``Conv2d(1, 16)`` then ``Conv2d(16, 48)`` (sketched) with GroupNorm, a global
   average pool (which makes each example's gradient of the second convolution nearly rank one, the sketch's worst
   case) and ``Linear(48, 10)``.
@@ -57,6 +59,22 @@ class PixelSequence(nn.Module):
         return self.head(torch.tanh(self.mix(self.embed(tokens))).mean(dim=1))
 
 
+class PixelTransformer(nn.Module):
+    """The digits as 64 pixel tokens with learned positions through one ``nn.TransformerEncoderLayer`` (width 64, 4
+    heads, feed-forward 256: its attention projections and both feed-forward layers are sketched), mean-pooled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(17, 64)
+        self.position = nn.Embedding(64, 64)
+        self.encoder = nn.TransformerEncoderLayer(64, 4, 256, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        return self.head(self.encoder(self.embed(tokens) + self.position(positions)).mean(dim=1))
+
+
 def pooled_cnn() -> nn.Module:
     return nn.Sequential(nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.Tanh(),
                          nn.Conv2d(16, 48, 3, padding=1), nn.GroupNorm(4, 48), nn.Tanh(), nn.AdaptiveAvgPool2d(1),
@@ -68,7 +86,9 @@ def digits() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(data.data, dtype=torch.float32) / 16.0, torch.tensor(data.target)
 
 
-CASES = {"sequence": (PixelSequence, lambda x: (x * 16).round().long()), "conv": (pooled_cnn, lambda x: x)}
+CASES = {"sequence": (PixelSequence, lambda x: (x * 16).round().long()),
+         "transformer": (PixelTransformer, lambda x: (x * 16).round().long()),
+         "conv": (pooled_cnn, lambda x: x)}
 
 
 def train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int) -> None:
