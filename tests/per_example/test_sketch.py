@@ -106,10 +106,11 @@ def test_short_or_narrow_sequences_stay_exact():
 
 
 def test_a_sketched_meter_holds_the_exact_noise_scale_of_real_data(digits):
-    """Fixed parameters after 150 SGD steps (exact ``B_simple`` 54 at batch 32, brute force over all 1797
-    examples), 8 streams of 100 batches: the meter, whose sequence layer is sketched, holds the exact value in its
-    interval on at least 7 streams (nominal 7.6), and its mean error is that of a ratio of 100 steps' means, about
-    0.1 here. (Against the same meter with exact norms on many streams: benchmarks/sketch_accuracy.py.)"""
+    """Fixed parameters after 150 SGD steps (exact ``B_simple`` by brute force over all 1797 examples: 54 with one
+    thread, about twice the batch of 32), 8 streams of 100 batches: the meter, whose sequence layer is sketched,
+    holds the exact value in its interval on at least 7 streams (nominal 7.6), and its mean error is that of a
+    ratio of 100 steps' means, about 0.1 here. (Against the same meter with exact norms on many streams:
+    benchmarks/sketch_accuracy.py.)"""
     x, y = digits
     tokens = (x * 16).round().long()
     torch.manual_seed(0)
