@@ -96,6 +96,30 @@ def test_fp16_with_a_real_grad_scaler_matches_fp32_on_a_measured_subset(digits):
     assert fp16.run_estimate.b_simple == pytest.approx(fp32.run_estimate.b_simple, rel=0.03)
 
 
+def test_sketched_norms_under_fp16_with_a_real_grad_scaler_and_bf16_match_fp32(digits):
+    """A 64-token model whose sequence layer is sketched (per_example/sketch.py): the probes are seeded per step, so
+    the three runs draw the same ones, and the scaled (2^16) and bf16 gradients give the fp32 estimate."""
+    from benchmarks.sketch_accuracy import PixelSequence
+    from gns_callback.per_example.linear import sequence_norm_method
+
+    assert sequence_norm_method(64, 64, 96) == "sketch"
+    tokens = (digits[0] * 16).round().long()
+
+    def fit(**precision):
+        torch.manual_seed(0)
+        callback = GradientNoiseScaleCallback(method="per_example", verbose=False, sharpness=False)
+        return fit_with_gns(PixelSequence(), tokens, digits[1], accumulate=1, batch_size=32, steps=60,
+                            callback=callback, **precision)
+
+    fp32, _, _ = fit()
+    fp16, trainer, _ = fit(plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))])
+    bf16, _, _ = fit(precision="bf16-mixed")
+    assert trainer.precision_plugin.scaler.get_scale() > 1.0
+    assert fp16.run_estimate.steps == bf16.run_estimate.steps == fp32.run_estimate.steps == 60
+    assert fp16.run_estimate.b_simple == pytest.approx(fp32.run_estimate.b_simple, rel=0.01)
+    assert bf16.run_estimate.b_simple == pytest.approx(fp32.run_estimate.b_simple, rel=0.05)
+
+
 def test_bf16(digits):
     fp32, _, _ = fit_with_gns(mlp(), *digits, steps=100)
     bf16, _, _ = fit_with_gns(mlp(), *digits, steps=100, callback=micro(), precision="bf16-mixed")
