@@ -2,7 +2,8 @@
 without a logger: ``on_fit_end`` called ``trainer.log_dir`` (a collective broadcast) on rank 0 only. The path is now
 resolved on every rank at fit start. Every existing DDP test passed an explicit ``report_path``; these use the
 defaults. One of them also has a model per-example hooks can't measure: both ranks agree to switch to
-``micro_batch`` at the same step (any disagreement would hang the run in its next all-reduce)."""
+``micro_batch`` at the same step (any disagreement would hang the run in its next all-reduce). A third has a
+sequence layer whose per-example norms are sketched, each rank drawing its own probes (``per_example/sketch.py``)."""
 
 import json
 import os
@@ -33,7 +34,8 @@ def load_exact(model):
     return _EXACT[model]
 
 
-@pytest.mark.parametrize("model, logger, method", [("linear_twice", True, "micro_batch"), ("mlp", False, "per_example")])
+@pytest.mark.parametrize("model, logger, method", [("linear_twice", True, "micro_batch"), ("mlp", False, "per_example"),
+                                                  ("pixel_tokens", False, "per_example")])  # sketched norms
 def test_ddp_spawn_with_the_default_report_path(tmp_path, model, logger, method):
     baseline = ddp_fit(str(tmp_path / "baseline"), "ddp_spawn", model, logger, with_callback=False, steps=5)
     assert baseline.state.finished
