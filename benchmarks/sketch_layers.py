@@ -6,7 +6,7 @@
 Shapes: the transformer block's projections of ``benchmarks/overhead.py`` (batch 32, 64 positions), a wider and
 longer layer, and the CNN's two stride-2 convolutions (batch 64). "exact" is the form the package would take
 without the sketch (Gram form or materialised for a Linear, the grouped weight-gradient convolution for a conv);
-"sketch" is ``gns_callback/per_example/sketch.py``.
+"sketch" is ``gns_callback/per_example/sketch.py``. Last row: the random signs of one such layer's probes.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from gns_callback.per_example import conv, linear  # noqa: E402
-from gns_callback.per_example.sketch import sketched_sq_norms  # noqa: E402
+from gns_callback.per_example.sketch import PROBES, probe_signs, sketched_sq_norms  # noqa: E402
 
 LINEAR_SHAPES = [(32, 64, 128, 512), (32, 64, 128, 128), (32, 256, 256, 256)]  # (batch, positions, in, out)
 CONV_CASES = [(nn.Conv2d(32, 64, 3, stride=2, padding=1), (64, 32, 32, 32)),
@@ -78,6 +78,8 @@ def main() -> None:
         print(linear_row(*shape))
     for module, shape in CONV_CASES:
         print(conv_row(module, shape))
+    signs = cpu_ms(lambda: probe_signs((32, 128, PROBES), torch.device("cpu"), torch.float32))
+    print(f"| {32 * 128 * PROBES} random signs (`probe_signs`, the cost model's RANDOM_DRAW_COST) | | | {signs:.3f} |")
 
 
 if __name__ == "__main__":
