@@ -55,9 +55,9 @@ def conv_costs(module: nn.Conv1d | nn.Conv2d, inp: Tensor, output: Tensor, batch
 
 
 #: Multiply-adds that one output element of an embedding or normalisation layer's per-example norm costs: those
-#: norms are a few memory-bound passes over the output, not matrix products (one CPU thread, measured: three
-#: GroupNorm layers' norms took 6.0 ms for 3.4 million output elements, a matrix product 1.7 ms for 134 million
-#: multiply-adds; about 140, rounded down).
+#: norms are a few memory-bound passes over the output, not matrix products (one CPU thread: the CNN's three
+#: GroupNorm layers' norms took 6.0 ms for 3.4 million output elements in ``benchmarks/overhead.py --profile``, a
+#: matrix product 1.7 ms for 134 million multiply-adds in ``benchmarks/sketch_layers.py``; about 140, rounded down).
 ELEMENTWISE_COST = 100.0
 
 
