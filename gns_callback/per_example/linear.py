@@ -15,8 +15,8 @@ from torch import Tensor, nn
 
 from .sketch import SKETCH_MARGIN, sketch_cost, sketched_sq_norms
 
-__all__ = ["linear_part_sq_norms", "linear_sq_norms", "linear_summed_grads", "prefers_gram", "sequence_norm_cost",
-           "sequence_norm_costs", "sequence_norm_method", "sequence_sq_norms"]
+__all__ = ["linear_part_sq_norms", "linear_sq_norms", "linear_summed_grads", "prefers_gram", "sequence_norm_choice",
+           "sequence_norm_cost", "sequence_norm_costs", "sequence_norm_method", "sequence_sq_norms"]
 
 
 def upcast(*tensors: Tensor) -> tuple[Tensor, ...]:
@@ -54,21 +54,25 @@ def prefers_gram(seq_len: int, in_features: int, out_features: int) -> bool:
     return gram < materialise
 
 
-def sequence_norm_method(seq_len: float, in_features: float, out_features: float) -> str:
-    """``"gram"``, ``"materialise"`` (exact, whichever is cheaper) or ``"sketch"`` (:mod:`.sketch`, unbiased) when
-    that is at least :data:`~.sketch.SKETCH_MARGIN` times cheaper than both: long sequences through wide layers."""
+def sequence_norm_choice(seq_len: float, in_features: float, out_features: float) -> tuple[str, float]:
+    """The method for ``|Σ_t a_tᵀ δ_t|²`` and its multiply-adds per example: ``"gram"`` or ``"materialise"`` (exact,
+    whichever is cheaper), or ``"sketch"`` (:mod:`.sketch`, unbiased) when that is at least
+    :data:`~.sketch.SKETCH_MARGIN` times cheaper than both: long sequences through wide layers."""
     gram, materialise = sequence_norm_costs(seq_len, in_features, out_features)
-    if SKETCH_MARGIN * sketch_cost(seq_len, in_features, out_features) < min(gram, materialise):
-        return "sketch"
-    return "gram" if gram < materialise else "materialise"
+    sketch = sketch_cost(seq_len, in_features, out_features)
+    if SKETCH_MARGIN * sketch < min(gram, materialise):
+        return "sketch", sketch
+    return ("gram", gram) if gram < materialise else ("materialise", materialise)
+
+
+def sequence_norm_method(seq_len: float, in_features: float, out_features: float) -> str:
+    """The method :func:`sequence_norm_choice` picks."""
+    return sequence_norm_choice(seq_len, in_features, out_features)[0]
 
 
 def sequence_norm_cost(seq_len: float, in_features: float, out_features: float) -> float:
-    """Multiply-adds per example of the method :func:`sequence_norm_method` picks."""
-    method = sequence_norm_method(seq_len, in_features, out_features)
-    if method == "sketch":
-        return sketch_cost(seq_len, in_features, out_features)
-    return min(sequence_norm_costs(seq_len, in_features, out_features))
+    """Multiply-adds per example of the method :func:`sequence_norm_choice` picks."""
+    return sequence_norm_choice(seq_len, in_features, out_features)[1]
 
 
 def sequence_sq_norms(activations: Tensor, grad_outputs: Tensor) -> Tensor:
