@@ -24,11 +24,13 @@ often the 95% interval holds the exact value.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import platform
 import sys
 import time
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -112,6 +114,16 @@ def stream_estimates(model: nn.Module, x: torch.Tensor, y: torch.Tensor, streams
     return estimates
 
 
+@contextlib.contextmanager
+def exact_norms_only() -> Iterator[None]:
+    """Within it, per-example norms are never sketched (``SKETCH_MARGIN`` is infinite)."""
+    margin, linear.SKETCH_MARGIN = linear.SKETCH_MARGIN, math.inf
+    try:
+        yield
+    finally:
+        linear.SKETCH_MARGIN = margin
+
+
 def evaluate(name: str, streams: int, steps: int, train_steps: int) -> list[str]:
     make, inputs = CASES[name]
     x, y = digits()
@@ -121,11 +133,8 @@ def evaluate(name: str, streams: int, steps: int, train_steps: int) -> list[str]
     train(model, x, y, train_steps)
     exact = exact_noise_scale(per_example_gradients(model, F.cross_entropy, x, y))[0]
     sketched = stream_estimates(model, x, y, streams, steps)
-    margin, linear.SKETCH_MARGIN = linear.SKETCH_MARGIN, math.inf
-    try:
+    with exact_norms_only():
         exact_norms = stream_estimates(model, x, y, streams, steps)
-    finally:
-        linear.SKETCH_MARGIN = margin
     rows = []
     errors = {}
     for label, estimates in (("sketched (the default)", sketched), ("exact norms", exact_norms)):

@@ -22,6 +22,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.sketch_accuracy import exact_norms_only  # noqa: E402
 from gns_callback.per_example import conv, linear  # noqa: E402
 from gns_callback.per_example.sketch import PROBES, probe_signs, sketched_sq_norms  # noqa: E402
 
@@ -42,11 +43,8 @@ def cpu_ms(call: Callable[[], object], repeats: int = 30) -> float:
 
 def exact_sequence(a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """The exact form ``sequence_sq_norms`` takes when the sketch is ruled out."""
-    margin, linear.SKETCH_MARGIN = linear.SKETCH_MARGIN, float("inf")
-    try:
+    with exact_norms_only():
         return linear.sequence_sq_norms(a, d)
-    finally:
-        linear.SKETCH_MARGIN = margin
 
 
 def linear_row(batch: int, positions: int, k: int, l: int) -> str:
