@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.sketch_accuracy import PixelSequence, digits, train
 from tests.helpers import Classifier
 
 
@@ -27,34 +28,28 @@ class SequenceFirstEncoder(nn.Module):
         return self.head(self.encoder(self.embed(rows)).mean(0))
 
 
-class PixelTokens(nn.Module):
-    """Digits as 64 pixel tokens (intensities 0..16, from pixels in [0, 1]) through a 64 → 96 layer at every
-    position: long and wide enough that its per-example norms are sketched (``per_example/sketch.py``)."""
+class PixelTokens(PixelSequence):
+    """:class:`benchmarks.sketch_accuracy.PixelSequence` fed pixels in [0, 1], made tokens 0..16 inside: its
+    64-position sequence layer is long and wide enough that its per-example norms are sketched
+    (``per_example/sketch.py``)."""
 
     def __init__(self, seed: int = 0) -> None:
-        super().__init__()
         torch.manual_seed(seed)
-        self.embed = nn.Embedding(17, 64)
-        self.mix = nn.Linear(64, 96)
-        self.head = nn.Linear(96, 10)
+        super().__init__()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tokens = (x * 16).round().long()
-        return self.head(torch.tanh(self.mix(self.embed(tokens))).mean(dim=1))
+        return super().forward((x * 16).round().long())
 
 
 def trained_pixel_tokens() -> PixelTokens:
-    """:class:`PixelTokens` after 150 SGD steps on the digits (B_simple about twice a batch of 32 then, where at
-    initialisation it is eight times), trained on one thread so that every process builds the same model."""
-    from benchmarks.accuracy_peers import train_sgd
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    x, y = torch.tensor(data.data, dtype=torch.float32) / 16.0, torch.tensor(data.target)
+    """:class:`PixelTokens` after the 150 SGD steps of ``benchmarks/sketch_accuracy.py`` on the digits (B_simple
+    about twice a batch of 32 then, where at initialisation it is eight times), trained on one thread so that every
+    process builds the same model."""
+    x, y = digits()
     model, threads = PixelTokens(), torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        train_sgd(model, x, y, steps=150, lr=0.5, seed=1)
+        train(model, x, y, steps=150)
     finally:
         torch.set_num_threads(threads)
     return model
