@@ -308,7 +308,8 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
 
     def _build_meter(self, trainer: Any, pl_module: Any) -> GradientNoiseScaleMeter:
         try:
-            choice = choose_method(self.method, pl_module, several_micro_batches=facts.several_micro_batches(trainer))
+            choice = choose_method(self.method, pl_module, several_micro_batches=facts.several_micro_batches(trainer),
+                                   compiled=facts.compiled_whole(pl_module))
         except UnmeasurableSetup as error:
             raise misconfiguration(trainer, f"GradientNoiseScaleCallback: {error}") from None
         if choice.note and self.verbose:

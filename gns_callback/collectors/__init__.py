@@ -19,6 +19,7 @@ from gns_callback.accumulation import AccumulationWindow, LossReduction
 from gns_callback.collectors.coverage import Coverage
 from gns_callback.collectors.micro_batch import MicroBatchCollector
 from gns_callback.collectors.per_example import PerExampleCollector
+from gns_callback.per_example.compiled import problem as compiled_problem
 from gns_callback.per_example.tracker import MIN_COVERAGE
 
 METHODS = ("auto", "micro_batch", "per_example")
@@ -70,10 +71,15 @@ class MethodChoice:
     fallback: Optional[str] = None  # the method to switch to if the hooks find ``method`` can't measure a step
 
 
-def per_example_problem(model: nn.Module) -> tuple[Optional[str], float]:
-    """Why per-example norms are invalid for ``model`` (or None), and the share of parameters they'd cover."""
+def per_example_problem(model: nn.Module, compiled: bool = False) -> tuple[Optional[str], float]:
+    """Why per-example norms are invalid for ``model`` (or None), and the share of parameters they'd cover.
+    ``compiled``: the caller knows ``model``'s forward runs under ``torch.compile``
+    (:mod:`~gns_callback.per_example.compiled`)."""
     collector = PerExampleCollector(model)
     coverage = collector.coverage()
+    compile_problem = compiled_problem(model, compiled)
+    if compile_problem is not None:
+        return compile_problem, coverage.fraction
     if coverage.measured_parameters == 0:
         return ("no parameter is in a supported layer (Linear, Conv1d/2d, Embedding, LayerNorm, GroupNorm, RMSNorm, "
                 "MultiheadAttention)"), 0.0
@@ -85,11 +91,13 @@ def per_example_problem(model: nn.Module) -> tuple[Optional[str], float]:
     return None, coverage.fraction
 
 
-def choose_method(requested: str, model: nn.Module, *, several_micro_batches: bool) -> MethodChoice:
+def choose_method(requested: str, model: nn.Module, *, several_micro_batches: bool,
+                  compiled: bool = False) -> MethodChoice:
     """The method to measure ``model`` with; raises :class:`UnmeasurableSetup` with the reason and the fix.
 
     ``several_micro_batches``: the run has more than one backward pass per optimizer step (gradient
-    accumulation and/or several data-parallel ranks), which ``micro_batch`` needs.
+    accumulation and/or several data-parallel ranks), which ``micro_batch`` needs. ``compiled``: ``model``'s forward
+    runs under ``torch.compile`` in a way its modules don't show (a framework compiled it whole).
     """
     if requested not in METHODS:
         raise ValueError(f"method={requested!r}: use one of {', '.join(METHODS)}.")
@@ -97,7 +105,7 @@ def choose_method(requested: str, model: nn.Module, *, several_micro_batches: bo
         if not several_micro_batches:
             raise UnmeasurableSetup(_NEEDS_MICRO_BATCHES.format(who="method='micro_batch'"))
         return MethodChoice("micro_batch")
-    problem, fraction = per_example_problem(model)
+    problem, fraction = per_example_problem(model, compiled)
     if requested == "per_example":
         if problem is not None:
             raise UnmeasurableSetup(f"method='per_example': {problem}; use method='micro_batch'.")

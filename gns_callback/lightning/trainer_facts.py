@@ -79,6 +79,12 @@ def several_micro_batches(trainer: Any) -> bool:
     return trainer.world_size * trainer.accumulate_grad_batches > 1 or any(v > 1 for v in schedule.values())
 
 
+def compiled_whole(pl_module: Any) -> bool:
+    """Whether ``torch.compile(module)`` was handed to ``Trainer.fit``: Lightning then compiles ``forward`` and
+    ``training_step`` of the module itself, which its submodules don't show."""
+    return getattr(pl_module, "_compiler_ctx", None) is not None
+
+
 def dataset_size(trainer: Any) -> Optional[int]:
     try:
         return len(trainer.train_dataloader.dataset)

@@ -19,6 +19,7 @@ from torch.utils.hooks import RemovableHandle
 from gns_callback.backward_passes import PassLedger, current_pass, in_functorch_transform
 from gns_callback.norms import squared_norm
 
+from . import compiled
 from .attention import (
     MEASURED_ATTENTION_PARAMS,
     ProjectionCall,
@@ -396,13 +397,24 @@ class PerExampleNormTracker:
 
     # ------------------------------------------------------------------ hooks
 
+    def _listening(self) -> bool:
+        return self.enabled and self._attached and self.failure is None
+
     def _active(self) -> bool:
-        return self.enabled and self._attached and self.failure is None and not in_functorch_transform()
+        return self._listening() and not in_functorch_transform()
+
+    def _refuses_compiled(self) -> bool:
+        """Stop measuring (and say why) when a training forward is being traced by ``torch.compile``
+        (:mod:`.compiled`): the compiled graph will never call the hooks."""
+        if self._listening() and torch.is_grad_enabled() and compiled.tracing():
+            self._fail(f"a training forward ran under torch.compile: {compiled.REASON}.")
+            return True
+        return False
 
     def _on_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
     ) -> None:
-        if not self._active():
+        if self._refuses_compiled() or not self._active():
             return
         if not (isinstance(output, Tensor) and output.requires_grad and torch.is_grad_enabled()):
             return
@@ -479,6 +491,8 @@ class PerExampleNormTracker:
     # ------------------------------------------------------------------ attention modules (:mod:`.attention`)
 
     def _on_attention_start(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self._refuses_compiled():
+            return
         if self._active() and torch.is_grad_enabled() and module in self._covered_modules:
             batch = attention_batch_size(module, attention_query(args, kwargs))
             on_call = partial(self._on_projection, module, batch)
@@ -648,18 +662,25 @@ class PerExampleNormTracker:
 
     def _on_param_grad(self, modules: tuple[nn.Module, ...], param_name: str, grad: Tensor) -> None:
         """``modules``: the parameter's module, or both modules of a tied table."""
-        if not self._active() or not self._saw_tracked_forward or not any(m in self._covered_modules for m in modules):
+        if not self._active() or not any(m in self._covered_modules for m in modules):
             return
         record = self._pass_record()
         if param_name in record.subset_grads:
             with torch.no_grad():
                 record.add_unmeasured(param_name, grad)
         if record.failure is None and not any(m in record.fired for m in modules):
-            self._fail_pass(record,
-                f"parameter '{param_name}' received a gradient that did not flow through its module's output: "
-                "it is used outside the module's forward (e.g. F.linear(x, module.weight), or a positional "
-                f"table indexed directly), so its per-example norm can't be measured; {_MICRO_BATCH_HINT}."
-            )
+            self._fail_pass(record, self._unseen_output_reason(param_name))
+
+    def _unseen_output_reason(self, param_name: str) -> str:
+        """Why a parameter's gradient came without its module's output gradient: the module ran outside its hooks'
+        sight (no tracked forward at all since the last pop), or the parameter was used outside its module."""
+        if not self._saw_tracked_forward:
+            return (f"parameter '{param_name}' received a gradient, but the per-example hooks saw no forward of the "
+                    "model's layers: the forward ran where module hooks don't, e.g. a graph compiled by torch.compile "
+                    f"before the hooks were attached; {compiled.REASON}")
+        return (f"parameter '{param_name}' received a gradient that did not flow through its module's output: it is "
+                "used outside the module's forward (e.g. F.linear(x, module.weight), or a positional table indexed "
+                f"directly), so its per-example norm can't be measured; {_MICRO_BATCH_HINT}.")
 
     def _check_batch_size(self, record: PassNorms, batch_size: int, source: str) -> bool:
         if record.batch_size is None:

@@ -3,7 +3,9 @@
 FSDP and model parallel are refused in real fits: Lightning refuses FSDP on CPU by exact type
 (``type(strategy) is FSDPStrategy``), so a subclass gets through to the callback's ``setup("fit")``, which runs
 after the process group starts and before the strategy wraps the model. DeepSpeed's strategy cannot be built
-without the deepspeed package, so a bare instance stands in for it on a real Trainer.
+without the deepspeed package, so a bare instance stands in for it on a real Trainer. A model under torch.compile
+(a compiled submodule, or the LightningModule handed to ``fit`` compiled) with one micro-batch per step is refused:
+the per-example hooks can't see a compiled forward (gns_callback/per_example/compiled.py).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from gns_callback import GradientNoiseScaleCallback
@@ -102,3 +105,19 @@ def test_batch_norm_with_either_namespace_scheduler_is_measured_by_micro_batches
 def test_batch_norm_without_accumulation_is_refused_in_the_namespace(namespace):
     with pytest.raises(namespace.MisconfigurationException, match="BatchNorm.*accumulate_grad_batches=2"):
         namespace.trainer(callbacks=[quiet()]).fit(namespace.classifier(batch_norm=True, micro_batches=4))
+
+
+@pytest.mark.parametrize("how", ["submodule", "whole module"])
+def test_a_compiled_model_without_micro_batches_is_refused_at_fit_start(namespace, how):
+    module = namespace.classifier(lr=0.1)
+    if how == "submodule":
+        module.net = torch.compile(module.net, backend="aot_eager")
+    else:
+        module = torch.compile(module, backend="aot_eager")  # Lightning compiles training_step itself
+    trainer = namespace.trainer(max_steps=3, callbacks=[quiet()])
+    with pytest.raises(namespace.MisconfigurationException,
+                       match="compiled with torch.compile.*set accumulate_grad_batches=2 or more") as error:
+        trainer.fit(module)
+    assert "method='micro_batch' measures a compiled model" in str(error.value)
+    assert trainer.global_step == 0
+    torch._dynamo.reset()
