@@ -116,7 +116,8 @@ class GradientNoiseScaleMeter:
     Read :attr:`estimate` (recent: a local-linear fit of the ratio that follows a moving run,
     :mod:`gns_callback.tracking`) and :attr:`run_estimate` (every measured step weighted equally); each read copies
     the sums to the host once. If the hooks find the model unmeasurable mid-run (a module applied
-    twice, a batch dim that can't be told, a gradient penalty reaching per-example hooks, ...), the meter switches
+    twice, a batch dim that can't be told, a gradient penalty reaching per-example hooks, a forward compiled by
+    ``torch.compile``, which per-example hooks can't see, ...), the meter switches
     to ``fallback_method`` (warning once; the estimate restarts) or stops measuring: it warns once, and both
     estimates read "not measured" (NaN) with the reason in ``failure``. It never raises inside the user's backward
     pass. With ``per_example``, call :meth:`expect_batch_size` before each forward pass where you can: each layer's
