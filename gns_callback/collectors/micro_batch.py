@@ -27,7 +27,7 @@ from torch.utils.hooks import RemovableHandle
 from gns_callback.accumulation import AccumulationWindow, LossReduction
 from gns_callback.collectors.coverage import Coverage
 from gns_callback.norms import squared_norm, squared_norm_sum
-from gns_callback.backward_passes import PassLedger, current_pass, in_functorch_transform
+from gns_callback.backward_passes import PassLedger, in_functorch_transform
 
 #: Gradient bytes the hooks hold before squaring them in one multi-tensor kernel (the extra memory, at most).
 BUCKET_BYTES = 32 * 2**20
@@ -45,6 +45,39 @@ class _Held:
         self.bytes += grad.numel() * grad.element_size()
 
 
+@dataclass
+class _PassSquares:
+    """One backward pass: its squared-norm parts, the parameters whose gradients they hold, and why it can't be
+    measured (None: it can)."""
+
+    parts: list[torch.Tensor] = field(default_factory=list)
+    params: set[int] = field(default_factory=set)
+    failure: Optional[str] = None
+
+    def saw(self, param: nn.Parameter) -> None:
+        """A gradient of ``param`` arrived: a second one in the same pass fails it (:data:`_TWICE`)."""
+        if id(param) in self.params:
+            self.failure = _TWICE
+        self.params.add(id(param))
+
+    def merged(self, inner: _PassSquares) -> _PassSquares:
+        """This pass with a checkpointed segment's pass recorded apart (:class:`PassLedger`): squared norms of
+        disjoint parameters add."""
+        self.failure = self.failure or inner.failure or (_TWICE if self.params & inner.params else None)
+        self.parts += inner.parts
+        self.params |= inner.params
+        return self
+
+
+#: A parameter gets two gradients in one backward pass only from nested passes: reentrant gradient checkpointing
+#: with the parameter used in two checkpointed segments, or in one and outside it.
+_TWICE = (
+    "a parameter received gradients from two parts of one backward pass (reentrant gradient checkpointing, with the "
+    "parameter used in two checkpointed segments or inside and outside one): the micro-batch's gradient norm is not "
+    "the sum of the parts' norms. Pass use_reentrant=False to torch.utils.checkpoint."
+)
+
+
 class MicroBatchCollector:
     """Sums ``|∂L/∂p|²`` over the trainable parameters of ``model`` for each backward pass."""
 
@@ -57,7 +90,7 @@ class MicroBatchCollector:
         self.failure: Optional[str] = None
         self._params: list[nn.Parameter] = []
         self._handles: list[RemovableHandle] = []
-        self._passes: PassLedger[list[torch.Tensor]] = PassLedger()
+        self._passes: PassLedger[_PassSquares] = PassLedger(merge=_PassSquares.merged)
         self._held: dict[int, _Held] = {}  # pass id → its gradients not yet squared
 
     def attach(self) -> None:
@@ -89,9 +122,10 @@ class MicroBatchCollector:
     def _on_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None:
         if not self.enabled or in_functorch_transform():
             return
-        pass_id = current_pass()
+        pass_id = self._passes.current()
+        self._record(pass_id).saw(param)
         if param.grad is None or grad.layout != torch.strided:  # to be adopted by .grad, or sparse: square it now
-            self._parts(pass_id).append(squared_norm(grad))
+            self._record(pass_id).parts.append(squared_norm(grad))
             return
         held = self._held.get(pass_id)
         if held is None:
@@ -101,12 +135,12 @@ class MicroBatchCollector:
         if held.bytes >= BUCKET_BYTES:
             self._square_held(pass_id, keep_open=True)
 
-    def _parts(self, pass_id: int) -> list[torch.Tensor]:
-        parts = self._passes.get(pass_id)
-        if parts is None:
-            parts = []
-            self._passes.put(pass_id, parts)
-        return parts
+    def _record(self, pass_id: int) -> _PassSquares:
+        record = self._passes.get(pass_id)
+        if record is None:
+            record = _PassSquares()
+            self._passes.put(pass_id, record)
+        return record
 
     def _square_held(self, pass_id: int, keep_open: bool = False) -> None:
         """``Σ |grad|²`` of the gradients held for ``pass_id`` (float32 accumulation, also for fp16/bf16), added
@@ -115,7 +149,7 @@ class MicroBatchCollector:
         if keep_open:
             self._held[pass_id] = _Held()
         if held is not None and held.grads:
-            self._parts(pass_id).append(squared_norm_sum(held.grads))
+            self._record(pass_id).parts.append(squared_norm_sum(held.grads))
 
     def _square_all_held(self) -> None:
         """Passes whose end-of-pass callback never ran (a backward that raised): square what they left."""
@@ -130,7 +164,11 @@ class MicroBatchCollector:
     def pop(self) -> list[torch.Tensor]:
         """``Σ_p |grad_p|²`` of each committed backward pass since the last pop (device scalars, no sync)."""
         self._square_all_held()
-        return [torch.stack(parts).sum() if len(parts) > 1 else parts[0] for parts in self._passes.pop() if parts]
+        records = self._passes.pop()
+        failure = next((r.failure for r in records if r.failure is not None), None)
+        if failure is not None:
+            raise RuntimeError(failure)
+        return [torch.stack(r.parts).sum() if len(r.parts) > 1 else r.parts[0] for r in records if r.parts]
 
     def pop_into(
         self,

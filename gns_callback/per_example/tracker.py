@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from gns_callback.backward_passes import PassLedger, current_pass, in_functorch_transform
+from gns_callback.backward_passes import PassLedger, in_functorch_transform
 from gns_callback.norms import squared_norm
 
 from . import compiled
@@ -116,10 +116,42 @@ class PassNorms:
     def add(self, sq_norms: Tensor) -> None:
         self.sq_norms = sq_norms if self.sq_norms is None else self.sq_norms + sq_norms
 
+    def merged(self, inner: PassNorms) -> PassNorms:
+        """This pass with ``inner``, a checkpointed segment's pass recorded apart because it ran before this pass
+        reached any hook (:class:`~gns_callback.backward_passes.PassLedger`): per-example norms add over layers.
+        Where they can't be added, the pass fails with the reason."""
+        problem = self.failure or inner.failure or _merge_problem(self, inner)
+        if problem is not None:
+            self.failure = problem
+            return self
+        self.fired |= inner.fired
+        self.subset_grads.update(inner.subset_grads)
+        if inner.sq_norms is not None:
+            self.add(inner.sq_norms)
+        if inner.unmeasured_sq is not None:
+            self.unmeasured_sq = inner.unmeasured_sq + (0 if self.unmeasured_sq is None else self.unmeasured_sq)
+        if self.batch_size is None:
+            self.batch_size, self.source, self.subset = inner.batch_size, inner.source, inner.subset
+        return self
+
     def add_unmeasured(self, param_name: str, grad: Tensor) -> None:
         """Add ``|grad − Σ_{i measured} g_i|²`` for one parameter whose pass gradient ``grad`` just arrived."""
         sq = squared_norm(self.subset_grads.pop(param_name).sub_(grad))  # ours to overwrite: no new buffer
         self.unmeasured_sq = sq if self.unmeasured_sq is None else self.unmeasured_sq + sq
+
+
+def _merge_problem(outer: PassNorms, inner: PassNorms) -> Optional[str]:
+    """Why two records of one backward pass (:meth:`PassNorms.merged`) can't be added, or None."""
+    hint = f"pass use_reentrant=False to torch.utils.checkpoint, or {_MICRO_BATCH_HINT}"
+    if outer.fired & inner.fired:
+        names = ", ".join(sorted(type(m).__name__ for m in outer.fired & inner.fired))
+        return (f"a layer ({names}) ran both inside and outside a reentrant gradient checkpoint: its per-example norm "
+                f"is not the sum of the two parts; {hint}.")
+    measured = {(r.batch_size, r.subset) for r in (outer, inner) if r.batch_size is not None}
+    if len(measured) > 1 or any(r.tied_logits or r.tied_lookups for r in (outer, inner)):
+        return ("a reentrant gradient checkpoint's segment and the rest of the model were measured differently (other "
+                f"batch sizes, a subset of examples in one only, or a tied table across them); {hint}.")
+    return None
 
 
 @dataclass(frozen=True)
@@ -189,7 +221,7 @@ class PerExampleNormTracker:
         self._uncovered_params: list[tuple[str, nn.Parameter]] = []
         self._handles: list[RemovableHandle] = []
         self._attached = False
-        self._passes: PassLedger[PassNorms] = PassLedger()
+        self._passes: PassLedger[PassNorms] = PassLedger(merge=PassNorms.merged)
         self._forward_costs: list[tuple[float, float, int]] = []  # per covered layer run since the last decision
         self._forward_launch_cost = 0.0  # what a kernel launch costs on the device those layers ran on
         self._shared_tables: dict[nn.Module, Optional[str]] = {}  # embedding → why it is a shared position table
@@ -434,7 +466,7 @@ class PerExampleNormTracker:
             self._forward_launch_cost = 0.0 if output.device.type == "cpu" else ACCELERATOR_LAUNCH_COST
 
     def _pass_record(self) -> PassNorms:
-        pass_id = current_pass()
+        pass_id = self._passes.current()
         record = self._passes.get(pass_id)
         if record is None:
             record = PassNorms()
