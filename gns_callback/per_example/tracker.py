@@ -438,7 +438,7 @@ class PerExampleNormTracker:
     def _refuses_compiled(self) -> bool:
         """Stop measuring (and say why) when a training forward is being traced by ``torch.compile``
         (:mod:`.compiled`): the compiled graph will never call the hooks."""
-        if self._listening() and torch.is_grad_enabled() and compiled.tracing():
+        if compiled.tracing() and self._listening() and torch.is_grad_enabled():
             self._fail(f"a training forward ran under torch.compile: {compiled.REASON}.")
             return True
         return False
