@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from gns_callback.backward_passes import PassLedger, in_functorch_transform
+from gns_callback.backward_passes import PassLedger, current_pass, in_functorch_transform
 from gns_callback.norms import squared_norm
 
 from . import compiled
@@ -223,6 +223,7 @@ class PerExampleNormTracker:
         self._attached = False
         self._passes: PassLedger[PassNorms] = PassLedger(merge=PassNorms.merged)
         self._forward_costs: list[tuple[float, float, int]] = []  # per covered layer run since the last decision
+        self._last_subset: Optional[bool] = None  # that decision (:meth:`_measures_subset`)
         self._forward_launch_cost = 0.0  # what a kernel launch costs on the device those layers ran on
         self._shared_tables: dict[nn.Module, Optional[str]] = {}  # embedding → why it is a shared position table
         self._saw_tracked_forward = False
@@ -412,6 +413,7 @@ class PerExampleNormTracker:
     def _reset_state(self) -> None:
         self._passes.clear()
         self._forward_costs = []
+        self._last_subset = None
         self._saw_tracked_forward = False
         self.failure = None
 
@@ -460,7 +462,7 @@ class PerExampleNormTracker:
         # The hook lives on the output's autograd node, so the saved input is freed with the graph.
         output.register_hook(partial(self._on_output_grad, module, saved))
         covered = self._covered_modules.get(module)
-        if self.max_examples is not None and covered is not None:
+        if self.max_examples is not None and covered is not None and current_pass() < 0:  # not a recomputation
             batch = self.expected_batch_size or inp.shape[0]
             self._forward_costs.append((*covered.cost(module, inp, output, batch), covered.param_count))
             self._forward_launch_cost = 0.0 if output.device.type == "cpu" else ACCELERATOR_LAUNCH_COST
@@ -685,11 +687,17 @@ class PerExampleNormTracker:
 
     def _measures_subset(self, record: PassNorms, batch_size: int) -> bool:
         """Whether this pass measures only the first ``max_examples`` examples: decided once per pass, when the
-        layers seen in the forward passes since the last decision say it is cheaper (:mod:`.cost`)."""
+        layers seen in the forward passes since the last decision say it is cheaper (:mod:`.cost`). A pass with no
+        forward since the last decision (a reentrant checkpoint's segment recorded apart from its outer pass, whose
+        recomputed forward runs inside backward and is not counted) takes the last decision, so that the two
+        records agree when they are merged (:meth:`PassNorms.merged`)."""
         if record.subset is None:
             costs, self._forward_costs = self._forward_costs, []
-            record.subset = (self.max_examples is not None and batch_size > self.max_examples and self._subset_allowed
-                             and subset_is_cheaper(costs, batch_size, self.max_examples, self._forward_launch_cost))
+            if costs or self._last_subset is None:
+                self._last_subset = (self.max_examples is not None and batch_size > self.max_examples
+                                     and self._subset_allowed and subset_is_cheaper(
+                                         costs, batch_size, self.max_examples, self._forward_launch_cost))
+            record.subset = self._last_subset
         return record.subset
 
     def _on_param_grad(self, modules: tuple[nn.Module, ...], param_name: str, grad: Tensor) -> None:
