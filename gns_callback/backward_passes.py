@@ -9,8 +9,9 @@ engine's graph-task id and commits a pass when a parameter's ``.grad`` is accumu
 
 A backward pass started from inside another one's backward (reentrant gradient checkpointing,
 ``torch.utils.checkpoint(..., use_reentrant=True)``: the checkpointed segment's backward is a pass of its own, run by
-the outer pass) is part of the outer pass: its layers and parameters are recorded under the outer pass's id
-(:meth:`PassLedger.current`). Counted apart, one micro-batch would read as two, each with part of the model.
+the outer pass) is part of the outer pass: :meth:`PassLedger.pop` merges each committed pass into the pass it ran
+inside. Counted apart, one micro-batch would read as two, each with part of the model. A nested pass that fills no
+``.grad`` (``autograd.grad`` in a user's backward hook) is dropped like any other.
 """
 
 from __future__ import annotations
@@ -39,8 +40,7 @@ def in_functorch_transform() -> bool:
 class PassLedger(Generic[T]):
     """``pass id → value`` for the backward passes of one optimizer step; :meth:`pop` returns the committed ones.
 
-    ``merge(outer, inner)``: one value of two recorded apart for what turned out to be one pass (a checkpointed
-    segment that ran before the outer pass reached any hook).
+    ``merge(first, later)``: one value of two passes that are one (a checkpointed segment's and its outer pass's).
     """
 
     merge: Callable[[T, T], T]
@@ -51,15 +51,14 @@ class PassLedger(Generic[T]):
     _running: set[int] = field(default_factory=set)  # passes seen whose backward has not finished
 
     def current(self) -> int:
-        """The id the running backward pass is recorded under: its own, or that of the pass whose backward runs it
-        (-1 outside backward)."""
+        """The autograd engine's id of the backward pass running now (-1 outside backward), placed among the
+        passes seen (:meth:`_first_seen`)."""
         pass_id = current_pass()
-        if pass_id < 0:
-            return pass_id
-        outer = self._outer.get(pass_id)
-        return outer if outer is not None else self._first_seen(pass_id)
+        if pass_id >= 0 and pass_id not in self._outer:
+            self._first_seen(pass_id)
+        return pass_id
 
-    def _first_seen(self, pass_id: int) -> int:
+    def _first_seen(self, pass_id: int) -> None:
         """Place a pass seen for the first time. Graph-task ids grow with each ``backward`` call, and a pass runs on
         its calling thread from its call to its end, so a pass started while another one runs is inside it:
 
@@ -67,24 +66,12 @@ class PassLedger(Generic[T]):
         * passes newer than this one, already seen: they ran inside this one, which reached no hook before them.
         """
         enclosing = [p for p in self._running if p < pass_id]
-        if enclosing:
-            outer = self._outer[max(enclosing)]
-        else:
-            outer = pass_id
-            for inner in sorted(p for p, o in self._outer.items() if p > pass_id and o == p):
-                self._move(inner, outer)
+        outer = self._outer[max(enclosing)] if enclosing else pass_id
+        if not enclosing:
+            self._outer = {p: outer if o > pass_id else o for p, o in self._outer.items()}
         self._outer[pass_id] = outer
         self._running.add(pass_id)
         torch.autograd.Variable._execution_engine.queue_callback(partial(self._running.discard, pass_id))
-        return outer
-
-    def _move(self, inner: int, outer: int) -> None:
-        """Record under ``outer`` what was recorded under ``inner`` and the passes inside it."""
-        self._outer = {p: outer if o == inner else o for p, o in self._outer.items()}
-        self._committed = [outer if c == inner else c for c in self._committed]
-        if inner in self._pending:
-            moved = self._pending.pop(inner)
-            self._pending[outer] = self.merge(self._pending[outer], moved) if outer in self._pending else moved
 
     def watch(self, params: Iterable[torch.nn.Parameter]) -> None:
         """Commit the running pass whenever one of ``params`` gets its ``.grad`` accumulated."""
@@ -109,10 +96,15 @@ class PassLedger(Generic[T]):
         self._pending[pass_id] = value
 
     def pop(self) -> list[T]:
-        """Values of the committed passes, in order; everything else recorded since the last pop is dropped."""
-        values = [self._pending[i] for i in dict.fromkeys(self._committed) if i in self._pending]
+        """Values of the committed passes, in order, each merged with the committed passes that ran inside it;
+        everything else recorded since the last pop is dropped."""
+        merged: dict[int, T] = {}
+        for pass_id in dict.fromkeys(self._committed):
+            if pass_id in self._pending:
+                outer, value = self._outer.get(pass_id, pass_id), self._pending[pass_id]
+                merged[outer] = self.merge(merged[outer], value) if outer in merged else value
         self.clear()
-        return values
+        return list(merged.values())
 
     def clear(self) -> None:
         """Forget every pass (called between optimizer steps, when no backward runs)."""

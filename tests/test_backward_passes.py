@@ -64,3 +64,21 @@ def test_a_reentrant_segment_is_part_of_the_pass_that_runs_it_in_either_order():
             forward(torch.randn(3, 4)).sum().backward()
         passes = recorder.ledger.pop()
         assert [sorted(p) for p in passes] == [["0", "1", "2", "3", "4"]] * 2, (segments, passes)
+
+
+def test_a_pass_inside_another_that_fills_no_grad_is_dropped():
+    """``torch.autograd.grad`` through the model from a hook during backward (a saliency, say): a pass inside the
+    outer one, like a reentrant segment, but it accumulates into no ``.grad``, so it is no part of the step."""
+    net = model()
+    recorder = Recorder(net)
+    probe = torch.randn(3, 4, requires_grad=True)
+    hidden = net[0](torch.randn(3, 4))
+
+    def saliency(grad):
+        with torch.enable_grad():  # backward runs hooks with grad mode off
+            torch.autograd.grad(net(probe).sum(), probe)
+
+    hidden.register_hook(saliency)
+    net[1:](hidden).sum().backward()
+    (only,) = recorder.ledger.pop()
+    assert sorted(only) == ["0", "1", "2", "3", "4"]

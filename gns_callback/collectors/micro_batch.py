@@ -61,8 +61,8 @@ class _PassSquares:
         self.params.add(id(param))
 
     def merged(self, inner: _PassSquares) -> _PassSquares:
-        """This pass with a checkpointed segment's pass recorded apart (:class:`PassLedger`): squared norms of
-        disjoint parameters add."""
+        """This pass with another part of the same backward pass (a reentrant checkpoint's segment,
+        :class:`PassLedger`): squared norms of disjoint parameters add."""
         self.failure = self.failure or inner.failure or (_TWICE if self.params & inner.params else None)
         self.parts += inner.parts
         self.params |= inner.params

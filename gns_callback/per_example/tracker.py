@@ -117,9 +117,9 @@ class PassNorms:
         self.sq_norms = sq_norms if self.sq_norms is None else self.sq_norms + sq_norms
 
     def merged(self, inner: PassNorms) -> PassNorms:
-        """This pass with ``inner``, a checkpointed segment's pass recorded apart because it ran before this pass
-        reached any hook (:class:`~gns_callback.backward_passes.PassLedger`): per-example norms add over layers.
-        Where they can't be added, the pass fails with the reason."""
+        """This pass with ``inner``, another part of the same backward pass (a reentrant checkpoint's segment,
+        :class:`~gns_callback.backward_passes.PassLedger`): per-example norms add over layers. Where they can't be
+        added, the pass fails with the reason."""
         problem = self.failure or inner.failure or _merge_problem(self, inner)
         if problem is not None:
             self.failure = problem
