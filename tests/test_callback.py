@@ -120,6 +120,19 @@ def test_sketched_norms_under_fp16_with_a_real_grad_scaler_and_bf16_match_fp32(d
     assert bf16.run_estimate.b_simple == pytest.approx(fp32.run_estimate.b_simple, rel=0.05)
 
 
+@pytest.mark.parametrize("method, accumulate", [("per_example", 1), ("micro_batch", 4)])
+def test_float64_true_precision_matches_fp32(digits, method, accumulate):
+    """``Trainer(precision="64-true")`` crashed the run at its first step (float64 gradients in a float32
+    multi-tensor norm, tests/test_norms.py). The same stream in float64 reads what it reads in float32."""
+    make = lambda: GradientNoiseScaleCallback(method=method, verbose=False)  # noqa: E731
+    fp32, _, _ = fit_with_gns(mlp(), *digits, accumulate=accumulate, steps=60, callback=make())
+    fp64, _, module = fit_with_gns(mlp(), *digits, accumulate=accumulate, steps=60, callback=make(),
+                                   precision="64-true")
+    assert next(module.parameters()).dtype == torch.float64
+    assert fp64.run_estimate.steps == fp32.run_estimate.steps == 60
+    assert fp64.run_estimate.b_simple == pytest.approx(fp32.run_estimate.b_simple, rel=1e-4)
+
+
 def test_bf16(digits):
     fp32, _, _ = fit_with_gns(mlp(), *digits, steps=100)
     bf16, _, _ = fit_with_gns(mlp(), *digits, steps=100, callback=micro(), precision="bf16-mixed")
