@@ -107,3 +107,35 @@ def test_a_subset_of_examples_is_measured_across_reentrant_segments(digits, exac
     estimate = callback.run_estimate
     assert estimate.steps == STEPS and callback.meter.failure is None
     assert_matches_exact(estimate, exact_gns(cnn(), F.cross_entropy, x, y)[0], max_ci_ratio=3.0)
+
+
+def test_hugging_face_gradient_checkpointing_reads_what_no_checkpointing_reads():
+    """The real GPT-2 (tiny config, 3 blocks, float64) with ``gradient_checkpointing_enable(use_reentrant=True)``:
+    per-example norms and micro-batch norms equal those without checkpointing. Runs where ``transformers`` is
+    installed (not in the test extra)."""
+    from gns_callback.collectors.micro_batch import MicroBatchCollector
+    from gns_callback.per_example import PerExampleNormTracker
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=23, n_positions=8, n_embd=16, n_layer=3, n_head=2, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager", use_cache=False)
+    ids = torch.randint(23, (6, 8), generator=torch.Generator().manual_seed(0))
+
+    def norms(checkpointed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(config).double().train()
+        if checkpointed:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+            model.enable_input_require_grads()
+        with PerExampleNormTracker(model) as tracker, pytest.warns(UserWarning, match="wpe"):
+            model(input_ids=ids, labels=ids).loss.backward()
+            per_example = tracker.pop()
+        collector = MicroBatchCollector(model)
+        collector.attach()
+        for half in (ids[:3], ids[3:]):
+            model(input_ids=half, labels=half).loss.backward()
+        return per_example, torch.stack(collector.pop())
+
+    (plain_examples, plain_passes), (examples, passes) = norms(False), norms(True)
+    torch.testing.assert_close(examples, plain_examples, rtol=1e-6, atol=0)
+    torch.testing.assert_close(passes, plain_passes, rtol=1e-6, atol=0)
