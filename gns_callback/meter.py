@@ -237,6 +237,8 @@ class GradientNoiseScaleMeter:
         self._reads: DeferredReads[Union[_ReducedRow, _LocalRow]] = DeferredReads()  # steps on their way
         self.losses_given = False
         self.steps_seen = 0  # optimizer steps offered for measurement
+        self._measurable_steps = 0  # of those, with two batch sizes to compare (one process)
+        self._said_unmeasurable = False
         self.failure: Optional[str] = None
         self._problem: Optional[str] = None  # why this rank could not measure a step, until the ranks agree
         self._any_rank_failed: Optional[torch.Tensor] = None  # device bool, since the last agreement
@@ -316,8 +318,23 @@ class GradientNoiseScaleMeter:
         if window.empty:
             return
         self.steps_seen += 1
-        if window.measurable(self.loss_reduction):  # else e.g. one micro-batch on one device (counted as skipped)
+        if window.measurable(self.loss_reduction):
+            self._measurable_steps += 1
             self._measure(window, loss_scale, loss)
+        elif self._measurable_steps == 0 and not self._said_unmeasurable:
+            self._say_unmeasurable(window)
+
+    def _say_unmeasurable(self, window: AccumulationWindow) -> None:
+        """Warn once that steps are skipped because their small and big batches are the same size (one micro-batch
+        of one example on one device, say), while no step has been measurable: else every step could be skipped
+        with nothing said but ``skipped_steps``."""
+        self._said_unmeasurable = True
+        warnings.warn(
+            f"gns_callback skips optimizer steps it can't measure: this one's small and big batches are the same "
+            f"size ({window.micro_size_sum:g} example(s) in {window.micro_count} micro-batch(es)). Per-example norms "
+            "need 2+ examples in a micro-batch, micro-batch norms 2+ micro-batches per step. Such steps are counted "
+            "in skipped_steps; with micro-batches of one example, accumulate gradients over 2+ of them (Lightning: "
+            "accumulate_grad_batches=2) or train on 2+ devices.", stacklevel=3)
 
     def _step_across_ranks(self, window: AccumulationWindow, loss_scale: Union[torch.Tensor, float, None],
                            loss: Union[torch.Tensor, float, None]) -> None:

@@ -523,3 +523,28 @@ def test_validation_pause_and_the_duty_cycle_combine(digits):
         assert not meter.collector.enabled
     assert not meter.collector.enabled  # step 1 rests
     meter.detach()
+
+
+def test_steps_of_one_example_are_skipped_and_said_once_while_nothing_is_measurable():
+    """One example per optimizer step: the small and big batches are the same, nothing can be measured. Before,
+    every step was skipped with nothing said but ``skipped_steps``; now one warning names the cause and the fix.
+    A single-example step after measured ones (a short last batch) is skipped without a word."""
+    net, x, y = mlp(), torch.randn(40, 64), torch.randint(10, (40,))
+
+    def run(batch_sizes):
+        with warnings.catch_warnings(record=True) as caught, GradientNoiseScaleMeter(net) as meter:
+            warnings.simplefilter("always")
+            start = 0
+            for b in batch_sizes:
+                F.cross_entropy(net(x[start:start + b]), y[start:start + b]).backward()
+                meter.step(micro_batch_size=b)
+                net.zero_grad()
+                start = (start + b) % 30
+        said = [str(w.message) for w in caught if "skips optimizer steps" in str(w.message)]
+        return meter.run_estimate, said
+
+    estimate, said = run([1] * 6)
+    assert estimate.steps == 0 and estimate.skipped_steps == 6
+    assert len(said) == 1 and "accumulate_grad_batches=2" in said[0]
+    estimate, said = run([8, 8, 8, 1])
+    assert estimate.steps == 3 and estimate.skipped_steps == 1 and not said
