@@ -23,9 +23,12 @@ def squared_norm(tensor: torch.Tensor) -> torch.Tensor:
 
 def squared_norm_sum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """``Σ_t |t|²`` as a float32 0-d tensor, in a few multi-tensor kernels (``torch._foreach_norm``): float64 tensors
-    in float64 (``_foreach_norm`` refuses to narrow them), the rest accumulated in float32."""
-    wide = [t for t in tensors if t.dtype == torch.float64]
-    narrow = [t for t in tensors if t.dtype != torch.float64]
-    sums = [torch.stack(torch._foreach_norm(group, 2, dtype=dtype)).square().sum().float()
-            for group, dtype in ((narrow, torch.float32), (wide, torch.float64)) if group]
+    in float64 (``_foreach_norm`` refuses to narrow them), the rest accumulated in float32; sparse tensors (an
+    ``nn.Embedding(sparse=True)``'s gradient, which ``_foreach_norm`` can't read) one by one, by their values."""
+    dense = [t for t in tensors if t.layout == torch.strided]
+    sums = [squared_norm(t) for t in tensors if t.layout != torch.strided]
+    for dtype, group in ((torch.float64, [t for t in dense if t.dtype == torch.float64]),
+                         (torch.float32, [t for t in dense if t.dtype != torch.float64])):
+        if group:
+            sums.append(torch.stack(torch._foreach_norm(group, 2, dtype=dtype)).square().sum().float())
     return sums[0] if len(sums) == 1 else torch.stack(sums).sum()

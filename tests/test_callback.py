@@ -133,6 +133,24 @@ def test_float64_true_precision_matches_fp32(digits, method, accumulate):
     assert fp64.run_estimate.b_simple == pytest.approx(fp32.run_estimate.b_simple, rel=1e-4)
 
 
+def test_a_sparse_embedding_reads_what_a_dense_one_reads(digits):
+    """``nn.Embedding(sparse=True)`` gives sparse ``.grad``: the step's ``|G_B|²`` crashed the run (a multi-tensor
+    norm that can't read them, tests/test_norms.py). ``micro_batch`` measures it as the dense table."""
+    from tests.helpers import token_model
+
+    tokens = (digits[0] * 16).round().long()
+
+    def run(sparse: bool):
+        model = token_model()
+        model.embed.sparse = sparse
+        callback, _, _ = fit_with_gns(model, tokens, digits[1], steps=60, callback=micro())
+        return callback.run_estimate
+
+    sparse, dense = run(True), run(False)
+    assert sparse.steps == dense.steps == 60
+    assert sparse.b_simple == pytest.approx(dense.b_simple, rel=1e-5)
+
+
 def test_bf16(digits):
     fp32, _, _ = fit_with_gns(mlp(), *digits, steps=100)
     bf16, _, _ = fit_with_gns(mlp(), *digits, steps=100, callback=micro(), precision="bf16-mixed")

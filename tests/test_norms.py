@@ -23,3 +23,13 @@ def test_squared_norm_sum_of_any_dtype_mix(dtypes):
     assert total.dtype == torch.float32 and total.dim() == 0
     assert float(total) == pytest.approx(reference(tensors), rel=1e-6)
     assert float(total) == pytest.approx(sum(float(squared_norm(t)) for t in tensors), rel=1e-6)
+
+
+def test_squared_norm_sum_reads_sparse_gradients_by_their_values():
+    """An ``nn.Embedding(sparse=True)``'s gradient, uncoalesced (a row looked up twice): ``_foreach_norm`` can't read
+    it, and the run crashed at its first optimizer step under ``micro_batch``."""
+    table = torch.nn.Embedding(7, 3, sparse=True)
+    table(torch.tensor([[1, 4, 1]])).square().sum().backward()
+    dense = torch.randn(5, 2)
+    total = squared_norm_sum([table.weight.grad, dense])
+    assert float(total) == pytest.approx(reference([table.weight.grad.to_dense(), dense]), rel=1e-6)
