@@ -39,6 +39,7 @@ from gns_callback.collectors import COLLECTORS, Collector
 from gns_callback.critical_batch import CriticalBatchAccumulator, CriticalBatchEstimate
 from gns_callback.deferred import DeferredReads
 from gns_callback.estimate import GNSEstimate
+from gns_callback.grad_watch import PROBLEM as GRADIENTS_CHANGED, GradientWatch
 from gns_callback.norms import squared_norm_sum
 from gns_callback.per_example.sketch import reseed_probes
 from gns_callback.scalar_ops import host_errors_ignored
@@ -152,6 +153,7 @@ class GradientNoiseScaleMeter:
         self.reduce = reduce
         self.measure_every_n_steps = int(measure_every_n_steps)
         self.collector: Collector = COLLECTORS[method](model, max_examples=per_example_max_examples)
+        self._watch = GradientWatch([])  # the measured parameters, once attached
         self._attached = False
         self._enabled = True
         self.steps_offered = 0  # every call to step(), measured or resting: the duty cycle's phase
@@ -162,6 +164,7 @@ class GradientNoiseScaleMeter:
     def attach(self) -> "GradientNoiseScaleMeter":
         """Put the hooks on (idempotent)."""
         self.collector.attach()
+        self._watch = GradientWatch(self.collector.measured_parameters())
         self._attached = True
         return self
 
@@ -195,6 +198,13 @@ class GradientNoiseScaleMeter:
         self.steps_offered += 1
         reseed_probes(self.steps_offered)
         self._set_hooks()
+
+    def backward_done(self) -> None:
+        """Backward has ended, and nothing has changed the gradients yet: :meth:`step` then checks that nothing did
+        before it reads them (:mod:`gns_callback.grad_watch`; the Lightning callback calls this in
+        ``on_after_backward``, before the module's own hook). Optional in your own loop."""
+        if self._enabled and self.measures_next_step and self.failure is None:
+            self._watch.mark()
 
     def expect_batch_size(self, size: Optional[int]) -> None:
         """The number of examples in the micro-batch whose forward pass runs next (None: unknown).
@@ -311,6 +321,8 @@ class GradientNoiseScaleMeter:
         if self.failure is not None or not measured:
             return self.discard_pending()
         window = self._collect(_as_sizes(micro_batch_size), loss_divisor)
+        if self._gradients_changed(loss_scale) and self.reduce is None:
+            return self.stop(GRADIENTS_CHANGED)
         if self.reduce is not None:
             return self._step_across_ranks(window, loss_scale, loss)
         if self._problem is not None:
@@ -323,6 +335,15 @@ class GradientNoiseScaleMeter:
             self._measure(window, loss_scale, loss)
         elif self._measurable_steps == 0 and not self._said_unmeasurable:
             self._say_unmeasurable(window)
+
+    def _gradients_changed(self, loss_scale: Union[torch.Tensor, float, None]) -> bool:
+        """Whether the gradients changed after backward (:meth:`backward_done`): checked at every step on the CPU, on
+        an accelerator at the steps the ranks agree on (a host sync). With ``reduce`` the ranks stop together."""
+        due = self._watch.on_host() or self.steps_seen < AGREE_FIRST or self.steps_seen % AGREE_EVERY == 0
+        problem = self._watch.problem(loss_scale) if due else self._watch.forget()
+        if problem is not None and self.reduce is not None:
+            self._problem = self._problem or problem
+        return problem is not None
 
     def _say_unmeasurable(self, window: AccumulationWindow) -> None:
         """Warn once that steps are skipped because their small and big batches are the same size (one micro-batch
@@ -456,6 +477,7 @@ class GradientNoiseScaleMeter:
         self._set_hooks()  # the new collector takes the pause and the duty cycle as they are
         if self._attached:
             self.collector.attach()
+            self._watch = GradientWatch(self.collector.measured_parameters())
         self.switched_from, self.method, self.fallback_method = self.method, method, None
         self.reset()
 

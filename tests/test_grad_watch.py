@@ -1,0 +1,57 @@
+"""``GradientWatch`` (gns_callback/grad_watch.py): gradients changed between the end of backward and the read."""
+
+import torch
+import torch.nn as nn
+
+from gns_callback.grad_watch import PROBLEM, GradientWatch
+from tests.helpers import mlp
+
+
+def backward(net: nn.Module, scale: float = 1.0) -> None:
+    net.zero_grad()
+    (net(torch.randn(4, 64)).square().mean() * scale).backward()
+
+
+def test_it_watches_the_smallest_parameters():
+    net = mlp()
+    assert [p.numel() for p in GradientWatch(list(net.parameters())).params] == [10, 32]
+
+
+def test_a_change_after_backward_is_a_problem_and_none_is_not():
+    net = mlp()
+    watch = GradientWatch(list(net.parameters()))
+    backward(net)
+    watch.mark()
+    assert watch.problem() is None
+    watch.mark()
+    torch.nn.utils.clip_grad_norm_(net.parameters(), 1e-3)  # the user's clipping after backward
+    assert watch.problem() == PROBLEM
+    assert watch.problem() is None  # the mark is forgotten once checked
+
+
+def test_the_amp_loss_scale_taken_off_in_between_is_no_change():
+    net = mlp()
+    watch = GradientWatch(list(net.parameters()))
+    backward(net, scale=2.0**16)
+    watch.mark()
+    for p in net.parameters():
+        p.grad.mul_(2.0**-16)  # GradScaler.unscale_
+    assert watch.problem(loss_scale=torch.tensor(2.0**16)) is None
+
+
+def test_a_step_the_scaler_skips_is_no_change():
+    net = mlp()
+    watch = GradientWatch(list(net.parameters()))
+    backward(net)
+    for p in net.parameters():
+        p.grad.fill_(float("inf"))
+    watch.mark()
+    for p in net.parameters():
+        p.grad.fill_(float("nan"))
+    assert watch.problem() is None
+
+
+def test_nothing_marked_nothing_checked():
+    net = mlp()
+    backward(net)
+    assert GradientWatch(list(net.parameters())).problem() is None
