@@ -23,6 +23,7 @@ import torch
 from gns_callback import arguments as args
 from gns_callback.batch_size import batch_size_of
 from gns_callback.collectors import METHODS, MIN_COVERAGE, UnmeasurableSetup, choose_method
+from gns_callback.grad_watch import uncleared_gradients
 from gns_callback.critical_batch import critical_batch_target
 from gns_callback.estimate import GNSEstimate
 from gns_callback.json_values import json_safe
@@ -415,11 +416,20 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             self._adapter.advance(trainer)
         sizes, self._sizes = self._sizes, []
         losses, self._losses = self._losses, []
+        if self.meter.steps_offered == 0:
+            self._stop_if_uncleared(pl_module, optimizer)
         self.meter.step(micro_batch_size=sizes, loss_scale=facts.loss_scale(trainer),
                         loss_divisor=trainer.accumulate_grad_batches, loss=_mean(losses))
         every = self.log_every_n_steps or trainer.log_every_n_steps
         if every and (trainer.global_step + 1) % every == 0:
             self._log(trainer, pl_module)
+
+    def _stop_if_uncleared(self, pl_module: Any, optimizer: Any) -> None:
+        """At the first step: stop measuring if gradients accumulate that the optimizer never clears
+        (:func:`~gns_callback.grad_watch.uncleared_gradients`); the same on every rank."""
+        problem = uncleared_gradients(pl_module, optimizer)
+        if problem is not None:
+            self.meter.stop(problem)
 
     # ------------------------------------------------------------------ logging
     def _log(self, trainer: Any, pl_module: Any, final: bool = False) -> None:

@@ -9,14 +9,18 @@ Clipping where it belongs (Lightning's ``gradient_clip_val`` or ``configure_grad
 :class:`GradientWatch` keeps the squared norms of a few small parameters' gradients when backward ends
 (:meth:`~GradientWatch.mark`) and compares them at the read (:meth:`~GradientWatch.problem`), allowing for the AMP
 loss scale that is taken off in between. A uniform change (clipping, scaling) shows in every parameter; a change to
-some layers only shows if it reaches a watched one. Torch only, no Lightning.
+some layers only shows if it reaches a watched one.
+
+:func:`uncleared_gradients` catches the other way ``.grad`` goes wrong before the read: trainable parameters that no
+optimizer param group holds (a backbone left trainable while only the head is optimized) get gradients that
+``optimizer.zero_grad()`` never clears, so they grow from step to step. Torch only, no Lightning.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
@@ -75,3 +79,20 @@ def _differ(then: float, now: float) -> bool:
     if not (math.isfinite(then) and math.isfinite(now)):
         return False
     return abs(now - then) > TOLERANCE * max(then, now, 1e-30)
+
+
+def uncleared_gradients(model: nn.Module, optimizer: Any) -> Optional[str]:
+    """Why ``|G_B|²`` would be wrong because ``model`` has trainable parameters with a gradient that no param group of
+    ``optimizer`` holds (its ``zero_grad`` leaves them to grow), with the fix; None if there are none. Call it after
+    the first backward, before the optimizer step."""
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    left = [(name, p) for name, p in trainable if p.grad is not None and id(p) not in stepped]
+    if not left:
+        return None
+    share = sum(p.numel() for _, p in left) / sum(p.numel() for _, p in trainable)
+    names = ", ".join(repr(name) for name, _ in left[:3]) + (", ..." if len(left) > 3 else "")
+    return (f"{len(left)} trainable parameter tensor(s) ({names}; {share:.0%} of the trainable parameters) get "
+            "gradients but no optimizer param group holds them, so zero_grad never clears them and their .grad grows "
+            "from step to step: |G_B|² would be wrong. Freeze them (requires_grad_(False)) or give them to the "
+            "optimizer")

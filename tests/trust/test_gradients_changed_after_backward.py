@@ -5,6 +5,10 @@ clipped ``|G_B|²`` with unclipped norms. On the digits MLP, clipping at 0.6 rea
 against an exact 68.0, a confident wrong number; at 0.45, ``inf``. Now the callback notices at the first step
 that clips, stops measuring and says why and what to do; the run goes on. Clipping with ``gradient_clip_val``, after
 the read, is measured as before (tests/test_callback.py).
+
+The other way ``.grad`` went wrong before the read: a backbone left trainable while only the head is optimized.
+``zero_grad`` clears only the optimizer's parameters, so the backbone's ``.grad`` grew from step to step and the
+run read B_simple = 0.0. Now the first step notices and the measurement stops, with the fix.
 """
 
 import pytest
@@ -47,5 +51,46 @@ def test_reading_the_gradients_after_backward_is_measured(digits):
     x, y = digits
     callback = GradientNoiseScaleCallback(verbose=False)
     with_and_without(lambda: LogsGradientNorms(mlp()), lambda: with_replacement_loader(x, y, 32, 32 * STEPS, seed=0),
+                     callback)
+    assert callback.run_estimate.steps == STEPS and callback.meter.failure is None
+
+
+class HeadOnly(Classifier):
+    """Optimizes the last layer only; the first stays trainable (a common slip when fine-tuning)."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.net[-1].parameters(), lr=0.1)
+
+
+class WithTeacher(Classifier):
+    """A trainable copy no optimizer holds that gets no gradient (an EMA teacher run under no_grad): harmless."""
+
+    def __init__(self, net):
+        super().__init__(net, lr=0.1)
+        self.teacher = mlp(seed=1)
+
+    def training_step(self, batch, batch_idx):
+        with torch.no_grad():
+            self.teacher(batch[0])
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.net.parameters(), lr=0.1)
+
+
+def test_a_trainable_layer_no_optimizer_holds_stops_measuring_with_the_fix(digits):
+    x, y = digits
+    callback = GradientNoiseScaleCallback(verbose=False)
+    trainer, caught = with_and_without(lambda: HeadOnly(mlp()),
+                                       lambda: with_replacement_loader(x, y, 32, 32 * STEPS, seed=0), callback)
+    assert trainer.global_step == STEPS
+    single(messages(caught, "stopped measuring"))
+    assert_withheld(callback.run_estimate, "'net.0.weight'", "requires_grad_(False)")
+
+
+def test_a_trainable_copy_without_gradients_is_no_problem(digits):
+    x, y = digits
+    callback = GradientNoiseScaleCallback(verbose=False)
+    with_and_without(lambda: WithTeacher(mlp()), lambda: with_replacement_loader(x, y, 32, 32 * STEPS, seed=0),
                      callback)
     assert callback.run_estimate.steps == STEPS and callback.meter.failure is None
