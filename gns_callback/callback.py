@@ -23,9 +23,9 @@ import torch
 from gns_callback import arguments as args
 from gns_callback.batch_size import batch_size_of
 from gns_callback.collectors import METHODS, MIN_COVERAGE, UnmeasurableSetup, choose_method
-from gns_callback.grad_watch import uncleared_gradients
 from gns_callback.critical_batch import critical_batch_target
 from gns_callback.estimate import GNSEstimate
+from gns_callback.grad_watch import uncleared_gradients
 from gns_callback.json_values import json_safe
 from gns_callback.lightning import supported
 from gns_callback.lightning import trainer_facts as facts
