@@ -34,25 +34,34 @@ class LogsGradientNorms(Classifier):
             [p.grad for p in self.parameters()]))]
 
 
-@pytest.mark.parametrize("method, accumulate, batch_size", [("per_example", 1, 32), ("micro_batch", 4, 8)])
-def test_clipping_in_on_after_backward_stops_measuring_with_the_fix(digits, method, accumulate, batch_size):
+def fit(digits, make_module, method: str = "auto", accumulate: int = 1, batch_size: int = 32):
+    """The setup trains without the callback, then with it for ``STEPS`` steps; the callback and its warnings."""
     x, y = digits
     callback = GradientNoiseScaleCallback(method=method, verbose=False)
     trainer, caught = with_and_without(
-        lambda: ClipsAfterBackward(mlp(), lr=0.1),
-        lambda: with_replacement_loader(x, y, batch_size, batch_size * accumulate * STEPS, seed=0),
+        make_module, lambda: with_replacement_loader(x, y, batch_size, batch_size * accumulate * STEPS, seed=0),
         callback, accumulate_grad_batches=accumulate)
     assert trainer.global_step == STEPS
+    return callback, caught
+
+
+def assert_stopped(callback, caught, *phrases: str) -> None:
     single(messages(caught, "stopped measuring"))
-    assert_withheld(callback.run_estimate, "on_after_backward", "gradient_clip_val")
+    assert_withheld(callback.run_estimate, *phrases)
+
+
+def assert_measured(callback) -> None:
+    assert callback.run_estimate.steps == STEPS and callback.meter.failure is None
+
+
+@pytest.mark.parametrize("method, accumulate, batch_size", [("per_example", 1, 32), ("micro_batch", 4, 8)])
+def test_clipping_in_on_after_backward_stops_measuring_with_the_fix(digits, method, accumulate, batch_size):
+    callback, caught = fit(digits, lambda: ClipsAfterBackward(mlp(), lr=0.1), method, accumulate, batch_size)
+    assert_stopped(callback, caught, "on_after_backward", "gradient_clip_val")
 
 
 def test_reading_the_gradients_after_backward_is_measured(digits):
-    x, y = digits
-    callback = GradientNoiseScaleCallback(verbose=False)
-    with_and_without(lambda: LogsGradientNorms(mlp()), lambda: with_replacement_loader(x, y, 32, 32 * STEPS, seed=0),
-                     callback)
-    assert callback.run_estimate.steps == STEPS and callback.meter.failure is None
+    assert_measured(fit(digits, lambda: LogsGradientNorms(mlp()))[0])
 
 
 class HeadOnly(Classifier):
@@ -79,18 +88,8 @@ class WithTeacher(Classifier):
 
 
 def test_a_trainable_layer_no_optimizer_holds_stops_measuring_with_the_fix(digits):
-    x, y = digits
-    callback = GradientNoiseScaleCallback(verbose=False)
-    trainer, caught = with_and_without(lambda: HeadOnly(mlp()),
-                                       lambda: with_replacement_loader(x, y, 32, 32 * STEPS, seed=0), callback)
-    assert trainer.global_step == STEPS
-    single(messages(caught, "stopped measuring"))
-    assert_withheld(callback.run_estimate, "'net.0.weight'", "requires_grad_(False)")
+    assert_stopped(*fit(digits, lambda: HeadOnly(mlp())), "'net.0.weight'", "requires_grad_(False)")
 
 
 def test_a_trainable_copy_without_gradients_is_no_problem(digits):
-    x, y = digits
-    callback = GradientNoiseScaleCallback(verbose=False)
-    with_and_without(lambda: WithTeacher(mlp()), lambda: with_replacement_loader(x, y, 32, 32 * STEPS, seed=0),
-                     callback)
-    assert callback.run_estimate.steps == STEPS and callback.meter.failure is None
+    assert_measured(fit(digits, lambda: WithTeacher(mlp()))[0])
