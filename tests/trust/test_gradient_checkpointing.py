@@ -2,12 +2,12 @@
 
 Reentrant checkpointing (``use_reentrant=True``, still torch's default when the argument is left out, and Hugging
 Face's ``gradient_checkpointing_enable()`` default before transformers 5) runs each checkpointed segment's backward as
-a backward pass of its own, from inside the outer pass. Before, each was counted as a micro-batch of its own, holding part of the model:
-``per_example`` read 137 (95% CI 121–159) on a digits MLP whose exact B_simple is 68, a confident wrong number, and
-``micro_batch`` stopped measuring (8 passes for 4 micro-batches). Now the nested passes are one pass
-(``gns_callback/backward_passes.py``): every arrangement reads what the same fit reads without reentrancy, and the exact
-value lies in its interval. A parameter used in two segments can't be measured that way by either method: it stops,
-with the fix.
+a backward pass of its own, from inside the outer pass. Before, each was counted as a micro-batch of its own, holding
+part of the model: ``per_example`` read 137 (95% CI 121–159) on a digits MLP whose exact B_simple is 68, a confident
+wrong number, and ``micro_batch`` stopped measuring (8 passes for 4 micro-batches). Now the nested passes are one pass
+(``gns_callback/backward_passes.py``): every arrangement reads what the same fit reads without reentrancy, and the
+exact value lies in its interval. A parameter used in two segments can't be measured that way by either method: it
+stops, with the fix.
 """
 
 from __future__ import annotations
