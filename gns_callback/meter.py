@@ -247,8 +247,7 @@ class GradientNoiseScaleMeter:
         self._reads: DeferredReads[Union[_ReducedRow, _LocalRow]] = DeferredReads()  # steps on their way
         self.losses_given = False
         self.steps_seen = 0  # optimizer steps offered for measurement
-        self._measurable_steps = 0  # of those, with two batch sizes to compare (one process)
-        self._said_unmeasurable = False
+        self._may_say_unmeasurable = True  # until a first step is seen (_say_unmeasurable)
         self.failure: Optional[str] = None
         self._problem: Optional[str] = None  # why this rank could not measure a step, until the ranks agree
         self._any_rank_failed: Optional[torch.Tensor] = None  # device bool, since the last agreement
@@ -331,10 +330,10 @@ class GradientNoiseScaleMeter:
             return
         self.steps_seen += 1
         if window.measurable(self.loss_reduction):
-            self._measurable_steps += 1
             self._measure(window, loss_scale, loss)
-        elif self._measurable_steps == 0 and not self._said_unmeasurable:
+        elif self._may_say_unmeasurable:
             self._say_unmeasurable(window)
+        self._may_say_unmeasurable = False
 
     def _gradients_changed(self, loss_scale: Union[torch.Tensor, float, None]) -> bool:
         """Whether the gradients changed after backward (:meth:`backward_done`): checked at every step on the CPU, on
@@ -346,10 +345,9 @@ class GradientNoiseScaleMeter:
         return problem is not None
 
     def _say_unmeasurable(self, window: AccumulationWindow) -> None:
-        """Warn once that steps are skipped because their small and big batches are the same size (one micro-batch
-        of one example on one device, say), while no step has been measurable: else every step could be skipped
-        with nothing said but ``skipped_steps``."""
-        self._said_unmeasurable = True
+        """Warn that steps are skipped because their small and big batches are the same size (one micro-batch of one
+        example on one device, say), at the first step this meter sees if it is one: else every step could be
+        skipped with nothing said but ``skipped_steps``."""
         warnings.warn(
             f"gns_callback skips optimizer steps it can't measure: this one's small and big batches are the same "
             f"size ({window.micro_size_sum:g} example(s) in {window.micro_count} micro-batch(es)). Per-example norms "
@@ -476,8 +474,7 @@ class GradientNoiseScaleMeter:
         self.collector = COLLECTORS[method](self.model, max_examples=self.per_example_max_examples)
         self._set_hooks()  # the new collector takes the pause and the duty cycle as they are
         if self._attached:
-            self.collector.attach()
-            self._watch = GradientWatch(self.collector.measured_parameters())
+            self.attach()
         self.switched_from, self.method, self.fallback_method = self.method, method, None
         self.reset()
 

@@ -87,7 +87,6 @@ class MicroBatchCollector:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.enabled = True
-        self.failure: Optional[str] = None
         self._params: list[nn.Parameter] = []
         self._handles: list[RemovableHandle] = []
         self._passes: PassLedger[_PassSquares] = PassLedger(merge=_PassSquares.merged)
@@ -123,9 +122,10 @@ class MicroBatchCollector:
         if not self.enabled or in_functorch_transform():
             return
         pass_id = self._passes.current()
-        self._record(pass_id).saw(param)
+        record = self._record(pass_id)
+        record.saw(param)
         if param.grad is None or grad.layout != torch.strided:  # to be adopted by .grad, or sparse: square it now
-            self._record(pass_id).parts.append(squared_norm(grad))
+            record.parts.append(squared_norm(grad))
             return
         held = self._held.get(pass_id)
         if held is None:
