@@ -26,6 +26,14 @@ def file_system_sharing():
     torch.multiprocessing.set_sharing_strategy(previous)
 
 
+@pytest.fixture
+def fresh_compiler():
+    """For tests that ``torch.compile``: the compiled graphs they leave are dropped (a later test with a function of
+    the same code would reuse them)."""
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="session")
 def digits():
     """scikit-learn's bundled 8×8 digits (1797 real images), pixels scaled to [0, 1]."""

@@ -108,7 +108,7 @@ def test_batch_norm_without_accumulation_is_refused_in_the_namespace(namespace):
 
 
 @pytest.mark.parametrize("how", ["submodule", "whole module"])
-def test_a_compiled_model_without_micro_batches_is_refused_at_fit_start(namespace, how):
+def test_a_compiled_model_without_micro_batches_is_refused_at_fit_start(namespace, how, fresh_compiler):
     module = namespace.classifier(lr=0.1)
     if how == "submodule":
         module.net = torch.compile(module.net, backend="aot_eager")
@@ -120,4 +120,3 @@ def test_a_compiled_model_without_micro_batches_is_refused_at_fit_start(namespac
         trainer.fit(module)
     assert "method='micro_batch' measures a compiled model" in str(error.value)
     assert trainer.global_step == 0
-    torch._dynamo.reset()

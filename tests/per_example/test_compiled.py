@@ -16,10 +16,7 @@ from tests.helpers import mlp
 BACKEND = "aot_eager"
 
 
-@pytest.fixture(autouse=True)
-def _fresh_compiler_caches():
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_compiler")
 
 
 class Wrapper(nn.Module):

@@ -23,10 +23,7 @@ BACKEND = "aot_eager"
 STEPS = 150
 
 
-@pytest.fixture(autouse=True)
-def _fresh_compiler_caches():
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_compiler")
 
 
 class CompiledStep(Classifier):
