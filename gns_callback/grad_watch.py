@@ -6,10 +6,19 @@ Lightning's ``LightningModule.on_after_backward``) mixes a changed ``|G_B|²`` w
 the digits MLP, clipping at a norm of 0.6 there read B_simple = 87.8 (95% CI 78.9–99.0) against an exact 68.0.
 Clipping where it belongs (Lightning's ``gradient_clip_val`` or ``configure_gradient_clipping``) runs after the read.
 
-:class:`GradientWatch` keeps the squared norms of a few small parameters' gradients when backward ends
-(:meth:`~GradientWatch.mark`) and compares them at the read (:meth:`~GradientWatch.problem`), allowing for the AMP
-loss scale that is taken off in between. A uniform change (clipping, scaling) shows in every parameter; a change to
-some layers only shows if it reaches a watched one.
+:class:`GradientWatch` checks two ways, both kept when backward ends (:meth:`~GradientWatch.mark`) and compared at
+the read (:meth:`~GradientWatch.problem`):
+
+- **Every measured parameter's** ``.grad`` tensor and its version counter, which every in-place change bumps
+  (``clip_grad_norm_``, ``grad[rows] = 0``, ``grad.mul_``) and which a replaced or dropped ``.grad`` fails by
+  identity. No device work, no sync. A change to a few layers only shows here: zeroing half of the first layer's
+  gradient of the digits MLP after backward read B_simple = 773 (95% CI 390–33,600) against an exact 68.
+- **The squared norms of a few small parameters' gradients**, allowing for the AMP loss scale taken off in between.
+  They catch changes through ``.data``, which bypasses the version counter, where the change reaches them (a uniform
+  clipping or scaling does).
+
+AMP's unscaling changes every gradient alike (torch 2.13 leaves the versions alone; another build may not): under a
+loss scale, a version change common to every gradient is left to the norms.
 
 :func:`uncleared_gradients` catches the other way ``.grad`` goes wrong before the read: trainable parameters that no
 optimizer param group holds (a backbone left trainable while only the head is optimized) get gradients that
@@ -27,43 +36,49 @@ from torch import nn
 
 from gns_callback.norms import squared_norm
 
-#: Parameters watched (the smallest, so that marking costs almost nothing).
+#: Parameters whose norms are watched (the smallest, so that marking costs almost nothing).
 WATCHED = 2
 #: Relative change of a watched squared norm taken for a change (unscaling by a power of two is exact).
 TOLERANCE = 1e-4
 
 PROBLEM = (
-    "the gradients changed between the end of backward and the optimizer step (gradient clipping or scaling in "
-    "on_after_backward, say), so the step's |G_B|² no longer matches the norms taken during backward and B_simple "
-    "would be wrong. Clip with the Trainer's gradient_clip_val or configure_gradient_clipping, which run after the "
-    "callback reads the gradients; in your own loop, call meter.step() before changing the gradients"
+    "the gradients changed between the end of backward and the optimizer step (clipping, scaling or zeroing part of "
+    "them in on_after_backward, say), so the step's |G_B|² no longer matches the norms taken during backward and "
+    "B_simple would be wrong. Clip with the Trainer's gradient_clip_val or configure_gradient_clipping, and change "
+    "gradients in the LightningModule's on_before_optimizer_step: they run after the callback reads the gradients; "
+    "in your own loop, call meter.step() before changing the gradients"
 )
 
 
 class GradientWatch:
-    """Squared norms of the smallest of ``params``' gradients at the end of backward, checked at the read."""
+    """Every one of ``params``' ``.grad`` tensors and versions, and the squared norms of the smallest of them, at the
+    end of backward; checked at the read."""
 
     def __init__(self, params: Sequence[nn.Parameter]) -> None:
-        self.params = sorted(params, key=lambda p: p.numel())[:WATCHED]
+        self.all = list(params)
+        self.params = sorted(self.all, key=lambda p: p.numel())[:WATCHED]
         self._marked: Optional[list[Optional[torch.Tensor]]] = None
+        self._versions: Optional[list[tuple[Optional[torch.Tensor], int]]] = None
 
     def mark(self) -> None:
-        """Backward has ended: keep the watched gradients' squared norms (on their device, no sync)."""
+        """Backward has ended: keep every gradient's identity and version, and the watched gradients' squared norms
+        (on their device, no sync)."""
+        self._versions = [_version_of(p.grad) for p in self.all]
         self._marked = [None if p.grad is None else squared_norm(p.grad) for p in self.params]
 
     def on_host(self) -> bool:
-        """Whether the watched gradients live on the CPU (a check costs no device sync)."""
+        """Whether the watched gradients live on the CPU (reading their norms costs no device sync)."""
         return all(p.device.type == "cpu" for p in self.params)
 
-    def forget(self) -> None:
-        """Drop the mark unchecked (a step not checked on an accelerator)."""
-        self._marked = None
-
-    def problem(self, loss_scale: Union[torch.Tensor, float, None] = None) -> Optional[str]:
-        """:data:`PROBLEM` if a watched gradient changed since :meth:`mark` (``loss_scale``: the scale the backward
-        passes ran with, taken off the gradients since), else None; forgets the mark. A host sync on an accelerator."""
+    def problem(self, loss_scale: Union[torch.Tensor, float, None] = None, norms: bool = True) -> Optional[str]:
+        """:data:`PROBLEM` if a gradient changed since :meth:`mark`, else None; forgets the mark. ``loss_scale``: the
+        scale the backward passes ran with, taken off the gradients since. ``norms``: also compare the watched
+        squared norms (a host sync on an accelerator); the versions are always compared."""
+        versions, self._versions = self._versions, None
         marked, self._marked = self._marked, None
-        if marked is None:
+        if versions is not None and _versions_changed(self.all, versions, scaled=loss_scale is not None):
+            return PROBLEM
+        if marked is None or not norms:
             return None
         scale_sq = 1.0 if loss_scale is None else float(loss_scale) ** 2
         for param, then in zip(self.params, marked):
@@ -71,6 +86,25 @@ class GradientWatch:
             if then is not None and now is not None and _differ(float(then), now):
                 return PROBLEM
         return None
+
+
+def _version_of(grad: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], int]:
+    return grad, (0 if grad is None else grad._version)
+
+
+def _versions_changed(params: Sequence[nn.Parameter], kept: Sequence[tuple[Optional[torch.Tensor], int]],
+                      scaled: bool) -> bool:
+    """Whether a ``.grad`` was replaced, dropped or changed in place since ``kept``. ``scaled``: a loss scale was
+    taken off in between, which may change every gradient alike (and recreate sparse ones): only a change to some
+    gradients counts."""
+    deltas = set()
+    for param, (grad, version) in zip(params, kept):
+        if param.grad is not grad:
+            if not (scaled and grad is not None and grad.layout != torch.strided):
+                return True
+        elif grad is not None:
+            deltas.add(grad._version - version)
+    return deltas != {0} and bool(deltas) and (not scaled or len(deltas) > 1)
 
 
 def _differ(then: float, now: float) -> bool:

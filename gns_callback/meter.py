@@ -336,10 +336,11 @@ class GradientNoiseScaleMeter:
         self._may_say_unmeasurable = False
 
     def _gradients_changed(self, loss_scale: Union[torch.Tensor, float, None]) -> bool:
-        """Whether the gradients changed after backward (:meth:`backward_done`): checked at every step on the CPU, on
-        an accelerator at the steps the ranks agree on (a host sync). With ``reduce`` the ranks stop together."""
-        due = self._watch.on_host() or self.steps_seen < AGREE_FIRST or self.steps_seen % AGREE_EVERY == 0
-        problem = self._watch.problem(loss_scale) if due else self._watch.forget()
+        """Whether the gradients changed after backward (:meth:`backward_done`): their versions at every step, the
+        watched norms at every step on the CPU and on an accelerator at the steps the ranks agree on (a host sync).
+        With ``reduce`` the ranks stop together."""
+        norms = self._watch.on_host() or self.steps_seen < AGREE_FIRST or self.steps_seen % AGREE_EVERY == 0
+        problem = self._watch.problem(loss_scale, norms=norms)
         if problem is not None and self.reduce is not None:
             self._problem = self._problem or problem
         return problem is not None

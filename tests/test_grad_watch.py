@@ -29,6 +29,55 @@ def test_a_change_after_backward_is_a_problem_and_none_is_not():
     assert watch.problem() is None  # the mark is forgotten once checked
 
 
+def marked(net: nn.Module) -> GradientWatch:
+    watch = GradientWatch(list(net.parameters()))
+    backward(net)
+    watch.mark()
+    return watch
+
+
+def test_a_change_to_one_large_gradient_only_is_a_problem():
+    net = mlp()
+    watch = marked(net)
+    net[0].weight.grad[:16] = 0  # half the first layer's units frozen by hand; the watched norms don't see it
+    assert watch.problem() == PROBLEM
+
+
+def test_a_replaced_or_dropped_gradient_is_a_problem():
+    net = mlp()
+    watch = marked(net)
+    net[0].weight.grad = net[0].weight.grad.clone()
+    assert watch.problem() == PROBLEM
+    watch = marked(net)
+    net[0].weight.grad = None
+    assert watch.problem() == PROBLEM
+
+
+def test_a_change_through_data_is_caught_by_the_norms_where_it_reaches_them():
+    net = mlp()
+    watch = marked(net)
+    for p in net.parameters():
+        p.grad.data.mul_(0.5)  # .data bypasses the version counter
+    assert watch.problem() == PROBLEM
+
+
+def test_accumulating_more_backward_passes_before_the_step_is_no_change():
+    net = mlp()
+    watch = marked(net)
+    (net(torch.randn(4, 64)).square().mean()).backward()  # the next micro-batch adds to .grad in place...
+    watch.mark()  # ...and its end of backward is marked again
+    assert watch.problem() is None
+
+
+def test_under_a_loss_scale_a_change_to_some_gradients_is_still_a_problem():
+    net = mlp()
+    watch = marked(net)
+    for p in net.parameters():
+        p.grad.mul_(2.0**-16)  # the scaler's unscaling, even if it bumped every version alike
+    net[0].weight.grad[:16] = 0
+    assert watch.problem(loss_scale=2.0**16) == PROBLEM
+
+
 def test_the_amp_loss_scale_taken_off_in_between_is_no_change():
     net = mlp()
     watch = GradientWatch(list(net.parameters()))
@@ -47,8 +96,8 @@ def test_a_step_the_scaler_skips_is_no_change():
         p.grad.fill_(float("inf"))
     watch.mark()
     for p in net.parameters():
-        p.grad.fill_(float("nan"))
-    assert watch.problem() is None
+        p.grad.fill_(float("nan"))  # what the scaler's unscaling makes of an overflow
+    assert watch.problem(loss_scale=2.0**16) is None
 
 
 def test_nothing_marked_nothing_checked():
