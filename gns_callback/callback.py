@@ -188,6 +188,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         self._history: list[dict[str, Any]] = []
         self._sizes: list[Optional[int]] = []  # micro-batch sizes of the current optimizer step (None: unknown)
         self._losses: list[Any] = []  # and their losses (device tensors)
+        self._stepping: Optional[int] = None  # the global step whose first closure evaluation was measured
         self._started = False  # the first training batch has been seen (or a checkpoint restored past it)
         self._micro_batch_size: Optional[int] = None  # the first training batch's size (per device; None: unknown)
         self._base_lr: Optional[float] = None
@@ -412,6 +413,9 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             self.meter.enabled = True  # (what the step recorded before validation is kept)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if trainer.global_step == self._stepping:
+            return self._skip_reevaluation()
+        self._stepping = trainer.global_step
         if self._adapter is not None:
             self._adapter.advance(trainer)
         sizes, self._sizes = self._sizes, []
@@ -423,6 +427,12 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         every = self.log_every_n_steps or trainer.log_every_n_steps
         if every and (trainer.global_step + 1) % every == 0:
             self._log(trainer, pl_module)
+
+    def _skip_reevaluation(self) -> None:
+        """The optimizer evaluates its closure again within the same step (LBFGS's line search): its parameters now
+        depend on the batch, whose ``|G_B|²`` they have driven down, so only the step's first evaluation counts."""
+        self._sizes, self._losses = [], []
+        self.meter.discard_pending()
 
     def _stop_if_uncleared(self, pl_module: Any, optimizer: Any) -> None:
         """At the first step: stop measuring if gradients accumulate that the optimizer never clears
