@@ -95,16 +95,18 @@ def _version_of(grad: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], i
 def _versions_changed(params: Sequence[nn.Parameter], kept: Sequence[tuple[Optional[torch.Tensor], int]],
                       scaled: bool) -> bool:
     """Whether a ``.grad`` was replaced, dropped or changed in place since ``kept``. ``scaled``: a loss scale was
-    taken off in between, which may change every gradient alike (and recreate sparse ones): only a change to some
-    gradients counts."""
+    taken off in between, which may change every gradient alike (and coalesce sparse ones into new tensors): then
+    only a change to some gradients counts."""
     deltas = set()
     for param, (grad, version) in zip(params, kept):
-        if param.grad is not grad:
-            if not (scaled and grad is not None and grad.layout != torch.strided):
-                return True
-        elif grad is not None:
-            deltas.add(grad._version - version)
-    return deltas != {0} and bool(deltas) and (not scaled or len(deltas) > 1)
+        if param.grad is grad:
+            if grad is not None:
+                deltas.add(grad._version - version)
+        elif not (scaled and grad is not None and grad.layout != torch.strided):
+            return True
+    if deltas <= {0}:
+        return False
+    return not scaled or len(deltas) > 1
 
 
 def _differ(then: float, now: float) -> bool:

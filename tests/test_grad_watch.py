@@ -78,6 +78,18 @@ def test_under_a_loss_scale_a_change_to_some_gradients_is_still_a_problem():
     assert watch.problem(loss_scale=2.0**16) == PROBLEM
 
 
+def test_under_a_loss_scale_every_gradient_changed_alike_is_left_to_the_norms():
+    net = mlp()
+    net[0].bias.requires_grad_(False)
+    watch = GradientWatch([p for p in net.parameters()])
+    backward(net, scale=2.0**16)
+    watch.mark()
+    for p in net.parameters():
+        if p.grad is not None:
+            p.grad.mul_(2.0**-16)  # an unscaling that bumps every version (torch 2.13's does not)
+    assert watch.problem(loss_scale=2.0**16) is None  # a parameter without a gradient changes nothing
+
+
 def test_the_amp_loss_scale_taken_off_in_between_is_no_change():
     net = mlp()
     watch = GradientWatch(list(net.parameters()))
