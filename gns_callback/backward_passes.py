@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Generic, Iterable, Optional, TypeVar
+from typing import Callable, Generic, Iterable, TypeVar
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -40,9 +40,11 @@ def in_functorch_transform() -> bool:
 class PassLedger(Generic[T]):
     """``pass id → value`` for the backward passes of one optimizer step; :meth:`pop` returns the committed ones.
 
-    ``merge(first, later)``: one value of two passes that are one (a checkpointed segment's and its outer pass's).
+    ``new()``: the value of a pass with nothing recorded yet. ``merge(first, later)``: one value of two passes that
+    are one (a checkpointed segment's and its outer pass's).
     """
 
+    new: Callable[[], T]
     merge: Callable[[T, T], T]
     _pending: dict[int, T] = field(default_factory=dict)
     _committed: list[int] = field(default_factory=list)
@@ -89,11 +91,12 @@ class PassLedger(Generic[T]):
         if not self._committed or self._committed[-1] != pass_id:
             self._committed.append(pass_id)
 
-    def get(self, pass_id: int) -> Optional[T]:
-        return self._pending.get(pass_id)
-
-    def put(self, pass_id: int, value: T) -> None:
-        self._pending[pass_id] = value
+    def record(self, pass_id: int) -> T:
+        """The value recorded for ``pass_id``, made by ``new()`` on first use."""
+        value = self._pending.get(pass_id)
+        if value is None:
+            value = self._pending[pass_id] = self.new()
+        return value
 
     def pop(self) -> list[T]:
         """Values of the committed passes, in order, each merged with the committed passes that ran inside it;

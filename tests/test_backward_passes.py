@@ -13,7 +13,7 @@ class Recorder:
     """Records, per pass id, which layers' output gradients arrived (the ledger's value: a list of names)."""
 
     def __init__(self, model: nn.Sequential) -> None:
-        self.ledger: PassLedger[list[str]] = PassLedger(merge=operator.add)
+        self.ledger: PassLedger[list[str]] = PassLedger(new=list, merge=operator.add)
         self.ledger.watch(model.parameters())
         for name, layer in model.named_children():
             layer.register_forward_hook(lambda module, args, out, name=name: self._on_forward(name, out))
@@ -23,8 +23,7 @@ class Recorder:
             out.register_hook(lambda grad: self._arrived(name))
 
     def _arrived(self, name: str) -> None:
-        pass_id = self.ledger.current()
-        self.ledger.put(pass_id, (self.ledger.get(pass_id) or []) + [name])
+        self.ledger.record(self.ledger.current()).append(name)
 
 
 def model() -> nn.Sequential:

@@ -89,7 +89,7 @@ class MicroBatchCollector:
         self.enabled = True
         self._params: list[nn.Parameter] = []
         self._handles: list[RemovableHandle] = []
-        self._passes: PassLedger[_PassSquares] = PassLedger(merge=_PassSquares.merged)
+        self._passes: PassLedger[_PassSquares] = PassLedger(new=_PassSquares, merge=_PassSquares.merged)
         self._held: dict[int, _Held] = {}  # pass id → its gradients not yet squared
 
     def attach(self) -> None:
@@ -122,7 +122,7 @@ class MicroBatchCollector:
         if not self.enabled or in_functorch_transform():
             return
         pass_id = self._passes.current()
-        record = self._record(pass_id)
+        record = self._passes.record(pass_id)
         record.saw(param)
         if param.grad is None or grad.layout != torch.strided:  # to be adopted by .grad, or sparse: square it now
             record.parts.append(squared_norm(grad))
@@ -135,13 +135,6 @@ class MicroBatchCollector:
         if held.bytes >= BUCKET_BYTES:
             self._square_held(pass_id, keep_open=True)
 
-    def _record(self, pass_id: int) -> _PassSquares:
-        record = self._passes.get(pass_id)
-        if record is None:
-            record = _PassSquares()
-            self._passes.put(pass_id, record)
-        return record
-
     def _square_held(self, pass_id: int, keep_open: bool = False) -> None:
         """``Σ |grad|²`` of the gradients held for ``pass_id`` (float32 accumulation, also for fp16/bf16), added
         to the pass's parts; ``keep_open``: mid-pass, more gradients of this pass follow."""
@@ -149,7 +142,7 @@ class MicroBatchCollector:
         if keep_open:
             self._held[pass_id] = _Held()
         if held is not None and held.grads:
-            self._record(pass_id).parts.append(squared_norm_sum(held.grads))
+            self._passes.record(pass_id).parts.append(squared_norm_sum(held.grads))
 
     def _square_all_held(self) -> None:
         """Passes whose end-of-pass callback never ran (a backward that raised): square what they left."""

@@ -221,7 +221,7 @@ class PerExampleNormTracker:
         self._uncovered_params: list[tuple[str, nn.Parameter]] = []
         self._handles: list[RemovableHandle] = []
         self._attached = False
-        self._passes: PassLedger[PassNorms] = PassLedger(merge=PassNorms.merged)
+        self._passes: PassLedger[PassNorms] = PassLedger(new=PassNorms, merge=PassNorms.merged)
         self._forward_costs: list[tuple[float, float, int]] = []  # per covered layer run since the last decision
         self._last_subset: Optional[bool] = None  # that decision (:meth:`_measures_subset`)
         self._forward_launch_cost = 0.0  # what a kernel launch costs on the device those layers ran on
@@ -468,12 +468,7 @@ class PerExampleNormTracker:
             self._forward_launch_cost = 0.0 if output.device.type == "cpu" else ACCELERATOR_LAUNCH_COST
 
     def _pass_record(self) -> PassNorms:
-        pass_id = self._passes.current()
-        record = self._passes.get(pass_id)
-        if record is None:
-            record = PassNorms()
-            self._passes.put(pass_id, record)
-        return record
+        return self._passes.record(self._passes.current())
 
     def _on_output_grad(self, module: nn.Module, inp: Tensor, grad_output: Tensor) -> None:
         found = self._first_order_record(module, grad_output)
