@@ -59,7 +59,12 @@ only from a base trend fit that resolves ``|G|²`` (a bounded interval). Without
 noise, and a choice from an unresolved base read 0.5× on the logistic regression of the trajectory benchmark (the
 meter's default stream, 16 of 32 examples). There, and with too few steps for the test, the reading is the base
 trend fit while its ratio is finite and positive, else the first level fit that resolves ``|G|²``
-(:func:`fallback_fit`: the reading before the window was chosen).
+(:func:`fallback_fit`: the reading before the window was chosen). Starting the walk instead from the shortest
+window whose trend fit resolves ``|G|²`` (the 4× window's, where the base's does not) was measured and not taken: at
+fixed parameters it halved the recent value's error on the digits CNN of ``benchmarks/accuracy_peers.py`` (mean
+|rel err| 0.220 → 0.110 over 200 streams of 400 steps, 21 unresolved at the base window), but on a steep rise
+(``B_simple`` 40 → 600 in 400 steps, B = 32) the rebased streams read the 4× and 16× trend fits, which lag there
+(0.85× and 0.78×), and the reading's geometric mean fell from 1.0× to 0.71×.
 
 Measured along SGD runs against the exact ``B_simple`` at every step: ``benchmarks/trajectory_tracking.py``.
 """
