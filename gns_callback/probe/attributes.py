@@ -9,6 +9,12 @@ version counters, recursively) is compared, so unchanged values keep their ident
 original object back, its contents restored in place where it is a tensor, list, dict, set or plain object (so
 other references to it see the restored value), else a fresh copy.
 
+The model's own modules, parameters and buffers (and objects the caller keeps) are shared, never copied: inside
+an entry they count by identity alone (an entry that is itself a kept object is restored in place as any other).
+So a list that holds parameters (``nn.LSTM._flat_weights``, which the fused kernel reads its weights from) is
+unchanged when a step updates the parameters in place, and is never restored to copies of them: that cut an
+LSTM's weights off from their gradients for the rest of the run.
+
 Copies live in host memory (tensors, also inside lists, tuples and dicts); objects holding device tensors and
 entries larger than ``max_copy_bytes`` are not copied, only fingerprinted. Such an entry, or one ``deepcopy``
 refuses, is reported by name in :attr:`AttributeState.not_restored` if (and only if) a step changed it.
@@ -19,7 +25,7 @@ from __future__ import annotations
 import copy
 import inspect
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Collection, Hashable
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
@@ -38,7 +44,8 @@ class _Walk:
     """One pass over a value: its fingerprint, the bytes of the arrays in it, and whether an object (not a
     plain container) holds a non-CPU tensor (a deep copy would put it on the device being probed)."""
 
-    def __init__(self) -> None:
+    def __init__(self, shared: Collection[int] = frozenset()) -> None:
+        self.shared = shared  # ids of objects that count by identity alone
         self.nodes = 0
         self.nbytes = 0
         self.device_tensor_in_object = False
@@ -48,6 +55,8 @@ class _Walk:
         self.nodes += 1
         if isinstance(value, _ATOMS):
             return ("value", value)
+        if depth and id(value) in self.shared:
+            return ("shared", id(value))
         if depth > _MAX_DEPTH or self.nodes > _MAX_NODES:
             self.complete = False
             return ("opaque", id(value))
@@ -95,25 +104,30 @@ def _plain(value: Any) -> bool:
     return type(value) in (list, tuple, dict, set, frozenset)
 
 
-def _save(value: Any, memo: dict[int, Any]) -> Any:
-    """A host copy: tensors (also inside plain lists, tuples, dicts, sets) to host memory, the rest ``deepcopy``."""
+def _save(value: Any, memo: dict[int, Any], nested: bool = False) -> Any:
+    """A host copy: tensors (also inside plain lists, tuples, dicts, sets) to host memory, the rest ``deepcopy``;
+    shared objects (``memo``) inside it as they are."""
+    if nested and id(value) in memo:
+        return value
     if isinstance(value, Tensor):
         return _HostTensor(value)
     if type(value) is dict:
-        return {k: _save(v, memo) for k, v in value.items()}
+        return {k: _save(v, memo, True) for k, v in value.items()}
     if _plain(value):
-        return type(value)(_save(v, memo) for v in value)
+        return type(value)(_save(v, memo, True) for v in value)
     return copy.deepcopy(value, dict(memo))
 
 
-def _load(saved: Any, memo: dict[int, Any]) -> Any:
+def _load(saved: Any, memo: dict[int, Any], nested: bool = False) -> Any:
     """A fresh value from :func:`_save`'s copy (the copy itself stays untouched for the next restore)."""
+    if nested and id(saved) in memo:
+        return saved
     if isinstance(saved, _HostTensor):
         return saved.back()
     if type(saved) is dict:
-        return {k: _load(v, memo) for k, v in saved.items()}
+        return {k: _load(v, memo, True) for k, v in saved.items()}
     if _plain(saved):
-        return type(saved)(_load(v, memo) for v in saved)
+        return type(saved)(_load(v, memo, True) for v in saved)
     return copy.deepcopy(saved, dict(memo))
 
 
@@ -183,7 +197,7 @@ class AttributeState:
 
     def _entry(self, owner: nn.Module, prefix: str, key: str) -> _Entry:
         value = vars(owner)[key]
-        walk = _Walk()
+        walk = _Walk(self._memo)
         entry = _Entry(owner, f"{prefix}.{key}" if prefix else key, key, value, walk(value))
         if walk.nbytes <= self.max_copy_bytes and not walk.device_tensor_in_object:
             try:
@@ -191,6 +205,9 @@ class AttributeState:
             except Exception:  # noqa: BLE001 - anything deepcopy refuses: fingerprint only
                 pass
         return entry
+
+    def _fingerprint(self, value: Any) -> Hashable:
+        return _Walk(self._memo)(value)
 
     def restore(self) -> None:
         """Changed entries back, entries a step added removed; unrestorable changes go to ``not_restored``."""
@@ -203,10 +220,10 @@ class AttributeState:
     def _restore_entry(self, entry: _Entry) -> None:
         attributes = vars(entry.owner)
         current = attributes.get(entry.key, _MISSING)
-        if current is entry.original and _Walk()(entry.original) == entry.fingerprint:
+        if current is entry.original and self._fingerprint(entry.original) == entry.fingerprint:
             return
         attributes[entry.key] = entry.original  # the original object: other references to it stay valid
-        if _Walk()(entry.original) == entry.fingerprint:
+        if self._fingerprint(entry.original) == entry.fingerprint:
             return  # the step replaced it, the original itself is unchanged
         if entry.saved is _MISSING:
             self.not_restored.add(entry.name)
@@ -215,7 +232,7 @@ class AttributeState:
         if not _restore_into(entry.original, fresh):
             attributes[entry.key] = fresh
             entry.original = fresh
-        entry.fingerprint = _Walk()(entry.original)  # equal in value to the snapshot again
+        entry.fingerprint = self._fingerprint(entry.original)  # equal in value to the snapshot again
 
 
 def describe(names: Optional[Iterable[str]]) -> str:

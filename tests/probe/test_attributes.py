@@ -111,3 +111,19 @@ def test_skipped_names_and_kept_objects_are_left_alone():
     state.restore()
     assert net.internal == 2  # skipped
     assert net.ref is shared and shared == {"owner": "trainer"}  # restored in place, the object itself kept
+
+
+def test_parameters_held_in_a_list_stay_the_parameters():
+    """``nn.LSTM._flat_weights`` lists the parameters the fused kernel reads. A step that updates them in place
+    (then put back by the parameter restore) must not make the list hold copies: the LSTM would compute with them
+    and its parameters would get no gradient for the rest of the run."""
+    lstm = nn.LSTM(3, 4)
+    state = AttributeState(lstm)
+    optimizer = torch.optim.SGD(lstm.parameters(), lr=0.1)
+    lstm(torch.randn(5, 2, 3))[0].sum().backward()
+    optimizer.step()
+    state.restore()
+    assert all(flat is getattr(lstm, name) for flat, name in zip(lstm._flat_weights, lstm._flat_weights_names))
+    lstm.zero_grad()
+    lstm(torch.randn(5, 2, 3))[0].sum().backward()
+    assert all(p.grad is not None for p in lstm.parameters())
