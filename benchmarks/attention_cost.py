@@ -35,32 +35,38 @@ def make() -> nn.Module:
 def timed_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, tracker=None) -> float:
     start = time.thread_time()
     model.zero_grad(set_to_none=True)
-    F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
+    logits = model(x)
+    F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
     if tracker is not None:
         tracker.pop()
     return time.thread_time() - start
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60, help="timed steps of each (after 10 warm-up)")
-    args = parser.parse_args(argv)
+def compare(make_model, x: torch.Tensor, y: torch.Tensor, steps: int) -> str:
+    """Baseline and tracker on two copies of ``make_model()``, alternating step by step after 10 warm-up steps."""
     torch.set_num_threads(1)
-    x, y = torch.randn(BATCH, LENGTH, WIDTH), torch.randint(0, VOCAB, (BATCH, LENGTH))
-    base, hooked = make(), make()
+    base, hooked = make_model(), make_model()
     tracker = PerExampleNormTracker(hooked, max_examples=None).attach()
-    tracker.expected_batch_size = BATCH
+    tracker.expected_batch_size = x.shape[0]
     plain, measured = [], []
-    for i in range(args.steps + 10):
+    for i in range(steps + 10):
         pair = [(plain, lambda: timed_step(base, x, y)), (measured, lambda: timed_step(hooked, x, y, tracker))]
         for times, run in (pair if i % 2 else pair[::-1]):
             elapsed = run()
             if i >= 10:
                 times.append(elapsed)
     ratio = statistics.median(measured) / statistics.median(plain)
-    print(f"coverage {tracker.coverage_fraction():.0%}; baseline {statistics.median(plain) * 1e3:.2f} ms, tracker "
-          f"{statistics.median(measured) * 1e3:.2f} ms (medians of {args.steps}): {ratio:.2f}×; ratio of means "
-          f"{sum(measured) / sum(plain):.2f}×")
+    return (f"coverage {tracker.coverage_fraction():.0%}; baseline {statistics.median(plain) * 1e3:.2f} ms, tracker "
+            f"{statistics.median(measured) * 1e3:.2f} ms (medians of {steps}): {ratio:.2f}×; ratio of means "
+            f"{sum(measured) / sum(plain):.2f}×")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=60, help="timed steps of each (after 10 warm-up)")
+    args = parser.parse_args(argv)
+    x, y = torch.randn(BATCH, LENGTH, WIDTH), torch.randint(0, VOCAB, (BATCH, LENGTH))
+    print(compare(make, x, y, args.steps))
 
 
 if __name__ == "__main__":

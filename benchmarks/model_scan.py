@@ -38,7 +38,7 @@ from gns_callback.exact import exact_noise_scale, per_example_gradients  # noqa:
 
 
 class LstmNet(nn.Module):
-    """Embedding → LSTM (unsupported by per-example norms) → Linear on the last state."""
+    """Embedding → LSTM → Linear on the last step's output."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -46,6 +46,18 @@ class LstmNet(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.head(self.rnn(self.emb(tokens))[0][:, -1])
+
+
+class GruNet(nn.Module):
+    """Embedding → GRU, 2 layers, bidirectional, sequence-first ``(T, B, ·)`` → Linear on the mean over steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(17, 8), nn.Linear(32, 10)
+        self.rnn = nn.GRU(8, 16, num_layers=2, bidirectional=True)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(self.emb(tokens.t()))[0].mean(0))
 
 
 class EncoderNet(nn.Module):
@@ -122,7 +134,8 @@ class HuggingFaceGpt2(nn.Module):
 
 
 MODELS: dict[str, tuple[Callable[[], nn.Module], bool]] = {  # name → (model, reads tokens)
-    "LSTM": (LstmNet, True), "nn.TransformerEncoderLayer": (EncoderNet, True),
+    "LSTM": (LstmNet, True), "GRU (2 layers, bidirectional, sequence-first)": (GruNet, True),
+    "nn.TransformerEncoderLayer": (EncoderNet, True),
     "nn.TransformerDecoderLayer (sequence-first)": (DecoderNet, True),
     "GPT-style (arange positions, tied head)": (GptStyle, True), "Conv1d + GroupNorm": (Conv1dNet, False),
 }

@@ -11,7 +11,10 @@ from torch.func import functional_call, grad, vmap
 
 
 def per_example_gradients(model: torch.nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, chunk: int = 256) -> torch.Tensor:
-    """(N, P) float64 matrix of per-example gradients of ``loss_fn(model(x_i), y_i)`` over trainable parameters."""
+    """(N, P) float64 matrix of per-example gradients of ``loss_fn(model(x_i), y_i)`` over trainable parameters.
+
+    ``torch.func.vmap`` over the examples; where a layer has no batching rule that works (``nn.GRU``'s in-place
+    update), one backward pass per example instead: the same gradients, more slowly."""
     params = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
 
     def loss_one(p, xi, yi):
@@ -19,10 +22,23 @@ def per_example_gradients(model: torch.nn.Module, loss_fn, x: torch.Tensor, y: t
         return loss_fn(out, yi.unsqueeze(0))
 
     rows = []
-    for start in range(0, x.shape[0], chunk):
-        g = vmap(grad(loss_one), in_dims=(None, 0, 0))(params, x[start : start + chunk], y[start : start + chunk])
-        rows.append(torch.cat([v.reshape(v.shape[0], -1) for v in g.values()], dim=1))
+    try:
+        for start in range(0, x.shape[0], chunk):
+            g = vmap(grad(loss_one), in_dims=(None, 0, 0))(params, x[start : start + chunk], y[start : start + chunk])
+            rows.append(torch.cat([v.reshape(v.shape[0], -1) for v in g.values()], dim=1))
+    except RuntimeError:
+        return _looped_gradients(model, loss_fn, x, y)
     return torch.cat(rows).double()
+
+
+def _looped_gradients(model: torch.nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """:func:`per_example_gradients` by one backward pass per example."""
+    params = [v for v in model.parameters() if v.requires_grad]
+    rows = []
+    for xi, yi in zip(x, y):
+        grads = torch.autograd.grad(loss_fn(model(xi.unsqueeze(0)), yi.unsqueeze(0)), params, allow_unused=True)
+        rows.append(torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, grads)]))
+    return torch.stack(rows).double()
 
 
 def exact_noise_scale(per_example: torch.Tensor) -> tuple[float, float, float]:

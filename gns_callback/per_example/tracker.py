@@ -14,6 +14,7 @@ import warnings
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
 from torch.utils.hooks import RemovableHandle
 
 from gns_callback.backward_passes import PassLedger, current_pass, in_functorch_transform
@@ -34,6 +35,14 @@ from .cost import ACCELERATOR_LAUNCH_COST, COSTS, CostFunction, subset_is_cheape
 from .embedding import embedding_sq_norms, embedding_summed_grads, embedding_unsupported_reason, shared_table_reason
 from .layout import LayoutError, batch_dim, is_sequence_first, position_dims
 from .linear import linear_sq_norms, linear_summed_grads
+from .recurrent import (
+    input_reason,
+    is_recurrent,
+    recurrent_batch_size,
+    recurrent_param_names,
+    recurrent_sq_norms,
+    recurrent_unsupported_reason,
+)
 from .tied import cross_term, logits_at_tokens, tied_pair
 from .transposed_linear import TransposedLinear, layer_kind, transposed_linear_summed_grads
 from .normalization import (
@@ -166,6 +175,32 @@ class _CoveredModule:
     param_count: int
 
 
+def _unmeasured_reason(module: nn.Module, local_name: str) -> Optional[str]:
+    """Why the parameter ``local_name`` of its only module ``module`` is not measured, or None."""
+    if is_recurrent(module):
+        return recurrent_unsupported_reason(module) if local_name in recurrent_param_names(module) else (
+            f"extra parameter '{local_name}' on {type(module).__name__} is not measured")
+    if layer_kind(module) not in SUPPORTED_MODULES and not is_attention(module):
+        return f"unsupported module type {type(module).__name__}"
+    measured = MEASURED_ATTENTION_PARAMS if is_attention(module) else _MEASURED_PARAM_NAMES
+    if local_name not in measured:
+        return f"extra parameter '{local_name}' on {type(module).__name__} is not measured"
+    if isinstance(module, nn.Embedding):
+        return embedding_unsupported_reason(module)
+    return None
+
+
+def _recurrent_outputs(output: Any) -> list[tuple[int, Tensor]]:
+    """``(index, tensor)`` of a recurrent module's outputs that require grad: 0 ``output``, 1 ``h_n``, 2 ``c_n``
+    (a packed ``output`` by its data)."""
+    if not isinstance(output, tuple) or len(output) != 2:
+        return []
+    out, hidden = output
+    out = out.data if isinstance(out, PackedSequence) else out
+    tensors = [out, *(hidden if isinstance(hidden, tuple) else (hidden,))]
+    return [(k, t) for k, t in enumerate(tensors) if isinstance(t, Tensor) and t.requires_grad]
+
+
 def _qualified(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
@@ -280,13 +315,7 @@ class PerExampleNormTracker:
                 )
             else:
                 module_name, module, local_name = entries[0]
-                measured = MEASURED_ATTENTION_PARAMS if is_attention(module) else _MEASURED_PARAM_NAMES
-                if layer_kind(module) not in SUPPORTED_MODULES and not is_attention(module):
-                    reason = f"unsupported module type {type(module).__name__}"
-                elif local_name not in measured:
-                    reason = f"extra parameter '{local_name}' on {type(module).__name__} is not measured"
-                elif isinstance(module, nn.Embedding):
-                    reason = embedding_unsupported_reason(module)
+                reason = _unmeasured_reason(module, local_name)
             if reason is not None:
                 self.excluded_reasons[param_name] = reason
                 self._uncovered_params.append((param_name, param))
@@ -304,9 +333,10 @@ class PerExampleNormTracker:
                 cost=COSTS.get(kind),
                 param_count=sum(module.get_parameter(name).numel() for name in local_names),
             )
-        # A subset's summed gradient is not assembled over a tied table's two uses, nor over an attention module's
-        # row blocks: with either, every example is measured.
-        self._subset_allowed = not self._tied and not any(is_attention(m) for m in self._covered_modules)
+        # A subset's summed gradient is not assembled over a tied table's two uses, an attention module's row blocks
+        # or a recurrent module's steps: with any of them, every example is measured.
+        self._subset_allowed = not self._tied and not any(is_attention(m) or is_recurrent(m)
+                                                          for m in self._covered_modules)
 
     def covered_parameters(self) -> list[nn.Parameter]:
         """Trainable parameters whose per-example norms are measured."""
@@ -358,6 +388,8 @@ class PerExampleNormTracker:
     def _module_hooks(self, module: nn.Module) -> list[RemovableHandle]:
         """The forward hook of a supported layer; around an attention module's forward, the capture of its
         projections (:mod:`.attention`), removed however the forward ends."""
+        if is_recurrent(module):
+            return [module.register_forward_hook(self._on_recurrent_forward, with_kwargs=True)]
         if not is_attention(module):
             return [module.register_forward_hook(self._on_forward, with_kwargs=True)]
         return [module.register_forward_pre_hook(self._on_attention_start, with_kwargs=True),
@@ -567,6 +599,50 @@ class PerExampleNormTracker:
             return (f"with batch_first={module.batch_first} its query {layout} holds {batch} examples, but the "
                     f"batch has {self.expected_batch_size}")
         return None
+
+    # ------------------------------------------------------------------ recurrent modules (:mod:`.recurrent`)
+
+    def _on_recurrent_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                              output: Any) -> None:
+        if self._refuses_compiled() or not self._active() or not torch.is_grad_enabled():
+            return
+        outputs = _recurrent_outputs(output)
+        if module not in self._covered_modules or not outputs:
+            return
+        self._saw_tracked_forward = True
+        inp = args[0] if args else kwargs.get("input")
+        hx = args[1] if len(args) > 1 else kwargs.get("hx")
+        saved = inp.detach() if isinstance(inp, Tensor) else None
+        state = hx if hx is None or isinstance(hx, Tensor) else tuple(hx)
+        on_grads = partial(self._on_recurrent_grads, module, saved, state, input_reason(module, inp),
+                           [output_index for output_index, _ in outputs])
+        torch.autograd.graph.register_multi_grad_hook([tensor for _, tensor in outputs], on_grads, mode="all")
+
+    def _on_recurrent_grads(self, module: nn.Module, inp: Optional[Tensor], hx: Any, reason: Optional[str],
+                            indices: list[int], grads: tuple[Optional[Tensor], ...]) -> None:
+        """A recurrent module's output gradients (``output``, ``h_n``, ``c_n`` at ``indices``) are all in: its
+        per-example squared norms join the pass (recomputed, :func:`~.recurrent.recurrent_sq_norms`)."""
+        arrived = [grad for grad in grads if grad is not None]
+        found = self._first_order_record(module, arrived[0]) if arrived else None
+        if found is None:
+            return
+        covered, record = found
+        if module in record.fired:
+            return self._fail_applied_twice(record, module)
+        record.fired.add(module)
+        batch = None if reason is not None else recurrent_batch_size(module, inp)
+        if batch is not None and self.expected_batch_size is not None and batch != self.expected_batch_size:
+            reason = (f"with batch_first={module.batch_first} its input holds {batch} examples, but the batch has "
+                      f"{self.expected_batch_size}")
+        if reason is not None:
+            return self._fail_pass(record, f"module '{covered.name}' ({type(module).__name__}): {reason}; "
+                                           f"{_MICRO_BATCH_HINT}.")
+        if self._check_batch_size(record, batch, covered.name):
+            full: list[Optional[Tensor]] = [None, None, None]
+            for index, grad in zip(indices, grads):
+                full[index] = grad
+            sq_norms, _ = recurrent_sq_norms(module, inp, hx, full, covered.param_names)
+            record.add(sq_norms.float())
 
     def _add_cross_term(self, record: PassNorms, module: nn.Module, inp: Tensor, grad_output: Tensor) -> None:
         """A tied table's ``2⟨E_i, H_i⟩`` (:mod:`.tied`), once both of its modules' gradients have arrived."""
