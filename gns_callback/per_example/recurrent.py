@@ -6,18 +6,21 @@ example ``i``'s gradients are those of a sequence ``Linear`` (:func:`~.linear.li
 
     ∇W_ih = Σ_t δgi_{i,t}·x_{i,t}ᵀ,   ∇b_ih = Σ_t δgi_{i,t},   ∇W_hh = Σ_t δgh_{i,t}·h_{i,t−1}ᵀ,   ∇b_hh = Σ_t δgh_{i,t}.
 
-The ``δ`` come from recomputing the module's forward step by step (its own parameters, detached; its input and
-initial state) and one ``torch.autograd.grad`` of its outputs, with the output gradients the real backward pass
-brought, with respect to every layer's ``gi``. For RNN and LSTM ``gi + gh`` enter the cell together, so
-``δgh = δgi``; for GRU ``n_t = tanh(gi_n + r_t ⊙ gh_n)``, so ``δgh = (δgi_r, δgi_z, r_t ⊙ δgi_n)`` (Cho et al.
-2014, as ``torch.nn.GRU`` documents it). The examples never mix: each row of the recomputation is one example.
+The ``δ`` come from recomputing the module's forward step by step (its own parameters, its input and initial
+state, no autograd), then backpropagating through time by hand from the output gradients the real backward pass
+brought (``output``, ``h_n``, ``c_n``): the cells' derivatives below, as ``torch.nn`` documents the cells (LSTM:
+Hochreiter & Schmidhuber 1997; GRU: Cho et al. 2014). For RNN and LSTM ``gi + gh`` enter the cell together, so
+``δgh = δgi``; for GRU ``n_t = tanh(gi_n + r_t ⊙ gh_n)``, so ``δgh = (δgi_r, δgi_z, r_t ⊙ δgi_n)``. A stacked
+module's lower layers get their output gradient from the layer above, ``Σ_directions δgi·W_ih``. Each row of the
+recomputation is one example; they never mix. By hand rather than with autograd through the unrolled loop: 3.4×
+less time for the 2-layer LSTM of ``benchmarks/recurrent_cost.py``.
 
 Supported: any ``num_layers``, ``bidirectional``, ``batch_first`` either way, with or without biases, an initial
 state or none, ``nonlinearity`` tanh or relu. Not supported (the parameters are left out, with the reason):
 LSTM projections (``proj_size > 0``) and dropout between layers (random masks the recomputation can't redraw). A
 packed or unbatched (2-D) input can't be measured at run time (:func:`input_reason`).
 
-Cost: one more forward and backward of the recurrence, one step at a time. Checked against per-example backward
+Cost: one more forward and backward of the recurrence, one step at a time in Python (``benchmarks/RESULTS.md``). Checked against per-example backward
 passes in ``tests/per_example/test_recurrent.py``. Torch only.
 """
 
@@ -25,9 +28,10 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
@@ -81,144 +85,239 @@ def recurrent_batch_size(module: nn.RNNBase, inp: Tensor) -> int:
 
 
 @dataclass
-class DirectionPass:
-    """What one layer and direction of the recomputation keeps for the norms, batch first ``(B, T, ·)`` in the
-    order the steps ran: the layer's input, the state each step started from, the gate pre-activations ``gi``
-    (whose gradient is asked for) and, for GRU, the reset gates."""
+class Direction:
+    """One layer and direction of the recomputation, time-major ``(T, B, ·)`` in the order its steps ran
+    (reversed for a ``_reverse`` direction): the layer's input, the state each step started from, its outputs, the
+    gate pre-activations ``gi`` and ``gh`` and, for LSTM, the cell states; then the gates' gradients."""
 
-    suffix: str
     layer: int
+    suffix: str
     inputs: Tensor
     previous: Tensor
-    gates: Tensor
-    reset: Optional[Tensor] = None
+    outputs: Tensor
+    gi: Tensor
+    gh: Tensor
+    cells: Optional[Tensor] = None
+    cell0: Optional[Tensor] = None
+    gi_grad: Optional[Tensor] = None
+    gh_grad: Optional[Tensor] = None
+
+    def weight(self, module: nn.RNNBase, name: str) -> Optional[Tensor]:
+        """This direction's ``weight_ih``, ``weight_hh``, ``bias_ih`` or ``bias_hh`` (None: no biases)."""
+        if name.startswith("bias") and not module.bias:
+            return None
+        return getattr(module, f"{name}_l{self.layer}{self.suffix}").detach().to(self.inputs.dtype)
 
 
 @dataclass
 class Recomputation:
-    """The recomputed outputs (``output`` batch first, ``h_n`` and for LSTM ``c_n`` as the module returns them) and
-    the per-direction records, in the module's parameter order."""
+    """The recomputed outputs (``output`` batch first; ``h_n`` and for LSTM ``c_n`` as the module returns them)
+    and every layer's directions, in the module's parameter order."""
 
     output: Tensor
     h_n: Tensor
     c_n: Optional[Tensor]
-    passes: list[DirectionPass]
-
-
-def _cell(module: nn.RNNBase, gi: Tensor, gh: Tensor, h: Tensor, c: Optional[Tensor]
-          ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
-    """One step of the cell from its two pre-activations: ``(h', c', r)`` (``c'`` for LSTM, ``r`` for GRU)."""
-    if isinstance(module, nn.LSTM):
-        i, f, g, o = (gi + gh).chunk(4, -1)
-        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-        return torch.sigmoid(o) * torch.tanh(c), c, None
-    if isinstance(module, nn.GRU):
-        ir, iz, in_ = gi.chunk(3, -1)
-        hr, hz, hn = gh.chunk(3, -1)
-        r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
-        return (1 - z) * torch.tanh(in_ + r * hn) + z * h, None, r
-    pre = gi + gh
-    return (torch.tanh(pre) if module.nonlinearity == "tanh" else torch.relu(pre)), None, None
+    layers: list[list[Direction]]
 
 
 def _initial_states(module: nn.RNNBase, hx: Any, batch: int, like: Tensor) -> tuple[Tensor, Optional[Tensor]]:
     """``(h_0, c_0)`` as ``(layers·directions, B, H)``, zeros where the forward got none."""
     shape = (module.num_layers * len(_suffixes(module)), batch, module.hidden_size)
+    zeros = like.new_zeros(shape)
     if isinstance(module, nn.LSTM):
         h0, c0 = hx if hx is not None else (None, None)
-        zeros = like.new_zeros(shape)
         return (zeros if h0 is None else h0.detach().to(like.dtype)), (zeros if c0 is None else c0.detach().to(like.dtype))
-    return (like.new_zeros(shape) if hx is None else hx.detach().to(like.dtype)), None
+    return (zeros if hx is None else hx.detach().to(like.dtype)), None
 
 
-def _direction(module: nn.RNNBase, layer: int, suffix: str, inputs: Tensor, h: Tensor, c: Optional[Tensor],
-               first: bool) -> tuple[Tensor, Tensor, Optional[Tensor], DirectionPass]:
-    """One layer and direction over ``inputs`` (B, T, K): its outputs in time order, last ``h`` and ``c``, and
-    its record. ``gi`` is a leaf that requires grad on the first layer (its input is data) and a node after it."""
-    weight = lambda name: getattr(module, f"{name}_l{layer}{suffix}").detach().to(inputs.dtype)  # noqa: E731
-    bias = lambda name: weight(name) if module.bias else None  # noqa: E731
-    gates = torch.nn.functional.linear(inputs, weight("weight_ih"), bias("bias_ih"))
-    if first:
-        gates.requires_grad_(True)
-    w_hh, b_hh = weight("weight_hh"), bias("bias_hh")
-    order = range(inputs.shape[1] - 1, -1, -1) if suffix else range(inputs.shape[1])
-    outputs, previous, resets = [], [], []
-    for t in order:
+def _lstm_step(gi: Tensor, gh: Tensor, h: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+    i, f, g, o = (gi + gh).chunk(4, -1)
+    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+    return torch.sigmoid(o) * torch.tanh(c), c
+
+
+def _gru_step(gi: Tensor, gh: Tensor, h: Tensor) -> Tensor:
+    (ir, iz, i_n), (hr, hz, h_n) = gi.chunk(3, -1), gh.chunk(3, -1)
+    r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
+    return torch.lerp(torch.tanh(i_n + r * h_n), h, z)  # (1 − z)·n + z·h
+
+
+def _forward_direction(module: nn.RNNBase, direction: Direction, h: Tensor, c: Optional[Tensor]) -> Direction:
+    """Run one direction over its inputs (``direction.inputs``, processing order), filling in the rest."""
+    w_hh, b_hh = direction.weight(module, "weight_hh"), direction.weight(module, "bias_hh")
+    gi = F.linear(direction.inputs, direction.weight(module, "weight_ih"), direction.weight(module, "bias_ih"))
+    previous, gh, cells = [], [], []
+    for t in range(gi.shape[0]):
         previous.append(h)
-        h, c, r = _cell(module, gates[:, t], torch.nn.functional.linear(h, w_hh, b_hh), h, c)
-        outputs.append(h)
-        resets.append(r)
-    if suffix:
-        outputs, previous, resets = outputs[::-1], previous[::-1], resets[::-1]
-    reset = torch.stack(resets, 1) if isinstance(module, nn.GRU) else None
-    record = DirectionPass(suffix, layer, inputs.detach(), torch.stack(previous, 1).detach(), gates,
-                           None if reset is None else reset.detach())
-    return torch.stack(outputs, 1), h, c, record
+        gh.append(F.linear(h, w_hh, b_hh))
+        if isinstance(module, nn.LSTM):
+            h, c = _lstm_step(gi[t], gh[t], h, c)
+            cells.append(c)
+        elif isinstance(module, nn.GRU):
+            h = _gru_step(gi[t], gh[t], h)
+        else:
+            pre = gi[t] + gh[t]
+            h = torch.tanh(pre) if module.nonlinearity == "tanh" else torch.relu(pre)
+    direction.previous, direction.gi, direction.gh = torch.stack(previous), gi, torch.stack(gh)
+    direction.outputs = torch.cat([direction.previous[1:], h.unsqueeze(0)])
+    direction.cells = torch.stack(cells) if cells else None
+    return direction
 
 
-def recompute(module: nn.RNNBase, inp: Tensor, hx: Any = None) -> Recomputation:
-    """The module's forward, step by step, with the gate pre-activations kept (grad must be enabled)."""
-    x = inp.detach()
-    x = x if module.batch_first else x.transpose(0, 1)
-    dtype = torch.promote_types(x.dtype, torch.float32)
-    x = x.to(dtype)
-    h0, c0 = _initial_states(module, hx, x.shape[0], x)
-    suffixes = _suffixes(module)
-    h_n, c_n, passes = [], [], []
-    layer_input = x
-    for layer in range(module.num_layers):
-        outputs = []
-        for d, suffix in enumerate(suffixes):
-            k = layer * len(suffixes) + d
-            out, h, c, record = _direction(module, layer, suffix, layer_input, h0[k],
-                                           None if c0 is None else c0[k], first=layer == 0)
-            outputs.append(out)
-            h_n.append(h)
-            c_n.append(c)
-            passes.append(record)
-        layer_input = torch.cat(outputs, -1)
-    return Recomputation(layer_input, torch.stack(h_n), torch.stack(c_n) if c0 is not None else None, passes)
+def _replay_direction(module: nn.RNNBase, direction: Direction, h: Tensor, c: Optional[Tensor],
+                      outputs: Tensor) -> Direction:
+    """:func:`_forward_direction` for a direction whose outputs are known (the top layer's, from the module's own
+    forward): the gate pre-activations in two matrix products, and for LSTM the cell states by their linear
+    recurrence ``c = f·c' + i·g``, one fused op a step."""
+    direction.outputs = outputs
+    direction.previous = torch.cat([h.unsqueeze(0), outputs[:-1]])
+    direction.gi = F.linear(direction.inputs, direction.weight(module, "weight_ih"), direction.weight(module, "bias_ih"))
+    direction.gh = F.linear(direction.previous, direction.weight(module, "weight_hh"),
+                            direction.weight(module, "bias_hh"))
+    if isinstance(module, nn.LSTM):
+        i, f, g, _ = (direction.gi + direction.gh).chunk(4, -1)
+        f, fresh = torch.sigmoid(f), torch.sigmoid(i) * torch.tanh(g)
+        direction.cells = torch.empty_like(fresh)
+        for t in range(fresh.shape[0]):
+            c = torch.addcmul(fresh[t], f[t], c, out=direction.cells[t])
+    return direction
 
 
-def _state_gradients(module: nn.RNNBase, recomputed: Recomputation, grads: Sequence[Optional[Tensor]]
-                     ) -> list[Tensor]:
-    """``δgi`` of every direction, from the gradients of the module's outputs ``(output, h_n[, c_n])`` (None where
-    the loss did not use one); ``output``'s gradient comes in the module's own layout."""
-    outputs, grad_outputs = [], []
-    grad_output = grads[0]
-    if grad_output is not None and not module.batch_first:
-        grad_output = grad_output.transpose(0, 1)
-    for tensor, grad in zip((recomputed.output, recomputed.h_n, recomputed.c_n), (grad_output, *grads[1:])):
-        if tensor is not None and grad is not None:
-            outputs.append(tensor)
-            grad_outputs.append(grad.to(tensor.dtype))
-    gates = [record.gates for record in recomputed.passes]
-    found = torch.autograd.grad(outputs, gates, grad_outputs, allow_unused=True)
-    return [torch.zeros_like(g) if d is None else d for g, d in zip(gates, found)]
+def recompute(module: nn.RNNBase, inp: Tensor, hx: Any = None, output: Optional[Tensor] = None) -> Recomputation:
+    """The module's forward, keeping what backpropagation through time needs (no autograd): step by step, except
+    for the top layer when the module's own ``output`` (in its layout) is given."""
+    with torch.no_grad():
+        x = inp.detach().to(torch.promote_types(inp.dtype, torch.float32))
+        x = x.transpose(0, 1) if module.batch_first else x  # time-major
+        known = None if output is None else output.detach().to(x.dtype)
+        known = known.transpose(0, 1) if known is not None and module.batch_first else known
+        h0, c0 = _initial_states(module, hx, x.shape[1], x)
+        suffixes, layers, layer_input = _suffixes(module), [], x
+        for layer in range(module.num_layers):
+            top = known if layer == module.num_layers - 1 else None
+            directions = []
+            for d, suffix in enumerate(suffixes):
+                k = layer * len(suffixes) + d
+                direction = Direction(layer, suffix, layer_input.flip(0) if suffix else layer_input, *([None] * 4))
+                direction.cell0 = None if c0 is None else c0[k]
+                if top is None:
+                    directions.append(_forward_direction(module, direction, h0[k], direction.cell0))
+                else:
+                    outputs = _in_time_order(top.chunk(len(suffixes), -1)[d], direction)
+                    directions.append(_replay_direction(module, direction, h0[k], direction.cell0, outputs))
+            layers.append(directions)
+            layer_input = torch.cat([_in_time_order(d.outputs, d) for d in directions], -1)
+        finals = [d.outputs[-1] for directions in layers for d in directions]
+        cells = [d.cells[-1] for directions in layers for d in directions] if c0 is not None else None
+        return Recomputation(layer_input.transpose(0, 1), torch.stack(finals),
+                             None if cells is None else torch.stack(cells), layers)
 
 
-def _hidden_gradient(module: nn.RNNBase, record: DirectionPass, gate_grad: Tensor) -> Tensor:
-    """``δgh`` from ``δgi``: the same for RNN and LSTM; for GRU the new-gate block is scaled by the reset gate."""
-    if record.reset is None:
-        return gate_grad
-    r_z, n = gate_grad.split([2 * module.hidden_size, module.hidden_size], -1)
-    return torch.cat([r_z, record.reset * n], -1)
+def _in_time_order(tensor: Tensor, direction: Direction) -> Tensor:
+    """A time-major tensor of ``direction`` in the sequence's order (processing order flipped back)."""
+    return tensor.flip(0) if direction.suffix else tensor
+
+
+def _lstm_backward(module: nn.RNNBase, direction: Direction, grad_out: Tensor, grad_h: Tensor,
+                   grad_c: Tensor) -> Tensor:
+    """δgates of one LSTM direction: ``c = f·c' + i·g``, ``h = o·tanh(c)``; all but the recurrence vectorised."""
+    i, f, g, o = (direction.gi + direction.gh).chunk(4, -1)
+    i, f, g, o = torch.sigmoid(i), torch.sigmoid(f), torch.tanh(g), torch.sigmoid(o)
+    tanh_c = torch.tanh(direction.cells)
+    before = torch.cat([direction.cell0.unsqueeze(0), direction.cells[:-1]])
+    through_c = o * (1 - tanh_c * tanh_c)  # ∂h/∂c
+    local = torch.cat([g * i * (1 - i), before * f * (1 - f), i * (1 - g * g), tanh_c * o * (1 - o)], -1)
+    w_hh, grads = direction.weight(module, "weight_hh"), torch.empty_like(local)
+    for t in range(local.shape[0] - 1, -1, -1):
+        dh = grad_out[t] + grad_h
+        dc = dh * through_c[t] + grad_c
+        torch.mul(torch.cat([dc, dc, dc, dh], -1), local[t], out=grads[t])
+        grad_c, grad_h = dc * f[t], grads[t] @ w_hh
+    return grads
+
+
+def _gru_backward(module: nn.RNNBase, direction: Direction, grad_out: Tensor, grad_h: Tensor) -> tuple[Tensor, Tensor]:
+    """``(δgi, δgh)`` of one GRU direction: ``h = (1 − z)·n + z·h'``, ``n = tanh(gi_n + r·gh_n)``."""
+    (ir, iz, i_n), (hr, hz, h_n) = direction.gi.chunk(3, -1), direction.gh.chunk(3, -1)
+    r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
+    n = torch.tanh(i_n + r * h_n)
+    to_n, to_z, to_r = (1 - z) * (1 - n * n), (direction.previous - n) * z * (1 - z), h_n * r * (1 - r)
+    w_hh = direction.weight(module, "weight_hh")
+    gi_grad, gh_grad = torch.empty_like(direction.gi), torch.empty_like(direction.gh)
+    for t in range(r.shape[0] - 1, -1, -1):
+        dh = grad_out[t] + grad_h
+        dn = dh * to_n[t]
+        dz, dr = dh * to_z[t], dn * to_r[t]
+        torch.cat([dr, dz, dn], -1, out=gi_grad[t])
+        torch.cat([dr, dz, dn * r[t]], -1, out=gh_grad[t])
+        grad_h = dh * z[t] + gh_grad[t] @ w_hh
+    return gi_grad, gh_grad
+
+
+def _rnn_backward(module: nn.RNNBase, direction: Direction, grad_out: Tensor, grad_h: Tensor) -> Tensor:
+    """δpre of one Elman RNN direction, ``h = tanh(pre)`` or ``relu(pre)``."""
+    h = direction.outputs
+    slope = 1 - h * h if module.nonlinearity == "tanh" else (h > 0).to(h.dtype)
+    w_hh, grads = direction.weight(module, "weight_hh"), torch.empty_like(h)
+    for t in range(h.shape[0] - 1, -1, -1):
+        torch.mul(grad_out[t] + grad_h, slope[t], out=grads[t])
+        grad_h = grads[t] @ w_hh
+    return grads
+
+
+def _backward_direction(module: nn.RNNBase, direction: Direction, grad_out: Tensor, grad_h: Tensor,
+                        grad_c: Optional[Tensor]) -> None:
+    """Fill in ``gi_grad`` and ``gh_grad`` from the gradient of the direction's outputs (processing order) and of
+    its final state(s)."""
+    if isinstance(module, nn.LSTM):
+        direction.gi_grad = direction.gh_grad = _lstm_backward(module, direction, grad_out, grad_h, grad_c)
+    elif isinstance(module, nn.GRU):
+        direction.gi_grad, direction.gh_grad = _gru_backward(module, direction, grad_out, grad_h)
+    else:
+        direction.gi_grad = direction.gh_grad = _rnn_backward(module, direction, grad_out, grad_h)
+
+
+def backpropagate(module: nn.RNNBase, recomputed: Recomputation, grads: Sequence[Optional[Tensor]]) -> None:
+    """Every direction's gate gradients from the gradients of the module's outputs ``(output, h_n[, c_n])`` (None
+    where the loss did not use one; ``output``'s in the module's own layout), top layer first."""
+    dtype = recomputed.output.dtype
+    with torch.no_grad():
+        grad_output, grad_h, grad_c = (None if g is None else g.detach().to(dtype) for g in (*grads, None)[:3])
+        grad_output = torch.zeros_like(recomputed.output) if grad_output is None else grad_output
+        above = grad_output if not module.batch_first else grad_output.transpose(0, 1)  # time-major
+        grad_h = torch.zeros_like(recomputed.h_n) if grad_h is None else grad_h
+        if recomputed.c_n is not None and grad_c is None:
+            grad_c = torch.zeros_like(recomputed.c_n)
+        count = len(_suffixes(module))
+        for layer in range(module.num_layers - 1, -1, -1):
+            directions = recomputed.layers[layer]
+            for d, (direction, part) in enumerate(zip(directions, above.chunk(count, -1))):
+                k = layer * count + d
+                _backward_direction(module, direction, _in_time_order(part, direction), grad_h[k],
+                                    None if grad_c is None else grad_c[k])
+            above = sum(_in_time_order(d.gi_grad @ d.weight(module, "weight_ih"), d) for d in directions)
 
 
 def recurrent_sq_norms(module: nn.RNNBase, inp: Tensor, hx: Any, grads: Sequence[Optional[Tensor]],
-                       param_names: Collection[str]) -> tuple[Tensor, Tensor]:
+                       param_names: Collection[str], output: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Per-example squared gradient norm ``(B,)`` of the parameters ``param_names``, and the recomputed ``output``
     (batch first), from the forward's input and initial state and the gradients of its outputs
-    ``(output, h_n[, c_n])`` (module docstring)."""
-    with torch.enable_grad():
-        recomputed = recompute(module, inp, hx)
-        gate_grads = _state_gradients(module, recomputed, grads)
+    ``(output, h_n[, c_n])`` (module docstring). ``output``: the forward's own, which spares recomputing the top
+    layer's steps."""
+    recomputed = recompute(module, inp, hx, output)
+    backpropagate(module, recomputed, grads)
     with torch.no_grad():
         total = recomputed.output.new_zeros(recomputed.output.shape[0])
-        for record, gate_grad in zip(recomputed.passes, gate_grads):
-            name = lambda kind, part: f"{kind}_{part}_l{record.layer}{record.suffix}"  # noqa: E731
-            total += linear_part_sq_norms(record.inputs, gate_grad, name("weight", "ih") in param_names,
-                                          name("bias", "ih") in param_names)
-            total += linear_part_sq_norms(record.previous, _hidden_gradient(module, record, gate_grad),
-                                          name("weight", "hh") in param_names, name("bias", "hh") in param_names)
-    return total, recomputed.output.detach()
+        for direction in (d for directions in recomputed.layers for d in directions):
+            total += _direction_sq_norms(direction, param_names)
+    return total, recomputed.output
+
+
+def _direction_sq_norms(direction: Direction, param_names: Collection[str]) -> Tensor:
+    """Per-example squared norms of one direction's four parameters (those in ``param_names``), batch first."""
+    name: Callable[[str, str], str] = lambda kind, part: f"{kind}_{part}_l{direction.layer}{direction.suffix}"  # noqa: E731
+    first = lambda tensor: tensor.transpose(0, 1)  # noqa: E731
+    return (linear_part_sq_norms(first(direction.inputs), first(direction.gi_grad), name("weight", "ih") in param_names,
+                                 name("bias", "ih") in param_names)
+            + linear_part_sq_norms(first(direction.previous), first(direction.gh_grad),
+                                   name("weight", "hh") in param_names, name("bias", "hh") in param_names))

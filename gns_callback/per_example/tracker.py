@@ -614,14 +614,16 @@ class PerExampleNormTracker:
         hx = args[1] if len(args) > 1 else kwargs.get("hx")
         saved = inp.detach() if isinstance(inp, Tensor) else None
         state = hx if hx is None or isinstance(hx, Tensor) else tuple(hx)
-        on_grads = partial(self._on_recurrent_grads, module, saved, state, input_reason(module, inp),
+        own = outputs[0][1].detach() if outputs[0][0] == 0 and isinstance(output[0], Tensor) else None
+        on_grads = partial(self._on_recurrent_grads, module, saved, state, own, input_reason(module, inp),
                            [output_index for output_index, _ in outputs])
         torch.autograd.graph.register_multi_grad_hook([tensor for _, tensor in outputs], on_grads, mode="all")
 
-    def _on_recurrent_grads(self, module: nn.Module, inp: Optional[Tensor], hx: Any, reason: Optional[str],
-                            indices: list[int], grads: tuple[Optional[Tensor], ...]) -> None:
+    def _on_recurrent_grads(self, module: nn.Module, inp: Optional[Tensor], hx: Any, output: Optional[Tensor],
+                            reason: Optional[str], indices: list[int], grads: tuple[Optional[Tensor], ...]) -> None:
         """A recurrent module's output gradients (``output``, ``h_n``, ``c_n`` at ``indices``) are all in: its
-        per-example squared norms join the pass (recomputed, :func:`~.recurrent.recurrent_sq_norms`)."""
+        per-example squared norms join the pass (recomputed, :func:`~.recurrent.recurrent_sq_norms`; ``output``:
+        the forward's own)."""
         arrived = [grad for grad in grads if grad is not None]
         found = self._first_order_record(module, arrived[0]) if arrived else None
         if found is None:
@@ -641,7 +643,7 @@ class PerExampleNormTracker:
             full: list[Optional[Tensor]] = [None, None, None]
             for index, grad in zip(indices, grads):
                 full[index] = grad
-            sq_norms, _ = recurrent_sq_norms(module, inp, hx, full, covered.param_names)
+            sq_norms, _ = recurrent_sq_norms(module, inp, hx, full, covered.param_names, output)
             record.add(sq_norms.float())
 
     def _add_cross_term(self, record: PassNorms, module: nn.Module, inp: Tensor, grad_output: Tensor) -> None:
