@@ -503,13 +503,10 @@ class PerExampleNormTracker:
         return self._passes.record(self._passes.current())
 
     def _on_output_grad(self, module: nn.Module, inp: Tensor, grad_output: Tensor) -> None:
-        found = self._first_order_record(module, grad_output)
+        found = self._first_firing(module, grad_output)
         if found is None:
             return
         covered, record = found
-        if module in record.fired:
-            return self._fail_applied_twice(record, module)
-        record.fired.add(module)
         shared = self._shared_table(module, inp)
         if shared is not None:
             return self._fail_pass(record, f"module '{covered.name}' (Embedding): {shared}; or {_MICRO_BATCH_HINT}.")
@@ -540,6 +537,17 @@ class PerExampleNormTracker:
             return None
         record = self._pass_record()
         return (covered, record) if record.failure is None else None
+
+    def _first_firing(self, module: nn.Module, grad_output: Tensor) -> Optional[tuple[_CoveredModule, PassNorms]]:
+        """:meth:`_first_order_record`, and the module marked as fired in this pass; None (the pass failed) if it
+        fired already: it was applied more than once."""
+        found = self._first_order_record(module, grad_output)
+        if found is None:
+            return None
+        if module in found[1].fired:
+            return self._fail_applied_twice(found[1], module)
+        found[1].fired.add(module)
+        return found
 
     def _fail_applied_twice(self, record: PassNorms, module: nn.Module) -> None:
         self._fail_pass(record,
@@ -582,7 +590,7 @@ class PerExampleNormTracker:
         if keys & record.fired:
             return self._fail_applied_twice(record, module)
         record.fired.update(keys | {module})
-        reason = self._attention_batch_reason(module, batch)
+        reason = self._declared_batch_reason(module, batch, "its query")
         if reason is not None:
             return self._fail_pass(record, f"module '{covered.name}' (MultiheadAttention): {reason}; "
                                            f"{_MICRO_BATCH_HINT}.")
@@ -590,13 +598,14 @@ class PerExampleNormTracker:
             with torch.no_grad():
                 record.add(projection_sq_norms(call, inp, grad_output, batch).float())
 
-    def _attention_batch_reason(self, module: nn.Module, batch: Optional[int]) -> Optional[str]:
-        """Why the examples of an attention module's query can't be told, or None."""
+    def _declared_batch_reason(self, module: nn.Module, batch: Optional[int], what: str) -> Optional[str]:
+        """Why the examples of ``what`` (the query or input of a module that declares its layout with
+        ``batch_first``: attention, recurrent) can't be told, or None."""
         if batch is None:
-            return "its query is not batched (a 3-D tensor), so its examples can't be told"
+            return f"{what} is not batched (a 3-D tensor), so its examples can't be told"
         if self.expected_batch_size is not None and batch != self.expected_batch_size:
             layout = "(N, L, E)" if module.batch_first else "(L, N, E)"
-            return (f"with batch_first={module.batch_first} its query {layout} holds {batch} examples, but the "
+            return (f"with batch_first={module.batch_first} {what} {layout} holds {batch} examples, but the "
                     f"batch has {self.expected_batch_size}")
         return None
 
@@ -625,17 +634,12 @@ class PerExampleNormTracker:
         per-example squared norms join the pass (recomputed, :func:`~.recurrent.recurrent_sq_norms`; ``output``:
         the forward's own)."""
         arrived = [grad for grad in grads if grad is not None]
-        found = self._first_order_record(module, arrived[0]) if arrived else None
+        found = self._first_firing(module, arrived[0]) if arrived else None
         if found is None:
             return
         covered, record = found
-        if module in record.fired:
-            return self._fail_applied_twice(record, module)
-        record.fired.add(module)
         batch = None if reason is not None else recurrent_batch_size(module, inp)
-        if batch is not None and self.expected_batch_size is not None and batch != self.expected_batch_size:
-            reason = (f"with batch_first={module.batch_first} its input holds {batch} examples, but the batch has "
-                      f"{self.expected_batch_size}")
+        reason = reason or self._declared_batch_reason(module, batch, "its input")
         if reason is not None:
             return self._fail_pass(record, f"module '{covered.name}' ({type(module).__name__}): {reason}; "
                                            f"{_MICRO_BATCH_HINT}.")

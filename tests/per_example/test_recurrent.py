@@ -165,5 +165,5 @@ def test_the_wrong_batch_dim_stops_measuring() -> None:
     with PerExampleNormTracker(module) as tracker:
         tracker.expected_batch_size = BATCH
         module(torch.randn(BATCH, LENGTH, FEATURES))[0].sum().backward()
-        with pytest.raises(RuntimeError, match="batch_first=False its input holds 6 examples"):
+        with pytest.raises(RuntimeError, match=r"batch_first=False its input \(L, N, E\) holds 6 examples"):
             tracker.pop()
