@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gns_callback import GradientNoiseScaleCallback
+from gns_callback import GradientNoiseScaleCallback, GradientNoiseScaleMeter
 from tests.helpers import Classifier, assert_matches_exact, quiet_trainer, with_replacement_loader
 from tests.trust.models import LstmClassifier
 from tests.trust.setups import with_and_without
@@ -61,3 +61,41 @@ def test_one_micro_batch_per_step_measures_the_whole_model_and_matches_the_exact
     assert callback.run_estimate.method == "per_example" and callback.meter.coverage["fraction"] == 1.0
     assert_matches_exact(callback.run_estimate, exact_gns(make(), F.cross_entropy, x, y)[0])
     assert callback.recommendation.status != "partial_coverage"
+
+
+def test_bf16_autocast_reads_what_float32_reads(digits, tmp_path):
+    """The recomputation runs in float32 from the autocast forward's input and output gradients: the estimate
+    matches float32's on the same batches."""
+    x, y = digits
+    estimates = []
+    for precision in ("32-true", "bf16-mixed"):
+        callback = GradientNoiseScaleCallback(report_path=str(tmp_path / "report.json"), verbose=False)
+        quiet_trainer(callbacks=[callback], precision=precision).fit(
+            Classifier(LstmClassifier()), with_replacement_loader(x, y, 32, 32 * 60, seed=0))
+        estimates.append(callback.run_estimate)
+    assert estimates[1].steps == 60 and estimates[1].method == "per_example"
+    assert estimates[1].b_simple == pytest.approx(estimates[0].b_simple, rel=0.02)
+
+
+def test_a_gradient_scaler_s_scale_is_taken_out(digits):
+    """fp16 autocast can't run an LSTM on the CPU (oneDNN has no fp16 LSTM), so the scaler is used as without
+    autocast: the loss scaled by 2^16, the gradients unscaled before the step, the scale handed to the meter. The
+    recurrent norms, computed from the scaled output gradients, read what an unscaled run reads."""
+    x, y = digits
+    batches = torch.randint(0, len(x), (40, 32), generator=torch.Generator().manual_seed(0))
+    estimates = []
+    for scaled in (False, True):
+        model = LstmClassifier()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        scaler = torch.amp.GradScaler("cpu", enabled=scaled)
+        with GradientNoiseScaleMeter(model) as meter:
+            for index in batches:
+                optimizer.zero_grad()
+                scaler.scale(F.cross_entropy(model(x[index]), y[index])).backward()
+                scaler.unscale_(optimizer)
+                meter.step(loss_scale=scaler.get_scale() if scaled else None)
+                scaler.step(optimizer)
+                scaler.update()
+            estimates.append(meter.run_estimate)
+    assert scaler.get_scale() > 1.0
+    assert estimates[1].b_simple == pytest.approx(estimates[0].b_simple, rel=1e-4)
