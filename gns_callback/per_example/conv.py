@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from .linear import includes_param, sequence_norm_method, sequence_sq_norms, upcast
 from .sketch import PROBES, probe_signs
 
-__all__ = ["conv_summed_grads", "conv_sq_norms", "per_example_weight_grads", "unfold_input"]
+__all__ = ["conv_summed_grads", "conv_sq_norms", "conv_weight_sq_norms", "per_example_weight_grads", "unfold_input"]
 
 
 def unfold_input(module: nn.Conv1d | nn.Conv2d, inp: Tensor) -> Tensor:
@@ -65,7 +65,7 @@ def conv_sq_norms(
     Weight: ``Σ_g |Σ_p u_{i,g,p}ᵀ δ_{i,g,p}|²`` over groups ``g`` and output positions ``p`` with the
     unfolded input ``u`` (Rochette et al. 2019): materialised by :func:`per_example_weight_grads`, from im2col
     (:func:`sequence_sq_norms`), or as an unbiased sketch where that is much cheaper (:mod:`.sketch`), as
-    :func:`_weight_sq_norms` picks. Bias: ``|Σ_p δ_{i,p}|²``.
+    :func:`conv_weight_sq_norms` picks. Bias: ``|Σ_p δ_{i,p}|²``.
     Shape (B,), float32 (float64 for float64 inputs), for exactly the loss that was backpropagated.
     """
     if not isinstance(module, (nn.Conv1d, nn.Conv2d)):
@@ -79,7 +79,7 @@ def conv_sq_norms(
     batch_size = inp.shape[0]
     total = inp.new_zeros(batch_size)
     if includes_param(module, "weight", param_names):
-        total = total + _weight_sq_norms(module, inp, grad_output)
+        total = total + conv_weight_sq_norms(module, inp, grad_output)
     if includes_param(module, "bias", param_names):
         total = total + grad_output.reshape(batch_size, module.out_channels, -1).sum(dim=-1).square().sum(dim=1)
     return total
@@ -91,7 +91,7 @@ def conv_sq_norms(
 _GROUPED_CONV_MIN_CHANNELS = 8
 
 
-def _weight_sq_norms(module: nn.Conv1d | nn.Conv2d, inp: Tensor, grad_output: Tensor) -> Tensor:
+def conv_weight_sq_norms(module: nn.Conv1d | nn.Conv2d, inp: Tensor, grad_output: Tensor) -> Tensor:
     """``Σ_g |∇W_{i,g}|²`` per example, by the method :func:`~.linear.sequence_norm_method` picks for one group's
     ``positions × (in·kernel) × out`` shape: materialised by one grouped convolution
     (:func:`per_example_weight_grads`), or sketched by one with ``PROBES`` output channels
@@ -102,7 +102,7 @@ def _weight_sq_norms(module: nn.Conv1d | nn.Conv2d, inp: Tensor, grad_output: Te
     method = sequence_norm_method(positions, module.weight[0].numel(), out_per_group)
     if module.in_channels // groups >= _GROUPED_CONV_MIN_CHANNELS and method != "gram":
         if method == "sketch":
-            return _sketched_weight_sq_norms(module, inp, grad_output)
+            return _sketchedconv_weight_sq_norms(module, inp, grad_output)
         grads = per_example_weight_grads(module, inp, grad_output)
         return grads.reshape(batch_size, -1).square_().sum(dim=1)  # in place: no second (B·out, in, *kernel) buffer
     columns = unfold_input(module, inp)  # channel-major, so each group is a contiguous block
@@ -111,7 +111,7 @@ def _weight_sq_norms(module: nn.Conv1d | nn.Conv2d, inp: Tensor, grad_output: Te
     return sequence_sq_norms(columns, group_grads).reshape(batch_size, groups).sum(dim=1)
 
 
-def _sketched_weight_sq_norms(module: nn.Conv1d | nn.Conv2d, inp: Tensor, grad_output: Tensor) -> Tensor:
+def _sketchedconv_weight_sq_norms(module: nn.Conv1d | nn.Conv2d, inp: Tensor, grad_output: Tensor) -> Tensor:
     """Unbiased sketch of ``Σ_g |∇W_{i,g}|²`` (:mod:`.sketch`): per example and group, ``k = PROBES`` Rademacher
     combinations of the output channels, ``δ·s``, are a ``k``-channel output gradient whose weight gradient is
     ``∇W_{i,g}·s``; one grouped convolution gives them all, ``(1/k)·Σ_j |∇W_{i,g}·s_j|²``."""

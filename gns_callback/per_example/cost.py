@@ -54,6 +54,14 @@ def conv_costs(module: nn.Conv1d | nn.Conv2d, inp: Tensor, output: Tensor, batch
     return module.groups * norm, module.groups * summed
 
 
+def conv_transpose_costs(module: nn.Module, inp: Tensor, output: Tensor, batch: int) -> tuple[float, float]:
+    """As :func:`conv_costs` for the convolution whose input gradient a transposed convolution is
+    (:mod:`.conv_transpose`): over its input positions, ``out/groups·kernel`` in and ``in/groups`` out."""
+    positions = inp.numel() / (batch * module.in_channels)
+    norm, summed = sequence_costs(positions, module.weight[0].numel(), module.in_channels // module.groups)
+    return module.groups * norm, module.groups * summed
+
+
 #: Multiply-adds that one output element of an embedding or normalisation layer's per-example norm costs: those
 #: norms are a few memory-bound passes over the output, not matrix products (one CPU thread: the CNN's three
 #: GroupNorm layers' norms took 6.0 ms for 3.4 million output elements in ``benchmarks/overhead.py --profile``, a
@@ -80,6 +88,8 @@ COSTS: dict[type, CostFunction] = {
     TransposedLinear: transposed_linear_costs,
     nn.Conv1d: conv_costs,
     nn.Conv2d: conv_costs,
+    nn.ConvTranspose1d: conv_transpose_costs,
+    nn.ConvTranspose2d: conv_transpose_costs,
     nn.Embedding: elementwise_costs,
     nn.LayerNorm: elementwise_costs,
     nn.GroupNorm: elementwise_costs,

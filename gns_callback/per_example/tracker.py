@@ -31,6 +31,7 @@ from .attention import (
     projection_sq_norms,
 )
 from .conv import conv_sq_norms, conv_summed_grads
+from .conv_transpose import conv_transpose_sq_norms, conv_transpose_summed_grads
 from .cost import ACCELERATOR_LAUNCH_COST, COSTS, CostFunction, subset_is_cheaper
 from .embedding import embedding_sq_norms, embedding_summed_grads, embedding_unsupported_reason, shared_table_reason
 from .layout import LayoutError, batch_dim, is_sequence_first, position_dims
@@ -67,6 +68,8 @@ SUPPORTED_MODULES: dict[type, SqNormFunction] = {
     TransposedLinear: linear_sq_norms,  # transformers' Conv1D: the same norms as the Linear it transposes
     nn.Conv1d: conv_sq_norms,
     nn.Conv2d: conv_sq_norms,
+    nn.ConvTranspose1d: conv_transpose_sq_norms,
+    nn.ConvTranspose2d: conv_transpose_sq_norms,
     nn.Embedding: embedding_sq_norms,
     nn.LayerNorm: layer_norm_sq_norms,
     nn.GroupNorm: group_norm_sq_norms,
@@ -80,6 +83,8 @@ SUMMED_GRADIENTS: dict[type, SummedGradFunction] = {
     TransposedLinear: transposed_linear_summed_grads,
     nn.Conv1d: conv_summed_grads,
     nn.Conv2d: conv_summed_grads,
+    nn.ConvTranspose1d: conv_transpose_summed_grads,
+    nn.ConvTranspose2d: conv_transpose_summed_grads,
     nn.Embedding: embedding_summed_grads,
     nn.LayerNorm: layer_norm_summed_grads,
     nn.GroupNorm: group_norm_summed_grads,
