@@ -20,7 +20,7 @@ from gns_callback.collectors.coverage import Coverage
 from gns_callback.collectors.micro_batch import MicroBatchCollector
 from gns_callback.collectors.per_example import PerExampleCollector
 from gns_callback.per_example.compiled import problem as compiled_problem
-from gns_callback.per_example.tracker import MIN_COVERAGE
+from gns_callback.per_example.tracker import MIN_COVERAGE, supported_layer_names
 
 METHODS = ("auto", "micro_batch", "per_example")
 
@@ -81,8 +81,7 @@ def per_example_problem(model: nn.Module, compiled: bool = False) -> tuple[Optio
     if compile_problem is not None:
         return compile_problem, coverage.fraction
     if coverage.measured_parameters == 0:
-        return ("no parameter is in a supported layer (Linear, Conv1d/2d, Embedding, LayerNorm, GroupNorm, RMSNorm, "
-                "MultiheadAttention)"), 0.0
+        return f"no parameter is in a supported layer ({supported_layer_names()})", 0.0
     if collector.tracker.has_batchnorm_in_training():
         return (
             "the model has BatchNorm in training mode, which couples the examples of a batch, so per-example "

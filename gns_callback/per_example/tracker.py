@@ -37,6 +37,7 @@ from .embedding import embedding_sq_norms, embedding_summed_grads, embedding_uns
 from .layout import LayoutError, batch_dim, is_sequence_first, position_dims
 from .linear import linear_sq_norms, linear_summed_grads
 from .recurrent import (
+    RECURRENT_MODULES,
     input_reason,
     is_recurrent,
     recurrent_batch_size,
@@ -55,7 +56,7 @@ from .normalization import (
     rms_norm_summed_grads,
 )
 
-__all__ = ["SUPPORTED_MODULES", "PerExampleNormTracker"]
+__all__ = ["SUPPORTED_MODULES", "PerExampleNormTracker", "supported_layer_names"]
 
 SqNormFunction = Callable[..., Tensor]
 SummedGradFunction = Callable[..., dict[str, Tensor]]
@@ -90,6 +91,13 @@ SUMMED_GRADIENTS: dict[type, SummedGradFunction] = {
     nn.GroupNorm: group_norm_summed_grads,
     nn.RMSNorm: rms_norm_summed_grads,
 }
+
+def supported_layer_names() -> str:
+    """The layer types per-example norms measure, for messages: :data:`SUPPORTED_MODULES` and the modules handled
+    apart (:mod:`.attention`, :mod:`.recurrent`)."""
+    names = ["transformers' Conv1D" if kind is TransposedLinear else kind.__name__ for kind in SUPPORTED_MODULES]
+    return ", ".join(names + ["MultiheadAttention"] + [kind.__name__ for kind in RECURRENT_MODULES])
+
 
 #: The layer functions measure exactly these parameters of a supported module (an ``nn.MultiheadAttention``:
 #: :data:`~.attention.MEASURED_ATTENTION_PARAMS`, its ``out_proj`` included).
