@@ -33,11 +33,11 @@ if str(REPO) not in sys.path:
 from benchmarks.overhead import GnsTrackerStep, PlainStep, batch_pool, model_specs, set_threads  # noqa: E402
 from gns_callback.per_example import tracker as tracker_module  # noqa: E402
 
-LAYER_FILES = ("linear", "conv", "embedding", "normalization", "sketch")
+LAYER_FILES = ("linear", "conv", "conv_transpose", "embedding", "normalization", "sketch")
 
 
 def load_old_functions(revision: str, workdir: Path) -> dict[type, object]:
-    """``SUPPORTED_MODULES`` as it maps onto the layer functions of ``revision``."""
+    """``SUPPORTED_MODULES`` as it maps onto the layer functions of ``revision`` (the types it had functions for)."""
     package = workdir / "old_per_example"
     package.mkdir()
     (package / "__init__.py").write_text("")
@@ -53,8 +53,9 @@ def load_old_functions(revision: str, workdir: Path) -> dict[type, object]:
     sys.modules["old_per_example"] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sys.modules["old_per_example"])
     modules = {name: importlib.import_module(f"old_per_example.{name}") for name in present}
-    return {cls: next(getattr(m, fn.__name__) for m in modules.values() if hasattr(m, fn.__name__))
-            for cls, fn in tracker_module.SUPPORTED_MODULES.items()}
+    found = {cls: next((getattr(m, fn.__name__) for m in modules.values() if hasattr(m, fn.__name__)), None)
+             for cls, fn in tracker_module.SUPPORTED_MODULES.items()}
+    return {cls: fn for cls, fn in found.items() if fn is not None}
 
 
 def with_functions(step: GnsTrackerStep, functions: dict[type, object]) -> GnsTrackerStep:
