@@ -53,7 +53,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             ``"per_example"``: per-example gradient norms inside each batch (any setup; not valid with
             BatchNorm in training mode). ``"auto"``: ``per_example`` where valid and covering at least 90% of the
             trainable parameters, else ``micro_batch``; if the per-example hooks then find a step they can't measure
-            (a layer applied twice, a gradient penalty, ...), it switches to ``micro_batch`` where the run has
+            (a convolution applied twice, a gradient penalty, ...), it switches to ``micro_batch`` where the run has
             several micro-batches per step, and otherwise stops measuring (README, "When it can't measure").
         ema_decay: in ``[0, 1)``; weight of the past in the recent estimate's window
             (:class:`gns_callback.tracking.LocalLinearRatio`: a local linear fit of the ratio over

@@ -211,12 +211,16 @@ def test_reduce_joins_once_per_step_even_with_nothing_measured(digits):
 
 
 class Twice(torch.nn.Module):
+    """A convolution applied twice, which per-example norms can't measure (a Linear applied twice they can: its
+    calls read as one, ``per_example/repeated.py``)."""
+
     def __init__(self):
         super().__init__()
-        self.body, self.head = torch.nn.Linear(64, 64), torch.nn.Linear(64, 10)
+        self.body, self.head = torch.nn.Conv1d(4, 4, 3, padding=1), torch.nn.Linear(64, 10)
 
     def forward(self, x):
-        return self.head(torch.tanh(self.body(torch.tanh(self.body(x)))))  # body applied twice
+        h = x.reshape(-1, 4, 16)
+        return self.head(torch.tanh(self.body(torch.tanh(self.body(h)))).flatten(1))  # body applied twice
 
 
 def test_unmeasurable_model_stops_measuring_and_warns_once(digits):
@@ -274,8 +278,8 @@ class SometimesTwice(Twice):
     twice = False
 
     def forward(self, x):
-        h = torch.tanh(self.body(x))
-        return self.head(torch.tanh(self.body(h)) if self.twice else h)
+        h = torch.tanh(self.body(x.reshape(-1, 4, 16)))
+        return self.head((torch.tanh(self.body(h)) if self.twice else h).flatten(1))
 
 
 def _two_ranks(nets, steps, fail_at):

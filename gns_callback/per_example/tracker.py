@@ -36,6 +36,7 @@ from .cost import ACCELERATOR_LAUNCH_COST, COSTS, CostFunction, subset_is_cheape
 from .embedding import embedding_sq_norms, embedding_summed_grads, embedding_unsupported_reason, shared_table_reason
 from .layout import LayoutError, batch_dim, is_sequence_first, position_dims
 from .linear import linear_sq_norms, linear_summed_grads
+from .repeated import combinable, concatenate_calls
 from .recurrent import (
     RECURRENT_MODULES,
     input_reason,
@@ -124,6 +125,9 @@ class PassNorms:
     unmeasured_sq: Tensor | None = None
     #: The measured examples' summed gradient per parameter, until that parameter's whole gradient arrives.
     subset_grads: dict[str, Tensor] = field(default_factory=dict)
+    #: Per module whose norms wait for its parameters' gradient, its calls' ``(input, output gradient)`` so far,
+    #: batch first (:mod:`.repeated`: a layer applied several times is measured once, over all its calls).
+    calls: dict = field(default_factory=dict)
     #: Whether this pass measures only ``max_examples`` examples (decided at its first measured layer).
     subset: bool | None = None
     batch_size: int | None = None
@@ -148,6 +152,7 @@ class PassNorms:
             return self
         self.fired |= inner.fired
         self.subset_grads.update(inner.subset_grads)
+        self.calls.update(inner.calls)
         if inner.sq_norms is not None:
             self.add(inner.sq_norms)
         if inner.unmeasured_sq is not None:
@@ -203,6 +208,14 @@ def _unmeasured_reason(module: nn.Module, local_name: str) -> Optional[str]:
     return None
 
 
+def _is_parameter(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is a parameter or a view of one (a row block, a transpose), not broadcast over a batch:
+    ``latents.expand(B, ...)`` (learned queries) gives every example the table, and each example its own rows."""
+    if isinstance(tensor, nn.Parameter):
+        return True
+    return isinstance(tensor._base, nn.Parameter) and tensor.dim() > 0 and tensor.stride(0) != 0
+
+
 def _recurrent_outputs(output: Any) -> list[tuple[int, Tensor]]:
     """``(index, tensor)`` of a recurrent module's outputs that require grad: 0 ``output``, 1 ``h_n``, 2 ``c_n``
     (a packed ``output`` by its data)."""
@@ -233,9 +246,11 @@ class PerExampleNormTracker:
     with unsupported options are left out and listed in :attr:`excluded_reasons`.
 
     Errors are raised (from :meth:`pop_passes`; hooks never raise inside ``backward``) instead of returning
-    wrong numbers when a covered module's output gradient arrives twice in one backward pass (the module was
-    applied more than once: the norm of a summed gradient is not the sum of norms), when a covered parameter
-    receives a gradient without its module's output gradient (used outside the module's forward, e.g.
+    wrong numbers when a covered module's output gradient arrives twice in one backward pass and its calls can't be
+    read as one (a convolution or GroupNorm applied more than once: the norm of a summed gradient is not the sum of
+    norms; Linear, Embedding, LayerNorm and RMSNorm calls are measured together, :mod:`.repeated`), when a layer
+    runs on a learned parameter instead of examples (``project(prototypes)``), when a covered parameter receives a
+    gradient without its module's output gradient (used outside the module's forward, e.g.
     ``F.linear(x, lin.weight)``), when a ``create_graph=True`` pass reaches a covered module, and when the batch
     dim of a module's input can't be told (:mod:`~gns_callback.per_example.layout`).
 
@@ -434,6 +449,9 @@ class PerExampleNormTracker:
         unmeasurable (hooks never raise inside ``backward``). Does not sync the device."""
         committed = self._passes.pop()
         failure = self.failure or next((p.failure for p in committed if p.failure is not None), None)
+        if failure is None and any(p.calls for p in committed):
+            failure = ("a measured layer's output received a gradient but its parameters none in the same backward "
+                       f"pass, so its per-example norms were never taken; {_MICRO_BATCH_HINT}")
         if failure is None and any(p.subset_grads for p in committed):
             failure = ("a measured layer's parameters received no gradient in its backward pass (their whole "
                        "gradient is needed when only some examples are measured); set per_example_max_examples=None")
@@ -501,6 +519,9 @@ class PerExampleNormTracker:
         if not isinstance(inp, Tensor) or self._left_out(module, inp):
             return
         self._saw_tracked_forward = True
+        if _is_parameter(inp):
+            output.register_hook(partial(self._on_table_call, module))
+            return
         saved = inp.detach()
         if isinstance(module, nn.Embedding) and module in self._tied:
             self._tied_tokens[module] = saved
@@ -516,10 +537,15 @@ class PerExampleNormTracker:
         return self._passes.record(self._passes.current())
 
     def _on_output_grad(self, module: nn.Module, inp: Tensor, grad_output: Tensor) -> None:
-        found = self._first_firing(module, grad_output)
+        """One call's output gradient: a tied table is measured now; any other layer waits for its parameters'
+        gradient, which arrives after every call's (:meth:`_measure_calls`), so that a layer applied several times
+        is measured over all its calls (:mod:`.repeated`)."""
+        repeats = module not in self._tied and combinable(module)
+        found = self._first_order_record(module, grad_output) if repeats else self._first_firing(module, grad_output)
         if found is None:
             return
         covered, record = found
+        record.fired.add(module)
         shared = self._shared_table(module, inp)
         if shared is not None:
             return self._fail_pass(record, f"module '{covered.name}' (Embedding): {shared}; or {_MICRO_BATCH_HINT}.")
@@ -529,10 +555,30 @@ class PerExampleNormTracker:
         except LayoutError as error:
             return self._fail_pass(record,
                                    f"module '{covered.name}' ({type(module).__name__}): {error}; {_MICRO_BATCH_HINT}.")
-        if self._check_batch_size(record, grad_output.shape[0], covered.name):
+        if not self._check_batch_size(record, grad_output.shape[0], covered.name):
+            return
+        if module in self._tied:
             self._measure(record, module, covered, inp, grad_output)
-            if module in self._tied:
-                self._add_cross_term(record, module, inp, grad_output)
+            self._add_cross_term(record, module, inp, grad_output)
+        else:
+            record.calls.setdefault(module, []).append((inp, grad_output))
+
+    def _measure_calls(self, record: PassNorms, module: nn.Module) -> None:
+        """The norms of ``module``'s calls in this pass, read as one call (:func:`~.repeated.concatenate_calls`),
+        once its parameters' gradient arrives."""
+        calls = record.calls.pop(module, None)
+        if calls and record.failure is None:
+            inp, grad_output = concatenate_calls(module, calls)
+            self._measure(record, module, self._covered_modules[module], inp, grad_output)
+
+    def _on_table_call(self, module: nn.Module, grad_output: Tensor) -> None:
+        """A layer ran on a learned parameter (a table of class prototypes, say), not on the examples: its rows
+        are not examples, and read as a batch (when they happen to number as many) they would give wrong norms."""
+        found = self._first_order_record(module, grad_output)
+        if found is not None:
+            self._fail_pass(found[1], f"module '{found[0].name}' ({type(module).__name__}) ran on a learned parameter "
+                                      "(e.g. a table of prototypes), whose rows are not the batch's examples; "
+                                      f"{_MICRO_BATCH_HINT}.")
 
     def _first_order_record(self, module: nn.Module,
                             grad_output: Tensor) -> Optional[tuple[_CoveredModule, PassNorms]]:
@@ -566,7 +612,8 @@ class PerExampleNormTracker:
         self._fail_pass(record,
             f"module '{self._covered_modules[module].name}' ({type(module).__name__}) was applied more than once in "
             "the forward pass and received several output gradients in one backward pass. The per-example norm of "
-            f"the summed gradient is not the sum of per-call norms, so it can't be measured with hooks; "
+            "the summed gradient is not the sum of per-call norms, and this layer's calls can't be read as one (those "
+            f"of Linear, Embedding, LayerNorm and RMSNorm layers can), so it can't be measured with hooks; "
             f"{_MICRO_BATCH_HINT}."
         )
 
@@ -795,6 +842,8 @@ class PerExampleNormTracker:
         if not self._active() or not any(m in self._covered_modules for m in modules):
             return
         record = self._pass_record()
+        for module in modules:
+            self._measure_calls(record, module)
         if param_name in record.subset_grads:
             with torch.no_grad():
                 record.add_unmeasured(param_name, grad)

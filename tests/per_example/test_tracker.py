@@ -293,14 +293,15 @@ def test_module_registered_under_two_names_is_covered_once() -> None:
     assert len(tracker.covered_parameters()) == 2
 
 
-def test_double_invocation_is_reported_at_pop() -> None:
+def test_a_convolution_applied_twice_is_reported_at_pop() -> None:
+    """A convolution's calls can't be read as one (:mod:`gns_callback.per_example.repeated`)."""
     class Twice(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.inner = nn.Linear(3, 3)
+            self.inner = nn.Conv1d(3, 3, 1)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.inner(self.inner(x))
+            return self.inner(self.inner(x.unsqueeze(-1))).squeeze(-1)
 
     model = nn.Sequential(nn.Linear(3, 3), Twice()).double()
     with PerExampleNormTracker(model) as tracker:

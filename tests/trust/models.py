@@ -55,9 +55,27 @@ def trained_pixel_tokens() -> PixelTokens:
     return model
 
 
+class ConvTwice(nn.Module):
+    """One Conv1d applied twice (weight sharing across depth), which per-example norms can't measure: the norm of a
+    convolution's summed gradient needs every call's positions in one window. Weights ×4 at init: B_simple
+    resolved in a short test run."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp, self.body, self.head = nn.Linear(64, 32), nn.Conv1d(4, 4, 3, padding=1), nn.Linear(32, 10)
+        with torch.no_grad():
+            self.inp.weight.mul_(4.0)
+            self.head.weight.mul_(4.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x)).reshape(-1, 4, 8)
+        return self.head(torch.tanh(self.body(torch.tanh(self.body(h)))).flatten(1))
+
+
 class LinearTwice(nn.Module):
-    """One Linear applied twice (weight sharing across depth). Weights ×4 at init: B_simple ≈ 31, resolved in a
-    short test run."""
+    """One Linear applied twice (weight sharing across depth), measured as one call over both
+    (:mod:`gns_callback.per_example.repeated`). Weights ×4 at init: B_simple ≈ 31, resolved in a short test run."""
 
     def __init__(self, seed: int = 0) -> None:
         super().__init__()

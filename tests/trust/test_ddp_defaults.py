@@ -1,9 +1,11 @@
 """Issue 10 item 7: DDP with the default ``report_path`` crashed at fit end under ``ddp`` and ``ddp_spawn``, with or
 without a logger: ``on_fit_end`` called ``trainer.log_dir`` (a collective broadcast) on rank 0 only. The path is now
 resolved on every rank at fit start. Every existing DDP test passed an explicit ``report_path``; these use the
-defaults. One of them also has a model per-example hooks can't measure: both ranks agree to switch to
-``micro_batch`` at the same step (any disagreement would hang the run in its next all-reduce). A third has a
-sequence layer whose per-example norms are sketched, each rank drawing its own probes (``per_example/sketch.py``)."""
+defaults. One of them also has a model per-example hooks can't measure (a Linear applied to the data and to a
+learned table of prototypes): both ranks agree to switch to ``micro_batch`` at the same step (any disagreement would
+hang the run in its next all-reduce). Another has a Linear applied twice, which they measure as one call over both
+(``per_example/repeated.py``), and a third a sequence layer whose per-example norms are sketched, each rank drawing
+its own probes (``per_example/sketch.py``)."""
 
 import json
 import os
@@ -34,7 +36,8 @@ def load_exact(model):
     return _EXACT[model]
 
 
-@pytest.mark.parametrize("model, logger, method", [("linear_twice", True, "micro_batch"), ("mlp", False, "per_example"),
+@pytest.mark.parametrize("model, logger, method", [("linear_on_table", True, "micro_batch"),
+                                                  ("linear_twice", False, "per_example"),
                                                   ("pixel_tokens", False, "per_example")])  # sketched norms
 def test_ddp_spawn_with_the_default_report_path(tmp_path, model, logger, method):
     baseline = ddp_fit(str(tmp_path / "baseline"), "ddp_spawn", model, logger, with_callback=False, steps=5)
@@ -45,7 +48,7 @@ def test_ddp_spawn_with_the_default_report_path(tmp_path, model, logger, method)
     assert Path(report) == expected_dir / "gns_report.json"
     run = load_estimate(report, "run_estimate")
     assert run.method == method and json.loads(Path(report).read_text())["run"]["world_size"] == 2
-    assert run.steps == (STEPS - 1 if model == "linear_twice" else STEPS)  # the switch costs the first step
+    assert run.steps == (STEPS - 1 if model == "linear_on_table" else STEPS)  # the switch costs the first step
     assert_matches_exact(run, load_exact(model))
 
 
@@ -60,11 +63,11 @@ def run_script(root, model, logger, with_callback, steps):
 
 def test_ddp_script_with_the_default_report_path(tmp_path):
     (tmp_path / "baseline").mkdir()
-    assert run_script(tmp_path / "baseline", "linear_twice", True, False, 5)["global_step"] == 5
-    result = run_script(tmp_path, "linear_twice", True, True, STEPS)
+    assert run_script(tmp_path / "baseline", "linear_on_table", True, False, 5)["global_step"] == 5
+    result = run_script(tmp_path, "linear_on_table", True, True, STEPS)
     assert result["global_step"] == STEPS
     assert result["reports"] == [result["report_file"]]
     assert result["report_file"] == str(tmp_path / "lightning_logs" / "version_0" / "gns_report.json")
     run = load_estimate(result["report_file"], "run_estimate")
     assert run.method == "micro_batch" and run.steps == STEPS - 1
-    assert_matches_exact(run, load_exact("linear_twice"))
+    assert_matches_exact(run, load_exact("linear_on_table"))

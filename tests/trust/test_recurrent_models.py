@@ -5,7 +5,9 @@ parameters), so one micro-batch per step measured the noise scale of the head al
 recomputed step by step (:mod:`gns_callback.per_example.recurrent`) and the whole model is measured. And the probe
 restored the LSTM's list of weights (``_flat_weights``, which the fused kernel reads) to copies of the parameters:
 for the rest of the run the LSTM computed with frozen copies and its parameters received no gradient, so the run
-no longer trained its LSTM. Parameters inside restored attributes now stay themselves."""
+no longer trained its LSTM. Parameters inside restored attributes now stay themselves. A recurrence written by hand
+with ``nn.Linear`` layers applied at every step stopped measuring ("applied more than once"); its calls are now read
+as one (:mod:`gns_callback.per_example.repeated`)."""
 
 import pytest
 import torch
@@ -34,6 +36,24 @@ class GruClassifier(nn.Module):
         return self.head(self.gru(x.reshape(x.shape[0], 8, 8))[0].mean(1))
 
 
+class HandWrittenRnn(nn.Module):
+    """Digits as 8 rows through ``h = tanh(W_x·x_t + W_h·h)``, two ``nn.Linear`` applied at every step: each layer
+    is applied 8 times in one forward (measured as one call over the 8, ``per_example/repeated.py``)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.input, self.hidden, self.head = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 10)
+        with torch.no_grad():
+            self.head.weight.mul_(4.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows, h = x.reshape(x.shape[0], 8, 8), x.new_zeros(x.shape[0], 16)
+        for t in range(8):
+            h = torch.tanh(self.input(rows[:, t]) + self.hidden(h))
+        return self.head(h)
+
+
 @pytest.mark.parametrize("optimizer, options", [("sgd", {}), ("adam", {"probe": True})],
                          ids=["SGD, the sharpness monitor", "Adam, the probe"])
 def test_a_fit_with_an_lstm_is_identical_with_and_without_the_callback(digits, tmp_path, optimizer, options):
@@ -51,7 +71,8 @@ def test_a_fit_with_an_lstm_is_identical_with_and_without_the_callback(digits, t
         assert torch.equal(weights[0][key], weights[1][key]), key
 
 
-@pytest.mark.parametrize("make", [LstmClassifier, GruClassifier], ids=["LSTM sequence-first", "GRU 2-layer bi"])
+@pytest.mark.parametrize("make", [LstmClassifier, GruClassifier, HandWrittenRnn],
+                         ids=["LSTM sequence-first", "GRU 2-layer bi", "Linear layers applied at every step"])
 def test_one_micro_batch_per_step_measures_the_whole_model_and_matches_the_exact_value(digits, exact_gns, tmp_path,
                                                                                       make):
     x, y = digits

@@ -12,14 +12,14 @@ import torch.nn.functional as F
 from gns_callback import GradientNoiseScaleCallback
 from gns_callback.exact import exact_noise_scale, per_example_gradients
 from tests.helpers import Classifier, assert_matches_exact, with_replacement_loader
-from tests.trust.models import LinearOnLearnedTable, LinearTwice, PooledPositions, PositionalEmbedding
+from tests.trust.models import ConvTwice, LinearOnLearnedTable, PooledPositions, PositionalEmbedding
 from tests.trust.setups import assert_withheld, messages, single, with_and_without
 
 STEPS = 150
-MODELS = {"linear_twice": LinearTwice, "positional_embedding": PositionalEmbedding,
+MODELS = {"conv_twice": ConvTwice, "positional_embedding": PositionalEmbedding,
           "linear_on_learned_table": LinearOnLearnedTable, "pooled_positions": PooledPositions}
-UNMEASURABLE = ("linear_on_learned_table", "linear_twice", "pooled_positions")
-WHY = {"linear_twice": "applied more than once", "linear_on_learned_table": "module 'net.project'",
+UNMEASURABLE = ("linear_on_learned_table", "conv_twice", "pooled_positions")
+WHY = {"conv_twice": "applied more than once", "linear_on_learned_table": "module 'net.project'",
        "pooled_positions": "its indices are arange(...) with no batch"}
 TOKENS = ("positional_embedding", "pooled_positions")
 
