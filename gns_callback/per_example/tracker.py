@@ -34,6 +34,7 @@ from .conv import conv_sq_norms, conv_summed_grads
 from .conv_transpose import conv_transpose_sq_norms, conv_transpose_summed_grads
 from .cost import ACCELERATOR_LAUNCH_COST, COSTS, CostFunction, subset_is_cheaper
 from .embedding import embedding_sq_norms, embedding_summed_grads, embedding_unsupported_reason, shared_table_reason
+from .embedding_bag import bag_inputs, embedding_bag_sq_norms, embedding_bag_unsupported_reason
 from .layout import LayoutError, batch_dim, is_sequence_first, position_dims
 from .linear import linear_sq_norms, linear_summed_grads
 from .repeated import combinable, concatenate_calls
@@ -97,7 +98,7 @@ def supported_layer_names() -> str:
     """The layer types per-example norms measure, for messages: :data:`SUPPORTED_MODULES` and the modules handled
     apart (:mod:`.attention`, :mod:`.recurrent`)."""
     names = ["transformers' Conv1D" if kind is TransposedLinear else kind.__name__ for kind in SUPPORTED_MODULES]
-    return ", ".join(names + ["MultiheadAttention"] + [kind.__name__ for kind in RECURRENT_MODULES])
+    return ", ".join(names + ["EmbeddingBag", "MultiheadAttention"] + [kind.__name__ for kind in RECURRENT_MODULES])
 
 
 #: The layer functions measure exactly these parameters of a supported module (an ``nn.MultiheadAttention``:
@@ -198,6 +199,8 @@ def _unmeasured_reason(module: nn.Module, local_name: str) -> Optional[str]:
     if is_recurrent(module):
         return recurrent_unsupported_reason(module) if local_name in recurrent_param_names(module) else (
             f"extra parameter '{local_name}' on {type(module).__name__} is not measured")
+    if _is_bag(module):
+        return embedding_bag_unsupported_reason(module)
     if layer_kind(module) not in SUPPORTED_MODULES and not is_attention(module):
         return f"unsupported module type {type(module).__name__}"
     measured = MEASURED_ATTENTION_PARAMS if is_attention(module) else _MEASURED_PARAM_NAMES
@@ -206,6 +209,11 @@ def _unmeasured_reason(module: nn.Module, local_name: str) -> Optional[str]:
     if isinstance(module, nn.Embedding):
         return embedding_unsupported_reason(module)
     return None
+
+
+def _is_bag(module: nn.Module) -> bool:
+    """Exactly ``nn.EmbeddingBag`` (:mod:`.embedding_bag`)."""
+    return type(module) is nn.EmbeddingBag
 
 
 def _is_parameter(tensor: Tensor) -> bool:
@@ -363,7 +371,7 @@ class PerExampleNormTracker:
             )
         # A subset's summed gradient is not assembled over a tied table's two uses, an attention module's row blocks
         # or a recurrent module's steps: with any of them, every example is measured.
-        self._subset_allowed = not self._tied and not any(is_attention(m) or is_recurrent(m)
+        self._subset_allowed = not self._tied and not any(is_attention(m) or is_recurrent(m) or _is_bag(m)
                                                           for m in self._covered_modules)
 
     def covered_parameters(self) -> list[nn.Parameter]:
@@ -418,6 +426,8 @@ class PerExampleNormTracker:
         projections (:mod:`.attention`), removed however the forward ends."""
         if is_recurrent(module):
             return [module.register_forward_hook(self._on_recurrent_forward, with_kwargs=True)]
+        if _is_bag(module):
+            return [module.register_forward_hook(self._on_bag_forward, with_kwargs=True)]
         if not is_attention(module):
             return [module.register_forward_hook(self._on_forward, with_kwargs=True)]
         return [module.register_forward_pre_hook(self._on_attention_start, with_kwargs=True),
@@ -668,6 +678,31 @@ class PerExampleNormTracker:
             return (f"with batch_first={module.batch_first} {what} {layout} holds {batch} examples, but the "
                     f"batch has {self.expected_batch_size}")
         return None
+
+    # ------------------------------------------------------------------ bag embeddings (:mod:`.embedding_bag`)
+
+    def _on_bag_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        if self._refuses_compiled() or not self._active():
+            return
+        if module in self._covered_modules and isinstance(output, Tensor) and output.requires_grad:
+            self._saw_tracked_forward = True
+            tokens, offsets, weights = (v.detach() if isinstance(v, Tensor) else v for v in bag_inputs(args, kwargs))
+            output.register_hook(partial(self._on_bag_grad, module, tokens, offsets, weights))
+
+    def _on_bag_grad(self, module: nn.Module, tokens: Tensor, offsets: Optional[Tensor], weights: Optional[Tensor],
+                     grad_output: Tensor) -> None:
+        """One bag per example: the bags' squared norms join the pass."""
+        found = self._first_firing(module, grad_output)
+        if found is None:
+            return
+        covered, record = found
+        bags = grad_output.shape[0]
+        if self.expected_batch_size is not None and bags != self.expected_batch_size:
+            return self._fail_pass(record, f"module '{covered.name}' (EmbeddingBag) made {bags} bags, but the batch "
+                                           f"has {self.expected_batch_size} examples; {_MICRO_BATCH_HINT}.")
+        if self._check_batch_size(record, bags, covered.name):
+            with torch.no_grad():
+                record.add(embedding_bag_sq_norms(module, tokens, offsets, weights, grad_output).float())
 
     # ------------------------------------------------------------------ recurrent modules (:mod:`.recurrent`)
 
