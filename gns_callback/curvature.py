@@ -14,7 +14,7 @@ See :mod:`gns_callback.recommendation.stability`. Pure torch; no Lightning.
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import torch
 
