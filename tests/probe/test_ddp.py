@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from torch.multiprocessing.spawn import ProcessExitedException
 
 from tests.helpers import mlp, quiet_trainer
 from tests.probe.models import ProbeAtBatch, ThresholdClassifier, digits_loader
@@ -24,7 +25,15 @@ def test_ranks_agree_on_the_minimum_without_deadlock(digits, tmp_path):
     probe = ProbeAtBatch(at=(0, 1), directory=str(tmp_path), setup=set_thresholds,
                          memory_budget_bytes=10**9, max_batch_size=256, timed_steps=1)
     trainer = quiet_trainer(strategy="ddp_spawn", devices=2, max_steps=4, callbacks=[probe])
-    trainer.fit(ThresholdClassifier(mlp(), thresholds=[1000, 1000], lr=0.1), digits_loader(x[:128], y[:128]))
+    try:
+        trainer.fit(ThresholdClassifier(mlp(), thresholds=[1000, 1000], lr=0.1), digits_loader(x[:128], y[:128]))
+    except ProcessExitedException as error:
+        # gloo can abort a worker while the interpreter shuts down ("terminate called without an active exception"),
+        # after its fit ended: seen once in about seven full-suite runs. Tolerated only after both ranks wrote their
+        # fit-end record; any failure during the probes or the fit still fails the test.
+        ended = all((tmp_path / f"rank{r}_end.json").exists() for r in (0, 1))
+        if error.signal_name != "SIGABRT" or not ended:
+            raise
 
     for batch_idx, expected in ((0, 20), (1, 12)):
         ranks = [json.loads((tmp_path / f"rank{r}_batch{batch_idx}.json").read_text()) for r in (0, 1)]
