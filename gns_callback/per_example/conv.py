@@ -102,7 +102,7 @@ def conv_weight_sq_norms(module: nn.Conv1d | nn.Conv2d, inp: Tensor, grad_output
     method = sequence_norm_method(positions, module.weight[0].numel(), out_per_group)
     if module.in_channels // groups >= _GROUPED_CONV_MIN_CHANNELS and method != "gram":
         if method == "sketch":
-            return _sketchedconv_weight_sq_norms(module, inp, grad_output)
+            return _sketched_weight_sq_norms(module, inp, grad_output)
         grads = per_example_weight_grads(module, inp, grad_output)
         return grads.reshape(batch_size, -1).square_().sum(dim=1)  # in place: no second (B·out, in, *kernel) buffer
     columns = unfold_input(module, inp)  # channel-major, so each group is a contiguous block
@@ -111,7 +111,7 @@ def conv_weight_sq_norms(module: nn.Conv1d | nn.Conv2d, inp: Tensor, grad_output
     return sequence_sq_norms(columns, group_grads).reshape(batch_size, groups).sum(dim=1)
 
 
-def _sketchedconv_weight_sq_norms(module: nn.Conv1d | nn.Conv2d, inp: Tensor, grad_output: Tensor) -> Tensor:
+def _sketched_weight_sq_norms(module: nn.Conv1d | nn.Conv2d, inp: Tensor, grad_output: Tensor) -> Tensor:
     """Unbiased sketch of ``Σ_g |∇W_{i,g}|²`` (:mod:`.sketch`): per example and group, ``k = PROBES`` Rademacher
     combinations of the output channels, ``δ·s``, are a ``k``-channel output gradient whose weight gradient is
     ``∇W_{i,g}·s``; one grouped convolution gives them all, ``(1/k)·Σ_j |∇W_{i,g}·s_j|²``."""
