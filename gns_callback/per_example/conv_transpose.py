@@ -15,6 +15,7 @@ convolution of ``δ`` leaves out of its windows, as the forward does. Checked ag
 from __future__ import annotations
 
 from collections.abc import Collection
+from functools import lru_cache
 from typing import Union
 
 from torch import Tensor, nn
@@ -29,10 +30,19 @@ ConvTranspose = Union[nn.ConvTranspose1d, nn.ConvTranspose2d]
 
 def shadow_convolution(module: ConvTranspose) -> nn.Conv1d | nn.Conv2d:
     """The convolution whose input gradient ``module`` computes, on the meta device (no memory): ``out_channels``
-    → ``in_channels``, the same kernel, stride, padding, dilation and groups, no bias."""
-    conv = nn.Conv1d if isinstance(module, nn.ConvTranspose1d) else nn.Conv2d
-    return conv(module.out_channels, module.in_channels, module.kernel_size, stride=module.stride,
-                padding=module.padding, dilation=module.dilation, groups=module.groups, bias=False, device="meta")
+    → ``in_channels``, the same kernel, stride, padding, dilation and groups, no bias. One per shape, built once
+    (building a module takes about 0.1 ms, and this runs at every step)."""
+    return _shadow(isinstance(module, nn.ConvTranspose1d), module.out_channels, module.in_channels,
+                   tuple(module.kernel_size), tuple(module.stride), tuple(module.padding), tuple(module.dilation),
+                   module.groups)
+
+
+@lru_cache(maxsize=64)
+def _shadow(one_dim: bool, in_channels: int, out_channels: int, kernel_size: tuple, stride: tuple, padding: tuple,
+            dilation: tuple, groups: int) -> nn.Conv1d | nn.Conv2d:
+    conv = nn.Conv1d if one_dim else nn.Conv2d
+    return conv(in_channels, out_channels, kernel_size, stride=stride, padding=padding, dilation=dilation,
+                groups=groups, bias=False, device="meta")
 
 
 def conv_transpose_sq_norms(module: ConvTranspose, inp: Tensor, grad_output: Tensor, *,
