@@ -93,12 +93,12 @@ class Direction:
     layer: int
     suffix: str
     inputs: Tensor
-    previous: Tensor
-    outputs: Tensor
-    gi: Tensor
-    gh: Tensor
-    cells: Optional[Tensor] = None
     cell0: Optional[Tensor] = None
+    previous: Optional[Tensor] = None
+    outputs: Optional[Tensor] = None
+    gi: Optional[Tensor] = None
+    gh: Optional[Tensor] = None
+    cells: Optional[Tensor] = None
     gi_grad: Optional[Tensor] = None
     gh_grad: Optional[Tensor] = None
 
@@ -200,8 +200,8 @@ def recompute(module: nn.RNNBase, inp: Tensor, hx: Any = None, output: Optional[
             directions = []
             for d, suffix in enumerate(suffixes):
                 k = layer * len(suffixes) + d
-                direction = Direction(layer, suffix, layer_input.flip(0) if suffix else layer_input, *([None] * 4))
-                direction.cell0 = None if c0 is None else c0[k]
+                direction = Direction(layer, suffix, layer_input.flip(0) if suffix else layer_input,
+                                      None if c0 is None else c0[k])
                 if top is None:
                     directions.append(_forward_direction(module, direction, h0[k], direction.cell0))
                 else:
@@ -301,18 +301,17 @@ def backpropagate(module: nn.RNNBase, recomputed: Recomputation, grads: Sequence
 
 
 def recurrent_sq_norms(module: nn.RNNBase, inp: Tensor, hx: Any, grads: Sequence[Optional[Tensor]],
-                       param_names: Collection[str], output: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    """Per-example squared gradient norm ``(B,)`` of the parameters ``param_names``, and the recomputed ``output``
-    (batch first), from the forward's input and initial state and the gradients of its outputs
-    ``(output, h_n[, c_n])`` (module docstring). ``output``: the forward's own, which spares recomputing the top
-    layer's steps."""
+                       param_names: Collection[str], output: Optional[Tensor] = None) -> Tensor:
+    """Per-example squared gradient norm ``(B,)`` of the parameters ``param_names``, from the forward's input and
+    initial state and the gradients of its outputs ``(output, h_n[, c_n])`` (module docstring). ``output``: the
+    forward's own, which spares recomputing the top layer's steps."""
     recomputed = recompute(module, inp, hx, output)
     backpropagate(module, recomputed, grads)
     with torch.no_grad():
         total = recomputed.output.new_zeros(recomputed.output.shape[0])
         for direction in (d for directions in recomputed.layers for d in directions):
             total += _direction_sq_norms(direction, param_names)
-    return total, recomputed.output
+    return total
 
 
 def _direction_sq_norms(direction: Direction, param_names: Collection[str]) -> Tensor:

@@ -94,11 +94,17 @@ SUMMED_GRADIENTS: dict[type, SummedGradFunction] = {
     nn.RMSNorm: rms_norm_summed_grads,
 }
 
+#: Modules measured by hooks of their own rather than a layer function (:mod:`.embedding_bag`, :mod:`.attention`,
+#: :mod:`.recurrent`); matched exactly, as :data:`SUPPORTED_MODULES`. None of them assembles a subset's summed
+#: gradient, so with any of them every example is measured.
+HANDLED_APART: tuple[type, ...] = (nn.EmbeddingBag, nn.MultiheadAttention, *RECURRENT_MODULES)
+
+
 def supported_layer_names() -> str:
-    """The layer types per-example norms measure, for messages: :data:`SUPPORTED_MODULES` and the modules handled
-    apart (:mod:`.attention`, :mod:`.recurrent`)."""
+    """The layer types per-example norms measure, for messages: :data:`SUPPORTED_MODULES` and
+    :data:`HANDLED_APART`."""
     names = ["transformers' Conv1D" if kind is TransposedLinear else kind.__name__ for kind in SUPPORTED_MODULES]
-    return ", ".join(names + ["EmbeddingBag", "MultiheadAttention"] + [kind.__name__ for kind in RECURRENT_MODULES])
+    return ", ".join(names + [kind.__name__ for kind in HANDLED_APART])
 
 
 #: The layer functions measure exactly these parameters of a supported module (an ``nn.MultiheadAttention``:
@@ -369,10 +375,9 @@ class PerExampleNormTracker:
                 cost=COSTS.get(kind),
                 param_count=sum(module.get_parameter(name).numel() for name in local_names),
             )
-        # A subset's summed gradient is not assembled over a tied table's two uses, an attention module's row blocks
-        # or a recurrent module's steps: with any of them, every example is measured.
-        self._subset_allowed = not self._tied and not any(is_attention(m) or is_recurrent(m) or _is_bag(m)
-                                                          for m in self._covered_modules)
+        # A subset's summed gradient is not assembled over a tied table's two uses, nor by the modules with hooks of
+        # their own: with any of them, every example is measured.
+        self._subset_allowed = not self._tied and not any(type(m) in HANDLED_APART for m in self._covered_modules)
 
     def covered_parameters(self) -> list[nn.Parameter]:
         """Trainable parameters whose per-example norms are measured."""
@@ -550,12 +555,10 @@ class PerExampleNormTracker:
         """One call's output gradient: a tied table is measured now; any other layer waits for its parameters'
         gradient, which arrives after every call's (:meth:`_measure_calls`), so that a layer applied several times
         is measured over all its calls (:mod:`.repeated`)."""
-        repeats = module not in self._tied and combinable(module)
-        found = self._first_order_record(module, grad_output) if repeats else self._first_firing(module, grad_output)
+        found = self._firing(module, grad_output, once=module in self._tied or not combinable(module))
         if found is None:
             return
         covered, record = found
-        record.fired.add(module)
         shared = self._shared_table(module, inp)
         if shared is not None:
             return self._fail_pass(record, f"module '{covered.name}' (Embedding): {shared}; or {_MICRO_BATCH_HINT}.")
@@ -607,13 +610,14 @@ class PerExampleNormTracker:
         record = self._pass_record()
         return (covered, record) if record.failure is None else None
 
-    def _first_firing(self, module: nn.Module, grad_output: Tensor) -> Optional[tuple[_CoveredModule, PassNorms]]:
-        """:meth:`_first_order_record`, and the module marked as fired in this pass; None (the pass failed) if it
-        fired already: it was applied more than once."""
+    def _firing(self, module: nn.Module, grad_output: Tensor,
+                once: bool = True) -> Optional[tuple[_CoveredModule, PassNorms]]:
+        """:meth:`_first_order_record`, and the module marked as fired in this pass; with ``once``, None (the pass
+        failed) if it fired already: it was applied more than once and its calls can't be read as one."""
         found = self._first_order_record(module, grad_output)
         if found is None:
             return None
-        if module in found[1].fired:
+        if once and module in found[1].fired:
             return self._fail_applied_twice(found[1], module)
         found[1].fired.add(module)
         return found
@@ -692,7 +696,7 @@ class PerExampleNormTracker:
     def _on_bag_grad(self, module: nn.Module, tokens: Tensor, offsets: Optional[Tensor], weights: Optional[Tensor],
                      grad_output: Tensor) -> None:
         """One bag per example: the bags' squared norms join the pass."""
-        found = self._first_firing(module, grad_output)
+        found = self._firing(module, grad_output)
         if found is None:
             return
         covered, record = found
@@ -729,7 +733,7 @@ class PerExampleNormTracker:
         per-example squared norms join the pass (recomputed, :func:`~.recurrent.recurrent_sq_norms`; ``output``:
         the forward's own)."""
         arrived = [grad for grad in grads if grad is not None]
-        found = self._first_firing(module, arrived[0]) if arrived else None
+        found = self._firing(module, arrived[0]) if arrived else None
         if found is None:
             return
         covered, record = found
@@ -742,8 +746,7 @@ class PerExampleNormTracker:
             full: list[Optional[Tensor]] = [None, None, None]
             for index, grad in zip(indices, grads):
                 full[index] = grad
-            sq_norms, _ = recurrent_sq_norms(module, inp, hx, full, covered.param_names, output)
-            record.add(sq_norms.float())
+            record.add(recurrent_sq_norms(module, inp, hx, full, covered.param_names, output).float())
 
     def _add_cross_term(self, record: PassNorms, module: nn.Module, inp: Tensor, grad_output: Tensor) -> None:
         """A tied table's ``2⟨E_i, H_i⟩`` (:mod:`.tied`), once both of its modules' gradients have arrived."""
