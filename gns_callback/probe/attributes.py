@@ -219,11 +219,11 @@ class AttributeState:
 
     def _restore_entry(self, entry: _Entry) -> None:
         attributes = vars(entry.owner)
-        current = attributes.get(entry.key, _MISSING)
-        if current is entry.original and self._fingerprint(entry.original) == entry.fingerprint:
+        unchanged = self._fingerprint(entry.original) == entry.fingerprint
+        if attributes.get(entry.key, _MISSING) is entry.original and unchanged:
             return
         attributes[entry.key] = entry.original  # the original object: other references to it stay valid
-        if self._fingerprint(entry.original) == entry.fingerprint:
+        if unchanged:
             return  # the step replaced it, the original itself is unchanged
         if entry.saved is _MISSING:
             self.not_restored.add(entry.name)
