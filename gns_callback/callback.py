@@ -31,6 +31,7 @@ from gns_callback.lightning import supported
 from gns_callback.lightning import trainer_facts as facts
 from gns_callback.lightning.adaptation import Adapter
 from gns_callback.lightning.compat import CALLBACK_BASES, misconfiguration
+from gns_callback.lightning.coupling import check_first_batch
 from gns_callback.lightning.sharpness import SharpnessMonitor
 from gns_callback.meter import ARGUMENTS as METER_ARGUMENTS
 from gns_callback.meter import GradientNoiseScaleMeter
@@ -353,7 +354,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._next_micro_batch(batch_size_of(batch))
         if not self._started:
-            self._start_measuring(trainer, pl_module, batch)
+            self._start_measuring(trainer, pl_module, batch, batch_idx)
         if self.sharpness_monitor is not None:
             self.sharpness_monitor.on_train_batch_start(trainer, pl_module, batch, batch_idx, quiet=self.meter.paused)
 
@@ -362,18 +363,23 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         self._sizes.append(size)
         self.meter.expect_batch_size(size)
 
-    def _start_measuring(self, trainer: Any, pl_module: Any, batch: Any) -> None:
+    def _start_measuring(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._started = True
         self._micro_batch_size = self._sizes[-1]
         self._base_lr = facts.base_lr(trainer)
-        if self._micro_batch_size is None and (self._probe_wanted(trainer) or self.recommend_enabled):
+        if self._micro_batch_size is None:
+            return self._say_size_unknown(trainer)
+        check_first_batch(self.meter, trainer, pl_module, batch, batch_idx, self._micro_batch_size)
+        if self._probe_wanted(trainer) and self.probe_result is None:
+            self._run_probe(trainer, pl_module, batch)
+
+    def _say_size_unknown(self, trainer: Any) -> None:
+        if self._probe_wanted(trainer) or self.recommend_enabled:
             _warn_rank_zero(trainer,
                 "GradientNoiseScaleCallback: the micro-batch size could not be read off the first training batch (no "
                 "tensor in it, or tensors whose leading dims disagree with no majority), so no probe is run and no "
                 "batch size is recommended. Let the DataLoader yield tensors with the batch as dim 0."
             )
-        elif self._probe_wanted(trainer) and self.probe_result is None:
-            self._run_probe(trainer, pl_module, batch)
 
     def _probe_wanted(self, trainer: Any) -> bool:
         """``probe`` as given, or for ``None``: on an accelerator, or for an objective that needs step times."""
@@ -598,6 +604,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             "probe": self.probe_result.to_dict() if self.probe_result is not None else None,
             "adaptations": self.adaptations,
             "coverage": self.meter.coverage,
+            "examples_independent": self.meter.coupling.to_dict() if self.meter.coupling is not None else None,
             "config": {
                 "method": self.method,
                 "ema_decay": self.ema_decay,

@@ -41,7 +41,9 @@ from gns_callback.deferred import DeferredReads
 from gns_callback.estimate import GNSEstimate
 from gns_callback.grad_watch import PROBLEM as GRADIENTS_CHANGED, GradientWatch
 from gns_callback.norms import squared_norm_sum
+from gns_callback.per_example.coupling import CouplingCheck, check_coupling
 from gns_callback.per_example.sketch import reseed_probes
+from gns_callback.probe.state import preserved_state
 from gns_callback.scalar_ops import host_errors_ignored
 from gns_callback.smoothing import RatioAccumulator, RatioSummary, step_values, summarize_ratio
 from gns_callback.tracking import LocalLinearRatio
@@ -157,6 +159,7 @@ class GradientNoiseScaleMeter:
         self._attached = False
         self._enabled = True
         self.steps_offered = 0  # every call to step(), measured or resting: the duty cycle's phase
+        self.coupling: Optional[CouplingCheck] = None  # :meth:`check_examples_independent`'s outcome
         reseed_probes(0)  # sketched norms draw their probes per step (per_example/sketch.py)
         self.reset()
 
@@ -231,6 +234,28 @@ class GradientNoiseScaleMeter:
         finally:
             self.enabled = was
             self.discard_pending()
+
+    def check_examples_independent(self, run_pass: Callable[[], None], batch_size: int,
+                                   **preserve: Any) -> CouplingCheck:
+        """Whether ``per_example`` can measure this model and loss: that the examples of a batch reach the loss
+        independently (:mod:`gns_callback.per_example.coupling`; an in-batch contrastive loss does not).
+
+        ``run_pass()`` runs one forward and backward of a batch of ``batch_size`` examples, as a training step
+        does; it runs twice, with the hooks paused, and everything the passes touch is put back (``preserve``: what
+        :func:`~gns_callback.probe.state.preserved_state` takes besides the model). Coupled examples make the next
+        :meth:`step` switch to ``fallback_method`` or stop measuring, with the reason, as any step the hooks can't
+        measure does. Call it once before the first step (the Lightning callback does, on the first batch). It
+        never raises: a check that fails is "not checked", with the error."""
+        if self.method != "per_example" or self.failure is not None:
+            return CouplingCheck("not checked", detail=f"method={self.method!r}")
+        try:
+            with self.paused(), preserved_state(self.model, [], **preserve):
+                self.coupling = check_coupling(self.model, run_pass, batch_size)
+        except Exception as error:  # noqa: BLE001 - a check must never end the user's run
+            self.coupling = CouplingCheck("not checked", detail=f"the check failed: {type(error).__name__}: {error}")
+        if self.coupling.coupled:
+            self._problem = self._problem or self.coupling.detail
+        return self.coupling
 
     def discard_pending(self) -> None:
         """Drop what the hooks recorded since the last :meth:`step` (e.g. a step that will not be taken)."""

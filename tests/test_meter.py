@@ -552,3 +552,41 @@ def test_steps_of_one_example_are_skipped_and_said_once_while_nothing_is_measura
     assert len(said) == 1 and "accumulate_grad_batches=2" in said[0]
     estimate, said = run([8, 8, 8, 1])
     assert estimate.steps == 3 and estimate.skipped_steps == 1 and not said
+
+
+def test_the_coupling_check_leaves_the_model_and_random_streams_as_they_were(digits):
+    """Gradients already there (and None ones), BatchNorm statistics in eval mode and the random streams: the two
+    passes' traces are put back; an independent loss measures on."""
+    x, y = digits[0][:32], digits[1][:32]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.BatchNorm1d(32), torch.nn.Dropout(0.3),
+                                torch.nn.Linear(32, 10))
+    model[1].eval()
+    model[0].weight.grad = torch.ones_like(model[0].weight)
+    before = ({k: v.clone() for k, v in model.state_dict().items()}, torch.get_rng_state())
+    with GradientNoiseScaleMeter(model) as meter:
+        check = meter.check_examples_independent(lambda: F.cross_entropy(model(x), y).backward(), batch_size=32)
+        assert check.status == "independent"
+        assert torch.equal(model[0].weight.grad, torch.ones_like(model[0].weight)) and model[3].weight.grad is None
+        assert all(torch.equal(v, model.state_dict()[k]) for k, v in before[0].items())
+        assert torch.equal(torch.get_rng_state(), before[1])
+        model[0].weight.grad = None
+        F.cross_entropy(model(x), y).backward()
+        meter.step()
+    assert meter.failure is None and meter.steps_seen == 1
+
+
+def test_coupled_examples_stop_the_next_step_with_the_reason(digits):
+    x = digits[0][:32]
+    model = mlp()
+
+    def contrastive() -> torch.Tensor:
+        z = F.normalize(model(x), dim=1)
+        return F.cross_entropy(z @ z.T, torch.arange(len(z)))
+
+    with GradientNoiseScaleMeter(model) as meter:
+        assert meter.check_examples_independent(lambda: contrastive().backward(), batch_size=32).coupled
+        contrastive().backward()
+        with pytest.warns(UserWarning, match="stopped measuring.*the examples of a batch are coupled"):
+            meter.step()
+    assert not meter.run_estimate.measured and "coupled" in meter.failure

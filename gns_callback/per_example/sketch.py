@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["PROBES", "SKETCH_MARGIN", "RANDOM_DRAW_COST", "sketch_cost", "sketched_sq_norms", "probe_signs",
-           "reseed_probes"]
+           "reseed_probes", "restart_probes"]
 
 #: Probes per example (a multiple of 8, :func:`probe_signs`): relative standard deviation at most √(2/8) = 0.5 per
 #: example and layer, before averaging.
@@ -90,6 +90,11 @@ def reseed_probes(step: int) -> None:
     _step = int(step)
     for generator in _generators.values():
         generator.manual_seed(_seed())
+
+
+def restart_probes() -> None:
+    """Restart the probe streams at the current step's seed: a pass run again draws the same probes."""
+    reseed_probes(_step)
 
 
 def _seed() -> int:

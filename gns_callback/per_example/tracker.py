@@ -117,7 +117,7 @@ _MEASURED_PARAM_NAMES = frozenset({"weight", "bias"})
 #: table found at run time is left out only while the rest keeps this share.
 MIN_COVERAGE = 0.9
 
-_MICRO_BATCH_HINT = (
+MICRO_BATCH_HINT = (
     "measure this model with method='micro_batch', which needs several backward passes per optimizer step "
     "(gradient accumulation, e.g. Lightning's accumulate_grad_batches=2, or several devices)"
 )
@@ -176,7 +176,7 @@ class PassNorms:
 
 def _merge_problem(outer: PassNorms, inner: PassNorms) -> Optional[str]:
     """Why two records of one backward pass (:meth:`PassNorms.merged`) can't be added, or None."""
-    hint = f"pass use_reentrant=False to torch.utils.checkpoint, or {_MICRO_BATCH_HINT}"
+    hint = f"pass use_reentrant=False to torch.utils.checkpoint, or {MICRO_BATCH_HINT}"
     if outer.fired & inner.fired:
         names = ", ".join(sorted(type(m).__name__ for m in outer.fired & inner.fired))
         return (f"a layer ({names}) ran both inside and outside a reentrant gradient checkpoint: its per-example norm "
@@ -383,6 +383,10 @@ class PerExampleNormTracker:
         """Trainable parameters whose per-example norms are measured."""
         return [param for _, param in self._covered_params]
 
+    def measured_modules(self) -> list[nn.Module]:
+        """The modules whose parameters are measured."""
+        return list(self._covered_modules)
+
     def uncovered_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """``(qualified name, parameter)`` of trainable parameters that are not measured."""
         return list(self._uncovered_params)
@@ -466,7 +470,7 @@ class PerExampleNormTracker:
         failure = self.failure or next((p.failure for p in committed if p.failure is not None), None)
         if failure is None and any(p.calls for p in committed):
             failure = ("a measured layer's output received a gradient but its parameters none in the same backward "
-                       f"pass, so its per-example norms were never taken; {_MICRO_BATCH_HINT}")
+                       f"pass, so its per-example norms were never taken; {MICRO_BATCH_HINT}")
         if failure is None and any(p.subset_grads for p in committed):
             failure = ("a measured layer's parameters received no gradient in its backward pass (their whole "
                        "gradient is needed when only some examples are measured); set per_example_max_examples=None")
@@ -561,13 +565,13 @@ class PerExampleNormTracker:
         covered, record = found
         shared = self._shared_table(module, inp)
         if shared is not None:
-            return self._fail_pass(record, f"module '{covered.name}' (Embedding): {shared}; or {_MICRO_BATCH_HINT}.")
+            return self._fail_pass(record, f"module '{covered.name}' (Embedding): {shared}; or {MICRO_BATCH_HINT}.")
         try:
             if batch_dim(inp.shape, position_dims(module, inp), self.expected_batch_size, self._sequence_first) == 1:
                 inp, grad_output = inp.movedim(1, 0), grad_output.movedim(1, 0)  # (T, B, ...) → (B, T, ...)
         except LayoutError as error:
             return self._fail_pass(record,
-                                   f"module '{covered.name}' ({type(module).__name__}): {error}; {_MICRO_BATCH_HINT}.")
+                                   f"module '{covered.name}' ({type(module).__name__}): {error}; {MICRO_BATCH_HINT}.")
         if not self._check_batch_size(record, grad_output.shape[0], covered.name):
             return
         if module in self._tied:
@@ -591,7 +595,7 @@ class PerExampleNormTracker:
         if found is not None:
             self._fail_pass(found[1], f"module '{found[0].name}' ({type(module).__name__}) ran on a learned parameter "
                                       "(e.g. a table of prototypes), whose rows are not the batch's examples; "
-                                      f"{_MICRO_BATCH_HINT}.")
+                                      f"{MICRO_BATCH_HINT}.")
 
     def _first_order_record(self, module: nn.Module,
                             grad_output: Tensor) -> Optional[tuple[_CoveredModule, PassNorms]]:
@@ -604,7 +608,7 @@ class PerExampleNormTracker:
             self._fail(
                 f"a backward pass with create_graph=True reached '{covered.name}' (e.g. a gradient penalty): the "
                 "step's gradient then holds second-order terms that per-example hooks can't see; "
-                f"{_MICRO_BATCH_HINT}."
+                f"{MICRO_BATCH_HINT}."
             )
             return None
         record = self._pass_record()
@@ -628,7 +632,7 @@ class PerExampleNormTracker:
             "the forward pass and received several output gradients in one backward pass. The per-example norm of "
             "the summed gradient is not the sum of per-call norms, and this layer's calls can't be read as one (those "
             f"of Linear, Embedding, LayerNorm and RMSNorm layers can), so it can't be measured with hooks; "
-            f"{_MICRO_BATCH_HINT}."
+            f"{MICRO_BATCH_HINT}."
         )
 
     # ------------------------------------------------------------------ attention modules (:mod:`.attention`)
@@ -667,7 +671,7 @@ class PerExampleNormTracker:
         reason = self._declared_batch_reason(module, batch, "its query")
         if reason is not None:
             return self._fail_pass(record, f"module '{covered.name}' (MultiheadAttention): {reason}; "
-                                           f"{_MICRO_BATCH_HINT}.")
+                                           f"{MICRO_BATCH_HINT}.")
         if self._check_batch_size(record, batch, covered.name):
             with torch.no_grad():
                 record.add(projection_sq_norms(call, inp, grad_output, batch).float())
@@ -703,7 +707,7 @@ class PerExampleNormTracker:
         bags = grad_output.shape[0]
         if self.expected_batch_size is not None and bags != self.expected_batch_size:
             return self._fail_pass(record, f"module '{covered.name}' (EmbeddingBag) made {bags} bags, but the batch "
-                                           f"has {self.expected_batch_size} examples; {_MICRO_BATCH_HINT}.")
+                                           f"has {self.expected_batch_size} examples; {MICRO_BATCH_HINT}.")
         if self._check_batch_size(record, bags, covered.name):
             with torch.no_grad():
                 record.add(embedding_bag_sq_norms(module, tokens, offsets, weights, grad_output).float())
@@ -741,7 +745,7 @@ class PerExampleNormTracker:
         reason = reason or self._declared_batch_reason(module, batch, "its input")
         if reason is not None:
             return self._fail_pass(record, f"module '{covered.name}' ({type(module).__name__}): {reason}; "
-                                           f"{_MICRO_BATCH_HINT}.")
+                                           f"{MICRO_BATCH_HINT}.")
         if self._check_batch_size(record, batch, covered.name):
             full: list[Optional[Tensor]] = [None, None, None]
             for index, grad in zip(indices, grads):
@@ -791,11 +795,11 @@ class PerExampleNormTracker:
                          self._sequence_first) == 1:
                 tokens = tokens.movedim(1, 0)
         except LayoutError as error:
-            self._fail_pass(record, f"module {names}: {error}; {_MICRO_BATCH_HINT}.")
+            self._fail_pass(record, f"module {names}: {error}; {MICRO_BATCH_HINT}.")
             return None
         if tokens.shape[0] != batch:
             self._fail_pass(record, f"module {names} looked up {tokens.shape[0]} examples, its head saw {batch}; "
-                                    f"{_MICRO_BATCH_HINT}.")
+                                    f"{MICRO_BATCH_HINT}.")
             return None
         return tokens
 
@@ -897,7 +901,7 @@ class PerExampleNormTracker:
                     f"before the hooks were attached; {compiled.REASON}")
         return (f"parameter '{param_name}' received a gradient that did not flow through its module's output: it is "
                 "used outside the module's forward (e.g. F.linear(x, module.weight), or a positional table indexed "
-                f"directly), so its per-example norm can't be measured; {_MICRO_BATCH_HINT}.")
+                f"directly), so its per-example norm can't be measured; {MICRO_BATCH_HINT}.")
 
     def _check_batch_size(self, record: PassNorms, batch_size: int, source: str) -> bool:
         if record.batch_size is None:
@@ -906,7 +910,7 @@ class PerExampleNormTracker:
             self._fail_pass(record,
                 f"module '{source}' saw batch size {batch_size} but '{record.source}' saw {record.batch_size} in "
                 "dim 0 (the micro-batch's size was not known beforehand to tell which dim holds it); "
-                f"{_MICRO_BATCH_HINT}."
+                f"{MICRO_BATCH_HINT}."
             )
             return False
         return True

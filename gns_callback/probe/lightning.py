@@ -180,7 +180,7 @@ def _scaler_preserved(trainer: "pl.Trainer") -> Iterator[None]:
             scaler.load_state_dict(saved)
 
 
-def _ddp_no_sync(trainer: "pl.Trainer") -> Any:
+def ddp_no_sync(trainer: "pl.Trainer") -> Any:
     from torch.nn.parallel import DistributedDataParallel
 
     model = getattr(trainer.strategy, "model", None)
@@ -281,7 +281,7 @@ def _session(
         pl_module, list(trainer.optimizers), move_batch(batch, device), lightning_step(pl_module, trainer, batch_idx),
         device,
         contexts=[silenced_logging(pl_module), _lightning_optimizers_quiet(trainer), _scaler_preserved(trainer),
-                  _ddp_no_sync(trainer)],
+                  ddp_no_sync(trainer)],
         split_handle=SplitFactor.find(pl_module) if search_split else None,
         keep=[trainer],
         skip_attributes=module_internals(),

@@ -1,0 +1,28 @@
+"""The meter's check that a batch's examples reach the loss independently
+(:meth:`~gns_callback.meter.GradientNoiseScaleMeter.check_examples_independent`), run on the fit's first batch
+with ``training_step`` as the pass: full precision (no autocast), ``self.log`` silenced, SyncBatchNorm local, no
+DDP gradient sync, and everything the two passes touch put back. Two forward and backward passes, once per fit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gns_callback.meter import GradientNoiseScaleMeter
+from gns_callback.per_example.coupling import CouplingCheck
+from gns_callback.probe.lightning import ddp_no_sync, lightning_step, module_internals, silenced_logging
+from gns_callback.probe.state import local_batch_norm
+
+
+def check_first_batch(meter: GradientNoiseScaleMeter, trainer: Any, pl_module: Any, batch: Any, batch_idx: int,
+                      batch_size: int) -> CouplingCheck:
+    """Run the check on ``batch`` (on every rank: each checks its own batch, and the meter's next step agrees)."""
+    step = lightning_step(pl_module, None, batch_idx)
+
+    def run_pass() -> None:
+        step(batch).backward()
+
+    with silenced_logging(pl_module), local_batch_norm(pl_module), ddp_no_sync(trainer), torch.enable_grad():
+        return meter.check_examples_independent(run_pass, batch_size, keep=[trainer, *trainer.optimizers],
+                                                skip=module_internals())

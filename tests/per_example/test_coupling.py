@@ -1,0 +1,104 @@
+"""The check that a batch's examples reach the loss independently (:mod:`gns_callback.per_example.coupling`): losses
+that are functions of a sum of per-example terms pass, whatever they draw at random; losses and layers that couple
+the examples are found."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gns_callback.per_example.coupling import check_coupling
+
+BATCH = 32
+
+
+def mlp(dropout: float = 0.0) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Dropout(dropout), nn.Linear(32, 10))
+
+
+def in_batch_contrastive(out, y):
+    """Each example's positive is itself, the other examples of the batch are its negatives (InfoNCE)."""
+    z = F.normalize(out, dim=1)
+    return F.cross_entropy(z @ z.T / 0.5, torch.arange(len(z)))
+
+
+def mixup(model, x, y):
+    """Inputs mixed before the first layer: each mixed example still has a gradient of its own."""
+    perm, lam = torch.randperm(len(x)), 0.7
+    out = model(lam * x + (1 - lam) * x[perm])
+    return lam * F.cross_entropy(out, y) + (1 - lam) * F.cross_entropy(out, y[perm])
+
+
+INDEPENDENT = {
+    "mean": lambda m, x, y: F.cross_entropy(m(x), y),
+    "sum": lambda m, x, y: F.cross_entropy(m(x), y, reduction="sum"),
+    "rmse (one factor common to the batch)": lambda m, x, y: F.cross_entropy(m(x), y, reduction="none").pow(2).mean()
+    .sqrt(),
+    "noise added in the step": lambda m, x, y: F.cross_entropy(m(x + 0.1 * torch.randn_like(x)), y),
+    "mixup before the first layer": mixup,
+}
+COUPLED = {
+    "in-batch contrastive": lambda m, x, y: in_batch_contrastive(m(x), y),
+    "logits centred on the batch mean": lambda m, x, y: F.cross_entropy(m(x) - m(x).mean(0, keepdim=True), y),
+}
+
+
+def check(model, loss, digits, batch=BATCH):
+    x, y = digits[0][:batch], digits[1][:batch]
+    return check_coupling(model, lambda: loss(model, x, y).backward(), batch)
+
+
+@pytest.mark.parametrize("name", INDEPENDENT)
+def test_a_loss_of_per_example_terms_is_independent(digits, name):
+    result = check(mlp(dropout=0.3), INDEPENDENT[name], digits)  # dropout: the two passes draw the same masks
+    assert result.status == "independent" and result.spread < 1e-5, result
+
+
+@pytest.mark.parametrize("name", COUPLED)
+def test_a_loss_over_the_batch_is_coupled(digits, name):
+    result = check(mlp(), COUPLED[name], digits)
+    assert result.coupled and result.spread > 2e-3, result
+    assert "coupled" in result.detail and "method='micro_batch'" in result.detail
+
+
+def test_batch_norm_in_training_mode_couples_the_examples(digits):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 10))
+    assert check(model, INDEPENDENT["mean"], digits).coupled
+    assert check(model.eval(), INDEPENDENT["mean"], digits).status == "independent"
+
+
+class SequenceFirst(nn.Module):
+    """Tokens ``(T, B)`` through an embedding, a sequence-first encoder layer and a mean-pooled head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(17, 16)
+        self.encoder = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, tokens):
+        return self.head(self.encoder(self.embed(tokens)).mean(0))
+
+
+@pytest.mark.parametrize("loss, coupled", [(INDEPENDENT["mean"], False), (COUPLED["in-batch contrastive"], True)])
+def test_rows_are_replaced_along_the_batch_dim_of_a_sequence_first_model(digits, loss, coupled):
+    """The batch is dim 1 of the ``(T, B)`` tokens; replacing along dim 0 (positions) would change every example."""
+    x, y = digits
+    tokens = (x[:BATCH, :12] * 16).round().long().T  # (T=12, B=32)
+    model = SequenceFirst()
+    result = check_coupling(model, lambda: loss(model, tokens, y[:BATCH]).backward(), BATCH)
+    assert result.status == ("coupled" if coupled else "independent"), result
+
+
+def test_a_batch_too_small_or_never_seen_is_not_checked(digits):
+    assert check(mlp(), INDEPENDENT["mean"], digits, batch=3).status == "not checked"
+    model = mlp()
+    x, y = digits[0][:BATCH], digits[1][:BATCH]
+    # the model's layers run on the batch's rows reshaped into (B/2, 2·64): no measured input holds 32 examples
+    wide = nn.Linear(128, 10)
+    result = check_coupling(wide, lambda: F.cross_entropy(wide(x.reshape(16, 128)), y[:16]).backward(), BATCH)
+    assert result.status == "not checked" and result.detail, result
+    assert check(model, INDEPENDENT["mean"], digits).status == "independent"
