@@ -241,16 +241,16 @@ class GradientNoiseScaleMeter:
         independently (:mod:`gns_callback.per_example.coupling`; an in-batch contrastive loss does not).
 
         ``run_pass()`` runs one forward and backward of a batch of ``batch_size`` examples, as a training step
-        does; it runs twice, with the hooks paused, and everything the passes touch is put back (``preserve``: what
-        :func:`~gns_callback.probe.state.preserved_state` takes besides the model). Coupled examples make the next
+        does; it runs twice, with the hooks paused, from the same state, and everything the passes touch is put back
+        (``preserve``: what :func:`~gns_callback.probe.state.preserved_state` takes besides the model). Coupled examples make the next
         :meth:`step` switch to ``fallback_method`` or stop measuring, with the reason, as any step the hooks can't
         measure does. Call it once before the first step (the Lightning callback does, on the first batch). It
         never raises: a check that fails is "not checked", with the error."""
         if self.method != "per_example" or self.failure is not None:
             return CouplingCheck("not checked", detail=f"method={self.method!r}")
         try:
-            with self.paused(), preserved_state(self.model, [], **preserve):
-                self.coupling = check_coupling(self.model, run_pass, batch_size)
+            with self.paused(), preserved_state(self.model, [], **preserve) as state:
+                self.coupling = check_coupling(self.model, run_pass, batch_size, reset=state.restore)
         except Exception as error:  # noqa: BLE001 - a check must never end the user's run
             self.coupling = CouplingCheck("not checked", detail=f"the check failed: {type(error).__name__}: {error}")
         if self.coupling.coupled:

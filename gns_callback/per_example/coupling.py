@@ -8,7 +8,7 @@ in-batch mining) makes each row's gradient depend on the other examples. The nor
 and the interval around it is as narrow as ever: on a digits MLP with an in-batch contrastive loss the meter read
 B_simple = 6.9 [6.8, 6.9], while no per-example gradient exists to compare it with.
 
-The check (:func:`check_coupling`) runs the batch's forward and backward twice from the same random state; the
+The check (:func:`check_coupling`) runs the batch's forward and backward twice from the same state; the
 second time, at the first measured layer whose input holds the batch, the first half's rows are copied over the
 second half's. Examples that reach the loss independently keep the first half's per-example norms, up to one
 common factor; a spread of more than ``tolerance`` (0.1%) among the ratios says they are coupled. Two passes of the
@@ -31,8 +31,6 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
-
-from gns_callback.random_states import RNGState
 
 from .layout import LayoutError, batch_dim, is_sequence_first, position_dims
 from .sketch import restart_probes
@@ -67,25 +65,25 @@ class CouplingCheck:
                 "detail": self.detail}
 
 
-def check_coupling(model: nn.Module, run_pass: Callable[[], None], batch_size: int,
+def check_coupling(model: nn.Module, run_pass: Callable[[], None], batch_size: int, reset: Callable[[], None],
                    tolerance: float = TOLERANCE) -> CouplingCheck:
     """Run ``run_pass`` (one forward and backward of the same batch of ``batch_size`` examples) twice and compare
     the first half's per-example norms (module docstring).
 
-    It sets ``.grad`` to the second pass's gradients (fresh tensors: the caller's are left untouched) and changes
-    whatever else the passes touch (BatchNorm statistics, metric states); the random states end as after the second
-    pass. The caller puts them back (``preserved_state``)."""
+    ``reset()`` runs between the passes and must put back everything the first one changed that the second would
+    read: the random states (so both draw the same dropout masks), and buffers and attributes a step updates (a
+    queue of negatives, a momentum encoder), as ``ProbeState.restore`` does. The passes leave ``.grad`` set to the
+    second one's gradients (fresh tensors: the caller's are left untouched); the caller puts back the rest."""
     half = batch_size // 2
     if half < 2:
         return CouplingCheck("not checked", detail=f"a batch of {batch_size} has no two examples to compare")
     tracker = PerExampleNormTracker(model, max_examples=min(EXAMPLES, half))
     tracker.expected_batch_size = batch_size
-    rng = RNGState()
     try:
         with tracker, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # what this tracker finds, the meter's says at its first step
             before = _norms(model, tracker, run_pass)
-            rng.restore()
+            reset()
             with _rows_replaced(model, tracker, batch_size) as replaced:
                 after = _norms(model, tracker, run_pass)
     except RuntimeError as error:  # the hooks can't measure this model; the meter says so at its first step

@@ -13,14 +13,15 @@ did).
 from __future__ import annotations
 
 import copy
+import random
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 from gns_callback.probe.attributes import AttributeState
-from gns_callback.random_states import RNGState
 
 _MISSING = object()
 
@@ -44,6 +45,23 @@ class _Saved:
                 self.original.copy_(self.copy)
             return self.original
         return copy.deepcopy(self.copy)
+
+
+class RNGState:
+    """torch (CPU and every initialised CUDA device), numpy and Python ``random`` generator states."""
+
+    def __init__(self) -> None:
+        self.torch = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        self.numpy = np.random.get_state()
+        self.python = random.getstate()
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.torch)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+        np.random.set_state(self.numpy)
+        random.setstate(self.python)
 
 
 class OptimizerState:

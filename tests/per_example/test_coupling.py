@@ -7,9 +7,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gns_callback.per_example.coupling import check_coupling
+from gns_callback.per_example.coupling import check_coupling as check_with
+from gns_callback.probe.state import preserved_state
 
 BATCH = 32
+
+
+def check_coupling(model, run_pass, batch_size):
+    """The check with everything put back between its passes (and after), as the meter runs it."""
+    with preserved_state(model, []) as state:
+        return check_with(model, run_pass, batch_size, reset=state.restore)
 
 
 def mlp(dropout: float = 0.0) -> nn.Module:
@@ -91,6 +98,29 @@ def test_rows_are_replaced_along_the_batch_dim_of_a_sequence_first_model(digits,
     model = SequenceFirst()
     result = check_coupling(model, lambda: loss(model, tokens, y[:BATCH]).backward(), BATCH)
     assert result.status == ("coupled" if coupled else "independent"), result
+
+
+class QueueOfNegatives(nn.Module):
+    """MoCo's shape: each step's loss uses a queue of earlier embeddings as negatives, then enqueues the batch. The
+    examples are independent given the queue, which the step changes: the second pass must see the first's queue."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = mlp()
+        self.register_buffer("queue", F.normalize(torch.randn(64, 10), dim=1))
+
+    def loss(self, x):
+        z = F.normalize(self.encoder(x), dim=1)
+        logits = torch.cat([(z * z.detach()).sum(1, keepdim=True), z @ self.queue.T], dim=1) / 0.2
+        with torch.no_grad():
+            self.queue = torch.cat([z.detach(), self.queue])[: len(self.queue)]
+        return F.cross_entropy(logits, torch.zeros(len(x), dtype=torch.long))
+
+
+def test_state_a_step_changes_is_put_back_between_the_passes(digits):
+    model, x = QueueOfNegatives(), digits[0][:BATCH]
+    assert check_coupling(model, lambda: model.loss(x).backward(), BATCH).status == "independent"
 
 
 def test_a_batch_too_small_or_never_seen_is_not_checked(digits):
