@@ -134,6 +134,20 @@ class LinearOnLearnedTable(nn.Module):
         return self.project(x) @ self.project(self.prototypes).T
 
 
+class BatchCentred(nn.Module):
+    """An MLP whose hidden layer is centred on the batch mean (BatchNorm's statistic, with no module to refuse):
+    every example's gradient depends on the others (:mod:`gns_callback.per_example.coupling`)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.hidden, self.head = nn.Linear(64, 32), nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.hidden(x))
+        return self.head(h - h.mean(0, keepdim=True))
+
+
 class LstmClassifier(nn.Module):
     """Digits as 8 rows into an LSTM (sequence-first), last hidden state into a Linear (the LSTM's weights are most
     of the model)."""

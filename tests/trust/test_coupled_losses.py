@@ -2,8 +2,9 @@
 per-example norms read a confident number from it: B_simple = 6.9 [6.8, 6.9] on this digits model. The callback now
 checks on the first batch that the examples reach the loss independently
 (:mod:`gns_callback.per_example.coupling`): coupled ones are measured by ``micro_batch`` where the run has several
-micro-batches per step, and otherwise not at all, with the reason and the fix. Independent ones train to the bit as
-without the callback, dropout included (the check's passes draw random numbers, and put the streams back)."""
+micro-batches per step (under DDP, the ranks' micro-batches: a hidden layer centred on its batch), and otherwise not
+at all, with the reason and the fix. Independent ones train to the bit as without the callback, dropout included
+(the check's passes draw random numbers, and put the streams back)."""
 
 import json
 
@@ -53,16 +54,21 @@ def test_one_micro_batch_per_step_withholds_the_estimate_with_the_reason_and_the
     assert report["examples_independent"]["status"] == "coupled" and report["examples_independent"]["spread"] > 0.1
 
 
-def micro_batch_reference(net: nn.Module, x: torch.Tensor, size: int, draws: int = 4000) -> float:
+def micro_batch_reference(net: nn.Module, x: torch.Tensor, size: int, draws: int = 4000, loss=None,
+                          y: torch.Tensor = None) -> float:
     """B_simple of micro-batches of ``size`` i.i.d. examples at fixed parameters, by Monte Carlo over ``draws`` of
     them (no per-example gradient exists to compute it exactly; two halves of the draws agree to 0.3%):
-    ``size·tr Σ_b / |G|²`` with ``|G|²`` less its ``tr Σ_b / draws`` bias."""
+    ``size·tr Σ_b / |G|²`` with ``|G|²`` less its ``tr Σ_b / draws`` bias. ``loss(x, y)``: the micro-batch's loss
+    (default: the in-batch contrastive loss of ``net``)."""
+    loss = loss or (lambda xb, yb: in_batch_contrastive(net(xb)))
     params = list(net.parameters())
     generator = torch.Generator().manual_seed(5)
-    grads = torch.stack([
-        torch.cat([g.flatten() for g in torch.autograd.grad(
-            in_batch_contrastive(net(x[torch.randint(0, len(x), (size,), generator=generator)])), params)])
-        for _ in range(draws)]).double()
+
+    def gradient() -> torch.Tensor:
+        i = torch.randint(0, len(x), (size,), generator=generator)
+        return torch.cat([g.flatten() for g in torch.autograd.grad(loss(x[i], None if y is None else y[i]), params)])
+
+    grads = torch.stack([gradient() for _ in range(draws)]).double()
     trace = grads.var(0).sum()
     return float(size * trace / (grads.mean(0).pow(2).sum() - trace / draws))
 
@@ -89,3 +95,20 @@ def test_a_fit_with_dropout_is_identical_with_and_without_the_check(digits, tmp_
     assert callback.meter.coupling.status == "independent" and callback.run_estimate.measured
     for key in weights[0]:
         assert torch.equal(weights[0][key], weights[1][key]), key
+
+
+@pytest.mark.usefixtures("file_system_sharing")
+def test_ddp_ranks_switch_together_and_hold_a_monte_carlo_value(tmp_path):
+    """Two processes at the defaults, one micro-batch of 16 each per step, a hidden layer centred on its batch: each
+    rank finds the coupling on its first batch, and both measure the ranks' micro-batches from the next step."""
+    from tests.trust.ddp_fit import BATCH_SIZE, MODELS, ddp_fit, digits, reports
+
+    ddp_fit(str(tmp_path), "ddp_spawn", "batch_centred", False, with_callback=True, steps=STEPS)
+    report = json.loads(open(single(reports(str(tmp_path)))).read())
+    estimate = report["run_estimate"]
+    assert report["examples_independent"]["status"] == "coupled"
+    assert estimate["method"] == "micro_batch" and estimate["steps"] == STEPS - 1
+    net, (x, y) = MODELS["batch_centred"](), digits()
+    reference = micro_batch_reference(net, x, BATCH_SIZE, loss=lambda xb, yb: F.cross_entropy(net(xb), yb), y=y)
+    assert estimate["ci_low"] <= reference <= estimate["ci_high"], (estimate, reference)
+    assert estimate["ci_high"] / estimate["ci_low"] < 1.5, estimate
