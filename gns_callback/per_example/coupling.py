@@ -12,10 +12,10 @@ The check (:func:`check_coupling`) runs the batch's forward and backward twice f
 second time, at the first measured layer whose input holds the batch, the first half's rows are copied over the
 second half's. Examples that reach the loss independently keep the first half's per-example norms, up to one
 common factor; a spread of more than ``tolerance`` (0.1%) among the ratios says they are coupled. Two passes of the
-same computation give the same rows to the bit (the same shapes, kernels and random draws; 3e-7 where a common
+same computation give the same rows to the bit (the same shapes, kernels and random draws; 1.5e-7 where a common
 factor such as RMSE's is recomputed), so the tolerance only needs to exceed rounding. An in-batch contrastive loss
-spreads them by 11%, BatchNorm in training mode by 38%, logits centred on the batch mean by 0.7% (digits MLP,
-batch 32). Rows are changed after the data is loaded and after anything ``training_step`` does before the
+spreads them by 16%, BatchNorm in training mode by 19%, logits centred on the batch mean by 0.33% (a digits MLP,
+batch 32; ``benchmarks/coupling_check.py``). Rows are changed after the data is loaded and after anything ``training_step`` does before the
 first layer, so mixing inputs there (mixup) is not coupling: each mixed example then has its own gradient.
 
 Torch only, no Lightning.

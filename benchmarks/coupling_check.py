@@ -1,0 +1,149 @@
+#!/usr/bin/env python
+"""What the check that a batch's examples reach the loss independently reads, and what it costs.
+
+    python benchmarks/coupling_check.py [--out benchmarks/RESULTS.md]
+
+For each model and loss, on a batch of 32 of scikit-learn's digits (pixels, or the 64 pixel intensities as tokens):
+the spread of the first half's per-example norm ratios between the two passes
+(:mod:`gns_callback.per_example.coupling`; above 0.1% reads as coupled), and the check's CPU time against one
+forward and backward of the same batch (medians of 7, one thread). Losses of per-example terms, whatever they draw
+at random, should read 0 or rounding; losses and layers over the batch should read well above 0.1%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import warnings
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from sklearn.datasets import load_digits  # noqa: E402
+
+from benchmarks.model_scan import MODELS  # noqa: E402
+from benchmarks.results import publish_section  # noqa: E402
+from gns_callback.per_example.coupling import TOLERANCE, check_coupling  # noqa: E402
+from gns_callback.probe.state import preserved_state  # noqa: E402
+
+BATCH = 32
+Loss = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def mlp(dropout: float = 0.0, batch_norm: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    norm = nn.BatchNorm1d(32) if batch_norm else nn.Identity()
+    return nn.Sequential(nn.Linear(64, 32), norm, nn.Tanh(), nn.Dropout(dropout), nn.Linear(32, 10))
+
+
+def contrastive(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    z = F.normalize(model(x), dim=1)
+    return F.cross_entropy(z @ z.T / 0.5, torch.arange(len(z)))
+
+
+def supervised_contrastive(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Khosla et al. 2020: the positives of an example are the batch's other examples of its class."""
+    z = F.normalize(model(x), dim=1)
+    logits = (z @ z.T / 0.5).fill_diagonal_(-1e9)
+    positives = (y[:, None] == y[None, :]).float().fill_diagonal_(0)
+    log_prob = logits.log_softmax(1).masked_fill(positives == 0, 0.0)
+    return -(log_prob.sum(1) / positives.sum(1).clamp_min(1)).mean()
+
+
+def triplet_hardest(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Batch-hard triplet loss (Hermans et al. 2017): in-batch mining."""
+    z = model(x)
+    d = torch.cdist(z, z)
+    same = y[:, None] == y[None, :]
+    hardest_pos = (d * same).max(1).values
+    hardest_neg = d.masked_fill(same, float("inf")).min(1).values
+    return F.relu(hardest_pos - hardest_neg + 1.0).mean()
+
+
+def mixup(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    perm, lam = torch.randperm(len(x)), 0.7
+    out = model(lam * x + (1 - lam) * x[perm])
+    return lam * F.cross_entropy(out, y) + (1 - lam) * F.cross_entropy(out, y[perm])
+
+
+def cross_entropy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x), y)
+
+
+CASES: list[tuple[str, Callable[[], nn.Module], Loss, bool, str]] = [  # name, model, loss, tokens, expected
+    ("MLP, cross-entropy (mean)", mlp, cross_entropy, False, "independent"),
+    ("MLP, cross-entropy (sum)", mlp, lambda m, x, y: F.cross_entropy(m(x), y, reduction="sum"), False,
+     "independent"),
+    ("MLP + dropout 0.3, cross-entropy", lambda: mlp(0.3), cross_entropy, False, "independent"),
+    ("MLP, RMSE of per-example losses", mlp,
+     lambda m, x, y: F.cross_entropy(m(x), y, reduction="none").pow(2).mean().sqrt(), False, "independent"),
+    ("MLP, mixup in the step", mlp, mixup, False, "independent"),
+    ("MLP, in-batch contrastive (InfoNCE)", mlp, contrastive, False, "coupled"),
+    ("MLP, supervised contrastive", mlp, supervised_contrastive, False, "coupled"),
+    ("MLP, batch-hard triplet", mlp, triplet_hardest, False, "coupled"),
+    ("MLP, logits centred on the batch mean", mlp,
+     lambda m, x, y: F.cross_entropy(m(x) - m(x).mean(0, keepdim=True), y), False, "coupled"),
+    ("MLP + BatchNorm (training mode), cross-entropy", lambda: mlp(batch_norm=True), cross_entropy, False,
+     "coupled"),
+    *[(f"{name}, cross-entropy", make, cross_entropy, tokens, "independent")
+      for name, (make, tokens) in MODELS.items()],
+]
+
+
+def cpu_ms(work: Callable[[], object], repeats: int = 7) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.thread_time()
+        work()
+        times.append((time.thread_time() - start) * 1e3)
+    return statistics.median(times)
+
+
+def measure(make: Callable[[], nn.Module], loss: Loss, x: torch.Tensor, y: torch.Tensor) -> tuple[object, float, float]:
+    model = make()
+
+    def run_pass() -> None:
+        loss(model, x, y).backward()
+
+    def check():
+        with preserved_state(model, []) as state:
+            return check_coupling(model, run_pass, BATCH, reset=state.restore)
+
+    def step() -> None:
+        with preserved_state(model, []):
+            run_pass()
+
+    return check(), cpu_ms(check), cpu_ms(step)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="replace this section of a markdown file (e.g. benchmarks/RESULTS.md)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    data = load_digits()
+    pixels, y = torch.tensor(data.data[:BATCH], dtype=torch.float32) / 16, torch.tensor(data.target[:BATCH])
+    tokens = (pixels * 16).round().long()
+    rows = ["| model, loss | expected | read | spread | check, CPU ms | one forward + backward, CPU ms |",
+            "|---|---|---|---|---|---|"]
+    for name, make, loss, reads_tokens, expected in CASES:
+        result, check_ms, step_ms = measure(make, loss, tokens if reads_tokens else pixels, y)
+        read = result.status if result.status == expected else f"**{result.status}**"
+        rows.append(f"| {name} | {expected} | {read} | {result.spread:.1e} | {check_ms:.1f} | {step_ms:.1f} |")
+    intro = (f"Command: `python benchmarks/coupling_check.py`. Batch {BATCH} of digits, one thread, "
+             f"torch {torch.__version__}. Threshold: spread > {TOLERANCE:g} reads as coupled. The check's time "
+             "includes putting the state back between and after its two passes.")
+    publish_section(intro + "\n\n" + "\n".join(rows), args.out,
+                    "## The check that examples reach the loss independently")
+
+
+if __name__ == "__main__":
+    main()
