@@ -40,6 +40,7 @@ from gns_callback.recommendation import Recommendation, recommend
 from gns_callback.recommendation.calibration import CALIBRATED, uncalibrated_reason
 from gns_callback.recommendation.objective import BALANCED, OBJECTIVES
 from gns_callback.recommendation.rules import LR_RULES
+from gns_callback.sampling import population_of
 from gns_callback.report import DEFAULT_REPORT_NAME, write_report
 
 STATE_VERSION = 2
@@ -367,11 +368,19 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         self._started = True
         self._micro_batch_size = self._sizes[-1]
         self._base_lr = facts.base_lr(trainer)
+        self._read_sampling(trainer)
         if self._micro_batch_size is None:
             return self._say_size_unknown(trainer)
         check_first_batch(self.meter, trainer, pl_module, batch, batch_idx, self._micro_batch_size)
         if self._probe_wanted(trainer) and self.probe_result is None:
             self._run_probe(trainer, pl_module, batch)
+
+    def _read_sampling(self, trainer: Any) -> None:
+        """Batches drawn without replacement from a finite data set are corrected for (:mod:`gns_callback.sampling`);
+        batches that are not drawn at random at all are said once."""
+        self.meter.population, problem = population_of(facts.train_sampler(trainer), trainer.world_size)
+        if problem is not None:
+            _warn_rank_zero(trainer, f"GradientNoiseScaleCallback: {problem}.")
 
     def _say_size_unknown(self, trainer: Any) -> None:
         if self._probe_wanted(trainer) or self.recommend_enabled:
@@ -621,6 +630,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
                 "global_step": trainer.global_step,
                 "dataset_size": facts.dataset_size(trainer),
                 "steps_per_epoch": facts.steps_per_epoch(trainer),
+                "drawn_without_replacement_from": self.meter.population,
             },
         }
 

@@ -44,6 +44,7 @@ from gns_callback.norms import squared_norm_sum
 from gns_callback.per_example.coupling import CouplingCheck, check_coupling
 from gns_callback.per_example.sketch import reseed_probes
 from gns_callback.probe.state import preserved_state
+from gns_callback.sampling import without_replacement
 from gns_callback.scalar_ops import host_errors_ignored
 from gns_callback.smoothing import RatioAccumulator, RatioSummary, step_values, summarize_ratio
 from gns_callback.tracking import LocalLinearRatio
@@ -74,6 +75,9 @@ ARGUMENTS: dict[str, args.Rule] = {
 }
 _METHOD = args.Rule(args.one_of(*MEASURING_METHODS), "one of 'per_example', 'micro_batch', e.g. 'per_example'")
 _FALLBACK = args.Rule(args.one_of(None, *MEASURING_METHODS), "None or 'micro_batch'")
+_POPULATION = args.Rule(args.optional(args.int_at_least(2)),
+                        "None (batches drawn with replacement, or a stream) or the data set's size, e.g. len(dataset), "
+                        "when each epoch's batches are drawn without replacement (DataLoader(shuffle=True))")
 
 #: ``reduce(t) -> t`` summing a float64 tensor over data-parallel ranks (e.g. ``torch.distributed.all_reduce``).
 SumAcrossRanks = Callable[[torch.Tensor], torch.Tensor]
@@ -108,6 +112,10 @@ class GradientNoiseScaleMeter:
         fallback_method: the method to switch to, for the rest of the run, when the hooks find a step that
             ``method`` can't measure (``method="auto"`` in the callback: ``"micro_batch"`` where the run has several
             backward passes per step). None: stop measuring instead.
+        population: the number of examples each epoch's batches are drawn from without replacement
+            (``len(dataset)`` under ``DataLoader(shuffle=True)``): the estimates then correct for it
+            (:mod:`gns_callback.sampling`; left out, ``B_simple`` reads high by about ``B_simple/N``). None: batches
+            drawn with replacement, or from a stream. The Lightning callback reads it off the training sampler.
         measure_every_n_steps: measure one optimizer step in ``n`` (the first, then every ``n``-th): the hooks do
             nothing on the others, so the meter's cost per step falls about ``n``-fold, and the run average's
             standard error at a given number of optimizer steps grows about ``√n``-fold, more in short runs
@@ -138,12 +146,13 @@ class GradientNoiseScaleMeter:
         reduce: Optional[SumAcrossRanks] = None,
         fallback_method: Optional[str] = None,
         measure_every_n_steps: int = 1,
+        population: Optional[int] = None,
     ) -> None:
         args.check_arguments("GradientNoiseScaleMeter", {
             "method": method, "ema_decay": ema_decay, "confidence": confidence, "loss_reduction": loss_reduction,
             "per_example_max_examples": per_example_max_examples, "fallback_method": fallback_method,
-            "measure_every_n_steps": measure_every_n_steps,
-        }, {**ARGUMENTS, "method": _METHOD, "fallback_method": _FALLBACK})
+            "measure_every_n_steps": measure_every_n_steps, "population": population,
+        }, {**ARGUMENTS, "method": _METHOD, "fallback_method": _FALLBACK, "population": _POPULATION})
         self.model = model
         self.method = method
         self.fallback_method = fallback_method if fallback_method != method else None
@@ -154,6 +163,7 @@ class GradientNoiseScaleMeter:
         self.per_example_max_examples = per_example_max_examples
         self.reduce = reduce
         self.measure_every_n_steps = int(measure_every_n_steps)
+        self.population = population  # examples each epoch's batches are drawn from without replacement
         self.collector: Collector = COLLECTORS[method](model, max_examples=per_example_max_examples)
         self._watch = GradientWatch([])  # the measured parameters, once attached
         self._attached = False
@@ -459,6 +469,7 @@ class GradientNoiseScaleMeter:
         with host_errors_ignored():
             trace, grad_sq, valid = step_estimates(packed, step_grad_sq, self.loss_reduction,
                                                    self.blend if subset else None)
+            trace, grad_sq = without_replacement(trace, grad_sq, self.population)
             step = step_values(trace, grad_sq)  # shared by the accumulators; a non-finite step adds nothing
         valid = bool(valid) and not failed
         self.ema.update_values(float(trace), float(grad_sq), valid)

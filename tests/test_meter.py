@@ -239,7 +239,8 @@ def test_unmeasurable_model_stops_measuring_and_warns_once(digits):
     "kwargs, match",
     [({"method": "auto"}, "method"), ({"ema_decay": 1.0}, "ema_decay"), ({"confidence": 95}, "confidence"),
      ({"loss_reduction": "avg"}, "loss_reduction"), ({"per_example_max_examples": 1}, "per_example_max_examples"),
-     ({"measure_every_n_steps": 0}, "measure_every_n_steps"), ({"measure_every_n_steps": 2.0}, "measure_every_n_steps")],
+     ({"measure_every_n_steps": 0}, "measure_every_n_steps"), ({"measure_every_n_steps": 2.0}, "measure_every_n_steps"),
+     ({"population": 1}, "population"), ({"population": 150.0}, "population")],
 )
 def test_bad_arguments_name_themselves(kwargs, match):
     with pytest.raises(ValueError, match=match):

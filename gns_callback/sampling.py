@@ -1,0 +1,66 @@
+"""Batches drawn without replacement from a finite data set (a shuffled epoch), and what that does to the estimates.
+
+The estimators assume examples drawn independently (with replacement): a batch mean of ``B`` of them has
+``E|Ḡ_B|² = |G|² + tr Σ/B``. A ``DataLoader(shuffle=True)`` draws each epoch's batches without replacement from the
+``N`` examples, and then (Cochran 1977, *Sampling Techniques*, Thm 2.2, with ``tr Σ`` the population's variance about
+its mean, as the exact value computes it)
+
+    E|Ḡ_B|² = |G|² + tr Σ·(N − B)/(B·(N − 1)).
+
+Solving the same two-batch-size equations with these expectations turns the independent-draw estimates ``(x, y)`` of
+``(tr Σ, |G|²)`` into
+
+    tr Σ = x·(N − 1)/N,    |G|² = y + x/N,
+
+at any pair of batch sizes (per-example norms, micro-batches, and the pair estimates of a measured subset alike):
+linear in ``(x, y)``, so each step stays unbiased and the ratio and its interval work on the corrected pairs. Left
+out, ``|G|²`` reads low by about ``tr Σ/N`` and ``B_simple`` high by the fraction ``B_simple/N``: 18% on
+scikit-learn's wine (178 examples, exact B_simple 33), where the uncorrected interval missed the exact value in 3 of
+5 shuffled runs.
+
+:func:`population_of` tells from a torch sampler whether its batches are such draws. Torch only, no Lightning.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, TypeVar
+
+from torch.utils.data import DistributedSampler, RandomSampler, Sampler, SequentialSampler, SubsetRandomSampler
+
+__all__ = ["NOT_SHUFFLED", "population_of", "without_replacement"]
+
+Number = TypeVar("Number")  # float, numpy scalar or torch tensor
+
+NOT_SHUFFLED = (
+    "the training DataLoader does not shuffle (shuffle=False): every epoch has the same batches, while the noise "
+    "scale assumes batches drawn at random, so the estimate is that of these fixed batches (far off where the data "
+    "is ordered, e.g. by class); pass shuffle=True to the training DataLoader"
+)
+
+
+def without_replacement(trace: Number, grad_sq: Number, population: Optional[int]) -> tuple[Number, Number]:
+    """``(tr Σ, |G|²)`` for batches drawn without replacement from ``population`` examples (module docstring);
+    unchanged for ``None`` (independent draws, or a stream)."""
+    if population is None:
+        return trace, grad_sq
+    return trace * ((population - 1) / population), grad_sq + trace / population
+
+
+def population_of(sampler: Optional[Sampler], ranks: int = 1) -> tuple[Optional[int], Optional[str]]:
+    """``(N, problem)``: the number of examples ``sampler`` draws each epoch's batches from without replacement
+    (None: with replacement, or not known), and why its batches are not random draws at all (None if they are).
+
+    With several data-parallel ``ranks`` only a ``DistributedSampler``'s shards of one shuffled order make the
+    ranks' batches one draw without replacement; ranks shuffling on their own draw independently of each other."""
+    kind = type(sampler)  # exactly these classes: a subclass (Lightning's DistributedSamplerWrapper) may draw otherwise
+    if ranks > 1 and kind in (RandomSampler, SubsetRandomSampler):
+        return None, None
+    if kind is RandomSampler:
+        return (None if sampler.replacement else len(sampler.data_source)), None
+    if kind is SubsetRandomSampler:
+        return len(sampler.indices), None
+    if kind is DistributedSampler:
+        return (len(sampler.dataset), None) if sampler.shuffle else (None, NOT_SHUFFLED)
+    if kind is SequentialSampler:
+        return None, NOT_SHUFFLED
+    return None, None

@@ -1,0 +1,57 @@
+"""Batches drawn without replacement (:mod:`gns_callback.sampling`): the correction makes the estimates exactly
+unbiased, checked over every batch a small population allows; and which torch samplers draw that way."""
+
+import itertools
+
+import pytest
+import torch
+from torch.utils.data import (DistributedSampler, RandomSampler, SequentialSampler, SubsetRandomSampler,
+                              WeightedRandomSampler)
+
+from gns_callback.estimators import grad_sq_norm_estimate, trace_sigma_estimate
+from gns_callback.sampling import NOT_SHUFFLED, population_of, without_replacement
+
+N = 8
+
+
+@pytest.fixture(scope="module")
+def gradients():
+    """Eight per-example gradients with a mean well away from zero, and their exact ``(tr Σ, |G|²)``."""
+    g = torch.randn(N, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64) + 0.7
+    mean = g.mean(0)
+    return g, float((g - mean).pow(2).sum(1).mean()), float(mean.pow(2).sum())
+
+
+def expected_estimates(g, batch, micro):
+    """The independent-draw estimates ``(x, y)`` averaged over every ordered batch of ``batch`` distinct examples
+    (a shuffled epoch's), split in order into micro-batches of ``micro`` (1: per-example norms)."""
+    xs, ys = [], []
+    for chosen in itertools.permutations(range(N), batch):
+        rows = g[list(chosen)]
+        small = rows.reshape(batch // micro, micro, -1).mean(1).pow(2).sum(1).mean()
+        big = rows.mean(0).pow(2).sum()
+        xs.append(float(trace_sigma_estimate(small, big, micro, batch)))
+        ys.append(float(grad_sq_norm_estimate(small, big, micro, batch)))
+    return sum(xs) / len(xs), sum(ys) / len(ys)
+
+
+@pytest.mark.parametrize("batch, micro", [(4, 1), (3, 1), (4, 2), (6, 3)])
+def test_the_correction_is_exactly_unbiased_over_every_batch(gradients, batch, micro):
+    g, trace, grad_sq = gradients
+    x, y = expected_estimates(g, batch, micro)
+    assert y < grad_sq * 0.99  # uncorrected, |G|² reads low: by tr Σ/(N−1) in expectation
+    assert without_replacement(x, y, N) == pytest.approx((trace, grad_sq), rel=1e-12)
+    assert without_replacement(x, y, None) == (x, y)
+
+
+def test_samplers_say_how_they_draw():
+    data = range(10)
+    assert population_of(RandomSampler(data)) == (10, None)
+    assert population_of(RandomSampler(data, replacement=True)) == (None, None)
+    assert population_of(SubsetRandomSampler([1, 3, 5])) == (3, None)
+    assert population_of(DistributedSampler(data, num_replicas=2, rank=0)) == (10, None)
+    assert population_of(DistributedSampler(data, num_replicas=2, rank=0, shuffle=False)) == (None, NOT_SHUFFLED)
+    assert population_of(SequentialSampler(data)) == (None, NOT_SHUFFLED)
+    assert population_of(WeightedRandomSampler([1.0] * 10, 10)) == (None, None)
+    assert population_of(None) == (None, None)
+    assert population_of(RandomSampler(data), ranks=2) == (None, None)  # each rank draws on its own
