@@ -5,14 +5,15 @@ sampler and corrects for it (:mod:`gns_callback.sampling`); a loader that does n
 
 import json
 
+import pytest
 import torch
 import torch.nn.functional as F
 from sklearn.datasets import load_wine
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from gns_callback import GradientNoiseScaleCallback
-from tests.helpers import Classifier, assert_matches_exact
+from gns_callback import GradientNoiseScaleCallback, load_estimate
+from tests.helpers import Classifier, assert_matches_exact, quiet_trainer
 from tests.trust.setups import messages, single, with_and_without
 
 EPOCHS = 55  # 605 steps of 16: an interval narrow enough that the uncorrected 18% shows
@@ -55,3 +56,24 @@ def test_a_loader_that_does_not_shuffle_is_said_once(tmp_path):
     callback, caught = fit(tmp_path, shuffle=False)
     assert "shuffle=True" in single(messages(caught, "does not shuffle"))
     assert callback.meter.population is None
+
+
+class ShuffledWine(Classifier):
+    """Its own shuffled loader, built in each process: under DDP Lightning swaps in a DistributedSampler."""
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(*wine()), batch_size=8, shuffle=True, drop_last=True)
+
+
+@pytest.mark.usefixtures("file_system_sharing")
+def test_ddp_shards_of_one_shuffled_order_are_corrected_for(tmp_path, exact_gns):
+    """Two processes at the defaults (``use_distributed_sampler`` on): the ranks' shards of one shuffled order are
+    one draw without replacement of 16 from the 178 examples. (Here the uncorrected interval would also hold the exact
+    value; the single-process test above is the one that tells them apart.)"""
+    report = tmp_path / "report.json"
+    callback = GradientNoiseScaleCallback(report_path=str(report), verbose=False)
+    quiet_trainer(strategy="ddp_spawn", devices=2, max_epochs=EPOCHS, callbacks=[callback]).fit(ShuffledWine(net()))
+    data = json.loads(report.read_text())
+    assert data["run"]["drawn_without_replacement_from"] == 178 and data["run"]["world_size"] == 2
+    assert_matches_exact(load_estimate(str(report), "run_estimate"), exact_gns(net(), F.cross_entropy, *wine())[0],
+                         max_ci_ratio=1.6)
