@@ -93,7 +93,8 @@ def summary(estimates, exact: tuple[float, float, float]) -> str:
         return f"{statistics.mean(values):.3f} ± {statistics.stdev(values) / n ** 0.5:.3f}"
 
     holds = sum(e.ci_low <= b <= e.ci_high for e in estimates)
-    return (f"{statistics.median(e.b_simple / b for e in estimates):.3f} | {mean_se([e.trace_sigma / t for e in estimates])} "
+    median = statistics.median(e.b_simple / b for e in estimates)
+    return (f"{median:.3f} | {mean_se([e.trace_sigma / t for e in estimates])} "
             f"| {mean_se([e.grad_sq_norm / g for e in estimates])} | {holds}/{n}")
 
 

@@ -31,7 +31,7 @@ from gns_callback.lightning import supported
 from gns_callback.lightning import trainer_facts as facts
 from gns_callback.lightning.adaptation import Adapter
 from gns_callback.lightning.compat import CALLBACK_BASES, misconfiguration
-from gns_callback.lightning.coupling import check_first_batch
+from gns_callback.lightning.per_example_check import check_first_batch
 from gns_callback.lightning.sharpness import SharpnessMonitor
 from gns_callback.meter import ARGUMENTS as METER_ARGUMENTS
 from gns_callback.meter import GradientNoiseScaleMeter
@@ -613,7 +613,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             "probe": self.probe_result.to_dict() if self.probe_result is not None else None,
             "adaptations": self.adaptations,
             "coverage": self.meter.coverage,
-            "examples_independent": self.meter.coupling.to_dict() if self.meter.coupling is not None else None,
+            "per_example_check": None if self.meter.per_example_check is None else self.meter.per_example_check.to_dict(),
             "config": {
                 "method": self.method,
                 "ema_decay": self.ema_decay,

@@ -41,7 +41,7 @@ from gns_callback.deferred import DeferredReads
 from gns_callback.estimate import GNSEstimate
 from gns_callback.grad_watch import PROBLEM as GRADIENTS_CHANGED, GradientWatch
 from gns_callback.norms import squared_norm_sum
-from gns_callback.per_example.coupling import CouplingCheck, check_coupling
+from gns_callback.per_example.checks import PerExampleCheck, check_per_example
 from gns_callback.per_example.sketch import reseed_probes
 from gns_callback.probe.state import preserved_state
 from gns_callback.sampling import without_replacement
@@ -169,7 +169,7 @@ class GradientNoiseScaleMeter:
         self._attached = False
         self._enabled = True
         self.steps_offered = 0  # every call to step(), measured or resting: the duty cycle's phase
-        self.coupling: Optional[CouplingCheck] = None  # :meth:`check_examples_independent`'s outcome
+        self.per_example_check: Optional[PerExampleCheck] = None  # :meth:`check_per_example`'s outcome
         reseed_probes(0)  # sketched norms draw their probes per step (per_example/sketch.py)
         self.reset()
 
@@ -245,27 +245,28 @@ class GradientNoiseScaleMeter:
             self.enabled = was
             self.discard_pending()
 
-    def check_examples_independent(self, run_pass: Callable[[], None], batch_size: int,
-                                   **preserve: Any) -> CouplingCheck:
-        """Whether ``per_example`` can measure this model and loss: that the examples of a batch reach the loss
-        independently (:mod:`gns_callback.per_example.coupling`; an in-batch contrastive loss does not).
+    def check_per_example(self, run_pass: Callable[[], None], batch_size: int, **preserve: Any) -> PerExampleCheck:
+        """Whether ``per_example`` can measure this model and loss (:mod:`gns_callback.per_example.checks`): each
+        parameter's gradient is the sum of its layers' per-example gradients (an L2 term in the loss breaks that),
+        and the examples of a batch reach the loss independently (an in-batch contrastive loss breaks that).
 
         ``run_pass()`` runs one forward and backward of a batch of ``batch_size`` examples, as a training step
         does; it runs twice, with the hooks paused, from the same state, and everything the passes touch is put back
-        (``preserve``: what :func:`~gns_callback.probe.state.preserved_state` takes besides the model). Coupled examples make the next
-        :meth:`step` switch to ``fallback_method`` or stop measuring, with the reason, as any step the hooks can't
-        measure does. Call it once before the first step (the Lightning callback does, on the first batch). It
-        never raises: a check that fails is "not checked", with the error."""
+        (``preserve``: what :func:`~gns_callback.probe.state.preserved_state` takes besides the model). A failed
+        check makes the next :meth:`step` switch to ``fallback_method`` or stop measuring, with the reason, as any
+        step the hooks can't measure does. Call it once before the first step (the Lightning callback does, on the
+        first batch). It never raises: a check that fails to run is "not checked", with the error."""
         if self.method != "per_example" or self.failure is not None:
-            return CouplingCheck("not checked", detail=f"method={self.method!r}")
+            return PerExampleCheck("not checked", detail=f"method={self.method!r}")
         try:
             with self.paused(), preserved_state(self.model, [], **preserve) as state:
-                self.coupling = check_coupling(self.model, run_pass, batch_size, reset=state.restore)
+                self.per_example_check = check_per_example(self.model, run_pass, batch_size, reset=state.restore)
         except Exception as error:  # noqa: BLE001 - a check must never end the user's run
-            self.coupling = CouplingCheck("not checked", detail=f"the check failed: {type(error).__name__}: {error}")
-        if self.coupling.coupled:
-            self._problem = self._problem or self.coupling.detail
-        return self.coupling
+            self.per_example_check = PerExampleCheck("not checked",
+                                                     detail=f"the check failed: {type(error).__name__}: {error}")
+        if self.per_example_check.refused:
+            self._problem = self._problem or self.per_example_check.detail
+        return self.per_example_check
 
     def discard_pending(self) -> None:
         """Drop what the hooks recorded since the last :meth:`step` (e.g. a step that will not be taken)."""

@@ -239,7 +239,8 @@ def test_unmeasurable_model_stops_measuring_and_warns_once(digits):
     "kwargs, match",
     [({"method": "auto"}, "method"), ({"ema_decay": 1.0}, "ema_decay"), ({"confidence": 95}, "confidence"),
      ({"loss_reduction": "avg"}, "loss_reduction"), ({"per_example_max_examples": 1}, "per_example_max_examples"),
-     ({"measure_every_n_steps": 0}, "measure_every_n_steps"), ({"measure_every_n_steps": 2.0}, "measure_every_n_steps"),
+     ({"measure_every_n_steps": 0}, "measure_every_n_steps"),
+     ({"measure_every_n_steps": 2.0}, "measure_every_n_steps"),
      ({"population": 1}, "population"), ({"population": 150.0}, "population")],
 )
 def test_bad_arguments_name_themselves(kwargs, match):
@@ -566,7 +567,7 @@ def test_the_coupling_check_leaves_the_model_and_random_streams_as_they_were(dig
     model[0].weight.grad = torch.ones_like(model[0].weight)
     before = ({k: v.clone() for k, v in model.state_dict().items()}, torch.get_rng_state())
     with GradientNoiseScaleMeter(model) as meter:
-        check = meter.check_examples_independent(lambda: F.cross_entropy(model(x), y).backward(), batch_size=32)
+        check = meter.check_per_example(lambda: F.cross_entropy(model(x), y).backward(), batch_size=32)
         assert check.status == "independent"
         assert torch.equal(model[0].weight.grad, torch.ones_like(model[0].weight)) and model[3].weight.grad is None
         assert all(torch.equal(v, model.state_dict()[k]) for k, v in before[0].items())
@@ -586,7 +587,7 @@ def test_coupled_examples_stop_the_next_step_with_the_reason(digits):
         return F.cross_entropy(z @ z.T, torch.arange(len(z)))
 
     with GradientNoiseScaleMeter(model) as meter:
-        assert meter.check_examples_independent(lambda: contrastive().backward(), batch_size=32).coupled
+        assert meter.check_per_example(lambda: contrastive().backward(), batch_size=32).status == "coupled"
         contrastive().backward()
         with pytest.warns(UserWarning, match="stopped measuring.*the examples of a batch are coupled"):
             meter.step()

@@ -145,6 +145,9 @@ class PassNorms:
     tied_logits: dict = field(default_factory=dict)
     #: ... whose embedding side came first: embedding → (tokens, output gradient).
     tied_lookups: dict = field(default_factory=dict)
+    #: With :attr:`PerExampleNormTracker.check_sums`: per parameter (by ``id``), every example's summed gradient
+    #: over its layers' calls, until the parameter's whole gradient arrives to be compared with it.
+    layer_sums: dict = field(default_factory=dict)
 
     def add(self, sq_norms: Tensor) -> None:
         self.sq_norms = sq_norms if self.sq_norms is None else self.sq_norms + sq_norms
@@ -274,9 +277,10 @@ class PerExampleNormTracker:
 
     The tracker must be :attr:`enabled` during both forward and backward. While disabled, hooks
     return immediately. Coverage is decided at :meth:`attach`; re-attach after changing
-    ``requires_grad``. Known blind spot: a parameter used *both* by its module and functionally
-    elsewhere (e.g. ``logits = h @ embedding.weight.T``) is not detected; tie weights by sharing the
-    Parameter between an Embedding and a Linear instead, which is measured.
+    ``requires_grad``. A parameter used *both* by its module and functionally elsewhere (e.g.
+    ``logits = h @ embedding.weight.T``) is not detected at each step: :attr:`check_sums` (run once, by
+    :mod:`.checks`) finds it; tie weights by sharing the Parameter between an Embedding and a Linear instead, which
+    is measured.
     """
 
     def __init__(self, model: nn.Module, max_examples: int | None = None) -> None:
@@ -292,6 +296,12 @@ class PerExampleNormTracker:
         self.last_batch_size: int | None = None
         #: Why measuring stopped (set by a hook, which never raises inside the user's backward), or None.
         self.failure: str | None = None
+        #: Compare each parameter's gradient with the sum of its layers' per-example gradients (a check, once:
+        #: it costs a weight gradient per layer): :attr:`extra_gradients` holds, per parameter, that sum ``S``, the
+        #: rest of its gradient ``R`` and the sum's rounding; :attr:`summed_sq_norms` adds up ``Σ_i |g_i|²``.
+        self.check_sums = False
+        self.extra_gradients: dict[str, tuple[Tensor, Tensor, float]] = {}
+        self.summed_sq_norms = 0.0
         self.excluded_reasons: dict[str, str] = {}
         self._covered_modules: dict[nn.Module, _CoveredModule] = {}
         self._covered_params: list[tuple[str, nn.Parameter]] = []
@@ -424,7 +434,7 @@ class PerExampleNormTracker:
                 hooked.add(id(param))
                 owners = (module, self._tied[module]) if module in self._tied and local_name == "weight" else (module,)
                 qualified = _qualified(covered.name, local_name)
-                self._handles.append(param.register_hook(partial(self._on_param_grad, owners, qualified)))
+                self._handles.append(param.register_hook(partial(self._on_param_grad, owners, qualified, id(param))))
         self._passes.watch(self.covered_parameters())
         self._attached = True
         self._reset_state()
@@ -854,6 +864,8 @@ class PerExampleNormTracker:
     def _measure(self, record: PassNorms, module: nn.Module, covered: _CoveredModule, inp: Tensor,
                  grad_output: Tensor) -> None:
         """Add ``module``'s per-example squared norms (batch in dim 0 by now) to the pass."""
+        if self.check_sums:
+            self._add_layer_sums(record, module, covered, inp, grad_output)
         subset = self._measures_subset(record, grad_output.shape[0])
         if subset:
             inp, grad_output = inp[: self.max_examples], grad_output[: self.max_examples]
@@ -863,6 +875,33 @@ class PerExampleNormTracker:
                 summed = covered.summed_grads(module, inp, grad_output, param_names=covered.param_names)
                 record.subset_grads.update({_qualified(covered.name, k): v for k, v in summed.items()})
         record.add(sq_norms.float())
+
+    def _add_layer_sums(self, record: PassNorms, module: nn.Module, covered: _CoveredModule, inp: Tensor,
+                        grad_output: Tensor) -> None:
+        """Every example's gradient summed, per parameter (the layer's own weight gradient, recomputed), and
+        ``Σ_i |g_i|²`` over the layer's parameters, the scale of the sum's rounding."""
+        if covered.summed_grads is None:
+            return
+        with torch.no_grad():
+            summed = covered.summed_grads(module, inp, grad_output, param_names=covered.param_names)
+            magnitude = float(covered.sq_norms(module, inp, grad_output, param_names=covered.param_names).sum())
+        self.summed_sq_norms += magnitude
+        for local_name, value in summed.items():
+            key = id(module.get_parameter(local_name))
+            before, size = record.layer_sums.get(key, (0.0, 0.0))
+            record.layer_sums[key] = (value + before, magnitude + size)
+
+    def _compare_sum(self, record: PassNorms, param_name: str, grad: Tensor, param_id: int) -> None:
+        """Keep ``(S, R, rounding)`` for one parameter in :attr:`extra_gradients`: its layers' summed per-example
+        gradient ``S``, the rest ``R = grad − S``, and the rounding of the sum, ``1e-5·(B·Σ_i |g_i|²)^½``.
+        Parameters whose layers have no summed gradient (attention, recurrent, bag) are not compared."""
+        summed, magnitude = record.layer_sums.pop(param_id, (None, None))
+        if summed is None or grad.layout != torch.strided:
+            return
+        with torch.no_grad():
+            summed = summed.float()
+            self.extra_gradients[param_name] = (summed, grad.float() - summed,
+                                                1e-5 * (magnitude * (record.batch_size or 1)) ** 0.5)
 
     def _measures_subset(self, record: PassNorms, batch_size: int) -> bool:
         """Whether this pass measures only the first ``max_examples`` examples: decided once per pass, when the
@@ -879,13 +918,15 @@ class PerExampleNormTracker:
             record.subset = self._last_subset
         return record.subset
 
-    def _on_param_grad(self, modules: tuple[nn.Module, ...], param_name: str, grad: Tensor) -> None:
+    def _on_param_grad(self, modules: tuple[nn.Module, ...], param_name: str, param_id: int, grad: Tensor) -> None:
         """``modules``: the parameter's module, or both modules of a tied table."""
         if not self._active() or not any(m in self._covered_modules for m in modules):
             return
         record = self._pass_record()
         for module in modules:
             self._measure_calls(record, module)
+        if self.check_sums:
+            self._compare_sum(record, param_name, grad, param_id)
         if param_name in record.subset_grads:
             with torch.no_grad():
                 record.add_unmeasured(param_name, grad)

@@ -136,7 +136,7 @@ class LinearOnLearnedTable(nn.Module):
 
 class BatchCentred(nn.Module):
     """An MLP whose hidden layer is centred on the batch mean (BatchNorm's statistic, with no module to refuse):
-    every example's gradient depends on the others (:mod:`gns_callback.per_example.coupling`)."""
+    every example's gradient depends on the others (:mod:`gns_callback.per_example.checks`)."""
 
     def __init__(self, seed: int = 0) -> None:
         super().__init__()

@@ -1,13 +1,15 @@
 #!/usr/bin/env python
-"""What the check that a batch's examples reach the loss independently reads, and what it costs.
+"""What the first batch's checks of per-example norms read, and what they cost.
 
-    python benchmarks/coupling_check.py [--out benchmarks/RESULTS.md]
+    python benchmarks/per_example_checks.py [--out benchmarks/RESULTS.md]
 
-For each model and loss, on a batch of 32 of scikit-learn's digits (pixels, or the 64 pixel intensities as tokens):
-the spread of the first half's per-example norm ratios between the two passes
-(:mod:`gns_callback.per_example.coupling`; above 0.1% reads as coupled), and the check's CPU time against one
-forward and backward of the same batch (medians of 7, one thread). Losses of per-example terms, whatever they draw
-at random, should read 0 or rounding; losses and layers over the batch should read well above 0.1%.
+For each model and loss, on a batch of 32 of scikit-learn's digits (pixels, or the 64 pixel intensities as tokens),
+what :mod:`gns_callback.per_example.checks` reads: a gradient part no example's norm carries ("extra gradient":
+its share of the parameter's gradient where it changes with the examples, or how much it moves ``tr Σ`` where it
+is the same for all, refused above 1%), or else the spread of the first half's per-example norm ratios between the
+two passes (above 0.1% reads as coupled); and the check's CPU time against one forward and backward of the same
+batch (medians of 7, one thread). Losses of per-example terms, whatever they draw at random, should read 0 or
+rounding; losses and layers over the batch should read well above 0.1%.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from sklearn.datasets import load_digits  # noqa: E402
 
 from benchmarks.model_scan import MODELS  # noqa: E402
 from benchmarks.results import publish_section  # noqa: E402
-from gns_callback.per_example.coupling import TOLERANCE, check_coupling  # noqa: E402
+from gns_callback.per_example.checks import IMPACT, TOLERANCE, check_per_example  # noqa: E402
 from gns_callback.probe.state import preserved_state  # noqa: E402
 
 BATCH = 32
@@ -77,6 +79,30 @@ def cross_entropy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.T
     return F.cross_entropy(model(x), y)
 
 
+def l2_penalised(strength: float) -> Loss:
+    """Cross-entropy plus ``strength·|θ|²``: a gradient part the same for every example."""
+    return lambda m, x, y: cross_entropy(m, x, y) + strength * sum(p.pow(2).sum() for p in m.parameters())
+
+
+class HeadOnTheTable(nn.Module):
+    """Tokens through an embedding, mean-pooled, scored against the same table functionally (``h @ E.T``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.mix = nn.Embedding(17, 16), nn.Linear(16, 16)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.mix(self.embed(tokens).mean(1))) @ self.embed.weight[:10].T
+
+
+def clamped_gradient() -> nn.Module:
+    """The first layer's weight gradient clamped by a hook on the parameter."""
+    model = mlp()
+    model[0].weight.register_hook(lambda g: g.clamp(-1e-3, 1e-3))
+    return model
+
+
 CASES: list[tuple[str, Callable[[], nn.Module], Loss, bool, str]] = [  # name, model, loss, tokens, expected
     ("MLP, cross-entropy (mean)", mlp, cross_entropy, False, "independent"),
     ("MLP, cross-entropy (sum)", mlp, lambda m, x, y: F.cross_entropy(m(x), y, reduction="sum"), False,
@@ -92,6 +118,10 @@ CASES: list[tuple[str, Callable[[], nn.Module], Loss, bool, str]] = [  # name, m
      lambda m, x, y: F.cross_entropy(m(x) - m(x).mean(0, keepdim=True), y), False, "coupled"),
     ("MLP + BatchNorm (training mode), cross-entropy", lambda: mlp(batch_norm=True), cross_entropy, False,
      "coupled"),
+    ("MLP, cross-entropy + 1e-4·‖θ‖²", mlp, l2_penalised(1e-4), False, "independent"),
+    ("MLP, cross-entropy + 0.1·‖θ‖²", mlp, l2_penalised(0.1), False, "extra gradient"),
+    ("MLP, a hook clamping one weight's gradient", clamped_gradient, cross_entropy, False, "extra gradient"),
+    ("tokens, head on the embedding table (h @ E.T)", HeadOnTheTable, cross_entropy, True, "extra gradient"),
     *[(f"{name}, cross-entropy", make, cross_entropy, tokens, "independent")
       for name, (make, tokens) in MODELS.items()],
 ]
@@ -114,7 +144,7 @@ def measure(make: Callable[[], nn.Module], loss: Loss, x: torch.Tensor, y: torch
 
     def check():
         with preserved_state(model, []) as state:
-            return check_coupling(model, run_pass, BATCH, reset=state.restore)
+            return check_per_example(model, run_pass, BATCH, reset=state.restore)
 
     def step() -> None:
         with preserved_state(model, []):
@@ -132,17 +162,18 @@ def main(argv: list[str] | None = None) -> None:
     data = load_digits()
     pixels, y = torch.tensor(data.data[:BATCH], dtype=torch.float32) / 16, torch.tensor(data.target[:BATCH])
     tokens = (pixels * 16).round().long()
-    rows = ["| model, loss | expected | read | spread | check, CPU ms | one forward + backward, CPU ms |",
+    rows = ["| model, loss | expected | read | spread or share | check, CPU ms | one forward + backward, CPU ms |",
             "|---|---|---|---|---|---|"]
     for name, make, loss, reads_tokens, expected in CASES:
         result, check_ms, step_ms = measure(make, loss, tokens if reads_tokens else pixels, y)
         read = result.status if result.status == expected else f"**{result.status}**"
         rows.append(f"| {name} | {expected} | {read} | {result.spread:.1e} | {check_ms:.1f} | {step_ms:.1f} |")
-    intro = (f"Command: `python benchmarks/coupling_check.py`. Batch {BATCH} of digits, one thread, "
-             f"torch {torch.__version__}. Threshold: spread > {TOLERANCE:g} reads as coupled. The check's time "
-             "includes putting the state back between and after its two passes.")
+    intro = (f"Command: `python benchmarks/per_example_checks.py`. Batch {BATCH} of digits, one thread, "
+             f"torch {torch.__version__}. Thresholds: a norm-ratio spread > {TOLERANCE:g} reads as coupled; a gradient "
+             f"part no norm carries is refused where it changes with the examples, or moves tr Σ by > {IMPACT:g}. "
+             "The check's time includes putting the state back between and after its two passes.")
     publish_section(intro + "\n\n" + "\n".join(rows), args.out,
-                    "## The check that examples reach the loss independently")
+                    "## The first batch's checks of per-example norms")
 
 
 if __name__ == "__main__":

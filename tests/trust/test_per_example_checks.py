@@ -1,10 +1,13 @@
-"""A loss that couples the examples of a batch (an in-batch contrastive loss) has no per-example gradients, yet
+"""The first batch's checks that per-example norms measure this model and loss (:mod:`gns_callback.per_example.checks`).
+
+A loss that couples the examples of a batch (an in-batch contrastive loss) has no per-example gradients, yet
 per-example norms read a confident number from it: B_simple = 6.9 [6.8, 6.9] on this digits model. The callback now
 checks on the first batch that the examples reach the loss independently
-(:mod:`gns_callback.per_example.coupling`): coupled ones are measured by ``micro_batch`` where the run has several
+(:mod:`gns_callback.per_example.checks`): coupled ones are measured by ``micro_batch`` where the run has several
 micro-batches per step (under DDP, the ranks' micro-batches: a hidden layer centred on its batch), and otherwise not
 at all, with the reason and the fix. Independent ones train to the bit as without the callback, dropout included
-(the check's passes draw random numbers, and put the streams back)."""
+(the check's passes draw random numbers, and put the streams back). An L2 term in the loss adds to every parameter's
+gradient what no example's norm sees: it is measured by micro-batches, whose gradients carry it, or not at all."""
 
 import json
 
@@ -14,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gns_callback import GradientNoiseScaleCallback
-from tests.helpers import Classifier, quiet_trainer, with_replacement_loader
+from tests.helpers import Classifier, assert_matches_exact, quiet_trainer, with_replacement_loader
 from tests.trust.setups import assert_withheld, messages, single, with_and_without
 
 STEPS = 150
@@ -47,11 +50,11 @@ def fit(digits, tmp_path, accumulate, batch_size):
 
 def test_one_micro_batch_per_step_withholds_the_estimate_with_the_reason_and_the_fix(digits, tmp_path):
     callback, caught = fit(digits, tmp_path, accumulate=1, batch_size=32)
-    assert callback.meter.coupling.coupled
+    assert callback.meter.per_example_check.status == "coupled"
     assert_withheld(callback.run_estimate, "the examples of a batch are coupled", "method='micro_batch'")
     single(messages(caught, "stopped measuring"))
     report = json.loads((tmp_path / "report.json").read_text())
-    assert report["examples_independent"]["status"] == "coupled" and report["examples_independent"]["spread"] > 0.1
+    assert report["per_example_check"]["status"] == "coupled" and report["per_example_check"]["spread"] > 0.1
 
 
 def micro_batch_reference(net: nn.Module, x: torch.Tensor, size: int, draws: int = 4000, loss=None,
@@ -92,7 +95,7 @@ def test_a_fit_with_dropout_is_identical_with_and_without_the_check(digits, tmp_
         quiet_trainer(callbacks=callbacks).fit(module, with_replacement_loader(x, y, 32, 32 * 30, seed=3))
         weights.append({k: v.clone() for k, v in module.state_dict().items()})
         callback = callbacks[0] if callbacks else None
-    assert callback.meter.coupling.status == "independent" and callback.run_estimate.measured
+    assert callback.meter.per_example_check.status == "independent" and callback.run_estimate.measured
     for key in weights[0]:
         assert torch.equal(weights[0][key], weights[1][key]), key
 
@@ -106,9 +109,50 @@ def test_ddp_ranks_switch_together_and_hold_a_monte_carlo_value(tmp_path):
     ddp_fit(str(tmp_path), "ddp_spawn", "batch_centred", False, with_callback=True, steps=STEPS)
     report = json.loads(open(single(reports(str(tmp_path)))).read())
     estimate = report["run_estimate"]
-    assert report["examples_independent"]["status"] == "coupled"
+    assert report["per_example_check"]["status"] == "coupled"
     assert estimate["method"] == "micro_batch" and estimate["steps"] == STEPS - 1
     net, (x, y) = MODELS["batch_centred"](), digits()
     reference = micro_batch_reference(net, x, BATCH_SIZE, loss=lambda xb, yb: F.cross_entropy(net(xb), yb), y=y)
     assert estimate["ci_low"] <= reference <= estimate["ci_high"], (estimate, reference)
     assert estimate["ci_high"] / estimate["ci_low"] < 1.5, estimate
+
+
+class Penalised(Classifier):
+    """An explicit L2 penalty in the loss, instead of the optimizer's weight decay."""
+
+    def __init__(self, net: nn.Module, strength: float) -> None:
+        super().__init__(net)
+        self.strength = strength
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) + self.strength * sum(p.pow(2).sum() for p in self.parameters())
+
+
+def exact_with_penalty(net: nn.Module, x: torch.Tensor, y: torch.Tensor, strength: float) -> float:
+    """Every example's gradient plus the penalty's, the same for all: ``2λθ``."""
+    from gns_callback.exact import exact_noise_scale, per_example_gradients
+
+    penalty = torch.cat([2 * strength * p.detach().flatten() for p in net.parameters()]).double()
+    return exact_noise_scale(per_example_gradients(net, F.cross_entropy, x, y) + penalty)[0]
+
+
+@pytest.mark.parametrize("strength, accumulate, method", [(1e-3, 1, "per_example"), (0.1, 1, None),
+                                                          (0.1, 2, "micro_batch")])
+def test_an_l2_term_in_the_loss(digits, tmp_path, strength, accumulate, method):
+    """A usual strength moves ``tr Σ`` by far under 1%: per-example norms measure it. A strong one is measured by
+    micro-batches, whose gradients carry it, or not at all."""
+    from tests.helpers import mlp
+
+    x, y = digits
+    size = 32 // accumulate
+    callback = GradientNoiseScaleCallback(report_path=str(tmp_path / "report.json"), verbose=False)
+    with_and_without(lambda: Penalised(mlp(), strength),
+                     lambda: with_replacement_loader(x, y, size, size * accumulate * STEPS),
+                     callback, accumulate_grad_batches=accumulate)
+    check = callback.meter.per_example_check
+    if method is None:
+        assert check.status == "extra gradient"
+        return assert_withheld(callback.run_estimate, "the same for every example", "weight_decay")
+    assert check.status == ("independent" if method == "per_example" else "extra gradient"), check
+    assert callback.run_estimate.method == method
+    assert_matches_exact(callback.run_estimate, exact_with_penalty(mlp(), x, y, strength))

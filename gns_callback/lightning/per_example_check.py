@@ -1,5 +1,5 @@
-"""The meter's check that a batch's examples reach the loss independently
-(:meth:`~gns_callback.meter.GradientNoiseScaleMeter.check_examples_independent`), run on the fit's first batch
+"""The meter's checks that per-example norms measure this model and loss
+(:meth:`~gns_callback.meter.GradientNoiseScaleMeter.check_per_example`), run on the fit's first batch
 with ``training_step`` as the pass: full precision (no autocast), ``self.log`` silenced, SyncBatchNorm local, no
 DDP gradient sync, and everything the two passes touch put back. Two forward and backward passes, once per fit."""
 
@@ -10,13 +10,13 @@ from typing import Any
 import torch
 
 from gns_callback.meter import GradientNoiseScaleMeter
-from gns_callback.per_example.coupling import CouplingCheck
+from gns_callback.per_example.checks import PerExampleCheck
 from gns_callback.probe.lightning import ddp_no_sync, lightning_step, module_internals, silenced_logging
 from gns_callback.probe.state import local_batch_norm
 
 
 def check_first_batch(meter: GradientNoiseScaleMeter, trainer: Any, pl_module: Any, batch: Any, batch_idx: int,
-                      batch_size: int) -> CouplingCheck:
+                      batch_size: int) -> PerExampleCheck:
     """Run the check on ``batch`` (on every rank: each checks its own batch, and the meter's next step agrees)."""
     step = lightning_step(pl_module, None, batch_idx)
 
@@ -24,5 +24,5 @@ def check_first_batch(meter: GradientNoiseScaleMeter, trainer: Any, pl_module: A
         step(batch).backward()
 
     with silenced_logging(pl_module), local_batch_norm(pl_module), ddp_no_sync(trainer), torch.enable_grad():
-        return meter.check_examples_independent(run_pass, batch_size, keep=[trainer, *trainer.optimizers],
+        return meter.check_per_example(run_pass, batch_size, keep=[trainer, *trainer.optimizers],
                                                 skip=module_internals())

@@ -1,0 +1,246 @@
+"""Two checks, on the first batch, that per-example norms measure what they claim for this model and loss.
+
+Per-example norms read example ``i``'s gradient as what flows through its own rows of every measured layer, and
+``|G_B|²`` off the parameters' whole gradient. Both must hold:
+
+1. **Each parameter's gradient is the sum of its layers' per-example gradients.** Something else adding to it
+   reaches ``|G_B|²`` but no example's norm: a penalty on the parameter itself in the loss (an explicit L2 term), the
+   parameter used outside its layer (``h @ embedding.weight.T``), a gradient hook on it. ``tr Σ`` and ``|G|²`` are
+   then both off, by a term the interval knows nothing of. The first pass recomputes each measured layer's weight
+   gradient from its inputs and output gradients, every example at once, and compares it with the parameter's
+   gradient: float32 rounding differs by about 1e-7 of the norm, a 1e-4 L2 penalty on a digits MLP by 1.6%.
+2. **The examples reach the loss independently.** That makes ``i``'s rows carry the gradient of its own loss term,
+   when the loss is a sum of per-example terms or any function of such a sum (a mean, a mean over tokens, an RMSE):
+   the terms then differ only by one factor common to the batch. A loss that couples the examples (the in-batch
+   negatives of a contrastive loss, a statistic over the batch in the loss or between layers, in-batch mining) makes
+   each row's gradient depend on the other examples, and the interval is as narrow as ever: on a digits MLP with an
+   in-batch contrastive loss the meter read B_simple = 6.9 [6.8, 6.9], while no per-example gradient exists to
+   compare it with. The batch's forward and backward run twice from the same state; the second time, at the first
+   measured layer whose input holds the batch, the first half's rows are copied over the second half's. Independent
+   examples keep the first half's per-example norms, up to one common factor; a spread of more than ``tolerance``
+   (0.1%) among the ratios says they are coupled. Two passes of the same computation give the same rows to the bit
+   (the same shapes, kernels and random draws; 1.5e-7 where a common factor such as RMSE's is recomputed), so the
+   tolerance only needs to exceed rounding. An in-batch contrastive loss spreads them by 16%, BatchNorm in training
+   mode by 19%, logits centred on the batch mean by 0.33% (a digits MLP, batch 32;
+   ``benchmarks/per_example_checks.py``). Rows are changed after the data is loaded and after anything
+   ``training_step`` does before the first layer, so mixing inputs there (mixup) is not coupling: each mixed example
+   then has its own gradient.
+
+Torch only, no Lightning.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch import Tensor, nn
+
+from .layout import LayoutError, batch_dim, is_sequence_first, position_dims
+from .sketch import restart_probes
+from .tracker import MICRO_BATCH_HINT, SUPPORTED_MODULES, PerExampleNormTracker
+from .transposed_linear import layer_kind
+
+__all__ = ["PerExampleCheck", "check_per_example"]
+
+#: Largest relative difference read as rounding: of a parameter's gradient from its layers' summed per-example
+#: gradients, and of one example's norm ratio from the median ratio (``max_i |r_i / median(r) − 1|``).
+TOLERANCE = 1e-3
+#: Examples compared (the first ones; fewer where the batch's first half is smaller).
+EXAMPLES = 16
+#: Outcomes that make per-example norms unusable for this model and loss.
+REFUSED = ("extra gradient", "coupled")
+#: Largest share of ``tr Σ`` a gradient part common to every example (a penalty on the parameters) may move.
+IMPACT = 1e-2
+#: Per parameter: its layers' summed per-example gradient, the rest of its gradient, the sum's rounding.
+Extra = tuple[Tensor, Tensor, float]
+
+
+@dataclass(frozen=True)
+class PerExampleCheck:
+    """The outcome: ``status`` is ``"independent"`` (both checks passed), ``"extra gradient"`` (check 1 failed),
+    ``"coupled"`` (check 2 failed) or ``"not checked"``; ``spread`` the largest relative difference the failed or
+    last check read (NaN when not checked); ``detail`` says why (the reason to stop measuring, or why nothing was
+    checked)."""
+
+    status: str
+    spread: float = float("nan")
+    detail: str = ""
+
+    @property
+    def refused(self) -> bool:
+        """Per-example norms would measure something else here."""
+        return self.status in REFUSED
+
+    def to_dict(self) -> dict[str, Any]:
+        """For the JSON report (NaN as None)."""
+        return {"status": self.status, "spread": self.spread if math.isfinite(self.spread) else None,
+                "detail": self.detail}
+
+
+def check_per_example(model: nn.Module, run_pass: Callable[[], None], batch_size: int, reset: Callable[[], None],
+                      tolerance: float = TOLERANCE) -> PerExampleCheck:
+    """Run ``run_pass`` (one forward and backward of the same batch of ``batch_size`` examples) twice: the first
+    time comparing each parameter's gradient with its layers' summed per-example gradients, the second with rows
+    replaced, to compare the first half's per-example norms (module docstring).
+
+    ``reset()`` runs between the passes and must put back everything the first one changed that the second would
+    read: the random states (so both draw the same dropout masks), and buffers and attributes a step updates (a
+    queue of negatives, a momentum encoder), as ``ProbeState.restore`` does. The passes leave ``.grad`` set to the
+    second one's gradients (fresh tensors: the caller's are left untouched); the caller puts back the rest."""
+    half = batch_size // 2
+    if half < 2:
+        return PerExampleCheck("not checked", detail=f"a batch of {batch_size} has no two examples to compare")
+    tracker = PerExampleNormTracker(model, max_examples=min(EXAMPLES, half))
+    tracker.expected_batch_size = batch_size
+    try:
+        with tracker, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # what this tracker finds, the meter's says at its first step
+            tracker.check_sums = True
+            before = _norms(model, tracker, run_pass)
+            first, scale = tracker.extra_gradients, batch_size * tracker.summed_sq_norms
+            tracker.extra_gradients = {}
+            reset()
+            with _rows_replaced(model, tracker, batch_size) as replaced:
+                after = _norms(model, tracker, run_pass)
+    except RuntimeError as error:  # the hooks can't measure this model; the meter says so at its first step
+        return PerExampleCheck("not checked", detail=str(error))
+    finally:
+        restart_probes()
+    extra, note = _extra_gradient(first, tracker.extra_gradients, scale, tolerance)
+    if extra is not None:
+        return extra
+    if not replaced:
+        return PerExampleCheck("not checked", detail="no measured layer's input holds the batch")
+    result = _compare(before, after, half, tolerance)
+    return replace(result, detail=note) if note and not result.refused else result
+
+
+def _extra_gradient(first: dict[str, Extra], second: dict[str, Extra], scale: float,
+                    tolerance: float) -> tuple[Optional[PerExampleCheck], str]:
+    """Check 1: ``(refusal or None, note)`` from each parameter's ``(S, R, rounding)`` in the two passes.
+
+    A rest ``R`` that changes with the examples (the second pass replaced half of them) is part of their gradients
+    that no norm sees: refused. One that doesn't (a penalty on the parameters) is the same in every example's
+    gradient; it moves the plug-in ``tr Σ = mean|g_i|² − |ḡ|²`` by ``−(2ḡ·R + |R|²)`` (``ḡ = S``, in units where
+    ``scale = mean|g_i|²``), refused above ``IMPACT`` of it, else noted."""
+    extra = {name: (summed, rest) for name, (summed, rest, rounding) in first.items() if float(rest.norm()) > rounding}
+    if not extra:
+        return None, ""
+    varying = [name for name, (_, rest) in extra.items()
+               if name not in second or float((second[name][1] - rest).norm()) > tolerance * float(rest.norm())]
+    if varying:
+        name = max(varying, key=lambda n: _share(*extra[n]))
+        return PerExampleCheck("extra gradient", _share(*extra[name]), _varying_reason(name, _share(*extra[name]))), ""
+    shift = sum(float(2 * summed.dot(rest) + rest.dot(rest)) for summed, rest in (
+        (s.flatten(), r.flatten()) for s, r in extra.values()))
+    trace = scale - sum(float(summed.pow(2).sum()) for summed, _, _ in first.values())
+    impact = abs(shift) / trace if trace > 0 else math.inf
+    if impact > IMPACT:
+        return PerExampleCheck("extra gradient", impact, _fixed_reason(impact)), ""
+    return None, (f"a part of the gradient the same for every example (a penalty on the parameters) reaches |G_B|² but "
+                  f"no example's norm; it moves tr Σ by {impact:.2%}, measured as is")
+
+
+def _share(summed: Tensor, rest: Tensor) -> float:
+    """``|R| / |S + R|``: the rest's share of the parameter's gradient."""
+    return float(rest.norm()) / max(float((summed + rest).norm()), 1e-30)
+
+
+def _varying_reason(name: str, share: float) -> str:
+    return (f"{share:.1%} of parameter '{name}''s gradient is not carried by its layers' per-example gradients and "
+            "changes with the examples: the parameter is used outside its layer (e.g. h @ embedding.weight.T: tie it "
+            "to an nn.Linear instead), or a gradient hook changes it. No example's norm sees that part, so the noise "
+            f"scale read from them would be wrong. Instead, {MICRO_BATCH_HINT}")
+
+
+def _fixed_reason(impact: float) -> str:
+    return ("a part of the gradient the same for every example (a penalty on the parameters in the loss, e.g. an L2 "
+            f"term: use the optimizer's weight_decay instead) reaches |G_B|² but no example's norm, and moves tr Σ by "
+            f"{impact:.1%}, so the noise scale read from these norms would be wrong. Instead, {MICRO_BATCH_HINT}")
+
+
+def _norms(model: nn.Module, tracker: PerExampleNormTracker, run_pass: Callable[[], None]) -> Optional[Tensor]:
+    for param in model.parameters():
+        param.grad = None  # the pass fills fresh tensors: the caller's are put back untouched
+    restart_probes()  # sketched norms draw the same probes in both passes
+    run_pass()
+    return tracker.pop()
+
+
+def _compare(before: Optional[Tensor], after: Optional[Tensor], half: int, tolerance: float) -> PerExampleCheck:
+    """The spread of ``after / before`` over the first half's examples with a nonzero gradient."""
+    if before is None or after is None:
+        return PerExampleCheck("not checked", detail="no per-example norms were measured")
+    count = min(half, before.shape[0], after.shape[0])
+    first, second = before[:count].double().cpu(), after[:count].double().cpu()
+    used = (first > first.max() * 1e-12) & torch.isfinite(first) & torch.isfinite(second)
+    if int(used.sum()) < 2:
+        return PerExampleCheck("not checked", detail="fewer than two examples with a nonzero gradient")
+    ratios = second[used] / first[used]
+    spread = float((ratios / ratios.median() - 1).abs().max())
+    if spread <= tolerance:
+        return PerExampleCheck("independent", spread)
+    return PerExampleCheck("coupled", spread, _reason(spread))
+
+
+def _reason(spread: float) -> str:
+    return (f"the examples of a batch are coupled: copying the second half's rows from the first half at the first "
+            f"measured layer changed the first half's per-example gradient norms by up to {spread:.0%} (a "
+            "contrastive loss with in-batch negatives, a statistic over the batch in the loss or between layers, or "
+            "in-batch mining does this). Per-example gradients are then not samples of one distribution, and the "
+            f"noise scale read from them would be wrong. Instead, {MICRO_BATCH_HINT}: it compares the gradients of "
+            "whole micro-batches, each with its own in-batch terms")
+
+
+@contextmanager
+def _rows_replaced(model: nn.Module, tracker: PerExampleNormTracker, batch_size: int) -> Iterator[list[bool]]:
+    """Inside, the first call of a measured layer whose input holds the batch gets rows ``h..2h`` of that input
+    replaced by rows ``0..h`` (``h = batch_size // 2``); the yielded list holds True once that happened."""
+    replaced: list[bool] = []
+    sequence_first = is_sequence_first(model)
+
+    def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[tuple]:
+        inp = args[0] if args else kwargs.get("input")
+        if replaced or not isinstance(inp, Tensor) or isinstance(inp, nn.Parameter):
+            return None
+        dim = _batch_dim(module, inp, batch_size, sequence_first)
+        if dim is None:
+            return None
+        replaced.append(True)
+        changed = _second_half_from_first(inp, dim, batch_size)
+        return ((changed, *args[1:]), kwargs) if args else (args, {**kwargs, "input": changed})
+
+    handles = [module.register_forward_pre_hook(pre_hook, with_kwargs=True) for module in tracker.measured_modules()
+               if layer_kind(module) in SUPPORTED_MODULES]
+    try:
+        yield replaced
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _batch_dim(module: nn.Module, inp: Tensor, batch_size: int, sequence_first: bool) -> Optional[int]:
+    """The dim of ``inp`` holding the batch as the tracker reads it, or None where it can't be told."""
+    try:
+        dim = batch_dim(inp.shape, position_dims(module, inp), batch_size, sequence_first)
+    except LayoutError:
+        return None
+    return dim if inp.dim() > dim and inp.shape[dim] == batch_size else None
+
+
+def _second_half_from_first(inp: Tensor, dim: int, batch_size: int) -> Tensor:
+    half = batch_size // 2
+    index = torch.arange(batch_size, device=inp.device)
+    index[half: 2 * half] = torch.arange(half, device=inp.device)
+    with torch.no_grad():
+        rows = inp.detach().index_select(dim, index)
+    if not inp.requires_grad:
+        return rows
+    # Keep the graph to the layers before (their per-example norms are part of the comparison): the input plus a
+    # correction that carries no gradient.
+    return inp + (rows - inp.detach())
