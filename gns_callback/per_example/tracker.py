@@ -893,15 +893,17 @@ class PerExampleNormTracker:
 
     def _compare_sum(self, record: PassNorms, param_name: str, grad: Tensor, param_id: int) -> None:
         """Keep ``(S, R, rounding)`` for one parameter in :attr:`extra_gradients`: its layers' summed per-example
-        gradient ``S``, the rest ``R = grad − S``, and the rounding of the sum, ``1e-5·(B·Σ_i |g_i|²)^½``.
-        Parameters whose layers have no summed gradient (attention, recurrent, bag) are not compared."""
+        gradient ``S``, the rest ``R = grad − S``, and the rounding of the sum, ``100·ε·(B·Σ_i |g_i|²)^½`` with
+        ``ε`` the gradient's machine epsilon (1e-5 in float32; in bf16 nearly the gradient itself, so that a model
+        held in bf16 is hardly checked). Parameters whose layers have no summed gradient (attention, recurrent,
+        bag) are not compared."""
         summed, magnitude = record.layer_sums.pop(param_id, (None, None))
         if summed is None or grad.layout != torch.strided:
             return
         with torch.no_grad():
             summed = summed.float()
-            self.extra_gradients[param_name] = (summed, grad.float() - summed,
-                                                1e-5 * (magnitude * (record.batch_size or 1)) ** 0.5)
+            rounding = 100 * torch.finfo(grad.dtype).eps * (magnitude * (record.batch_size or 1)) ** 0.5
+            self.extra_gradients[param_name] = (summed, grad.float() - summed, rounding)
 
     def _measures_subset(self, record: PassNorms, batch_size: int) -> bool:
         """Whether this pass measures only the first ``max_examples`` examples: decided once per pass, when the

@@ -195,3 +195,13 @@ def test_tied_tables_and_layers_applied_several_times_sum_to_their_gradient(digi
     model = TiedAndRepeated()
     result = check_per_example(model, lambda: F.cross_entropy(model(tokens), y).backward(), BATCH)
     assert result.status == "independent", result
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_a_model_held_in_another_precision_sums_to_its_gradient(digits, dtype):
+    """Autograd accumulates the layer's gradient in the model's precision, the check in float32 or float64: the
+    rounding allowed follows the gradient's machine epsilon."""
+    model = mlp().to(dtype)
+    x, y = digits[0][:BATCH].to(dtype), digits[1][:BATCH]
+    result = check_per_example(model, lambda: F.cross_entropy(model(x).float(), y).backward(), BATCH)
+    assert result.status == "independent", result
