@@ -864,9 +864,10 @@ class PerExampleNormTracker:
     def _measure(self, record: PassNorms, module: nn.Module, covered: _CoveredModule, inp: Tensor,
                  grad_output: Tensor) -> None:
         """Add ``module``'s per-example squared norms (batch in dim 0 by now) to the pass."""
+        batch_size = grad_output.shape[0]
         if self.check_sums:
             self._add_layer_sums(record, module, covered, inp, grad_output)
-        subset = self._measures_subset(record, grad_output.shape[0])
+        subset = self._measures_subset(record, batch_size)
         if subset:
             inp, grad_output = inp[: self.max_examples], grad_output[: self.max_examples]
         with torch.no_grad():
@@ -874,22 +875,34 @@ class PerExampleNormTracker:
             if subset:
                 summed = covered.summed_grads(module, inp, grad_output, param_names=covered.param_names)
                 record.subset_grads.update({_qualified(covered.name, k): v for k, v in summed.items()})
+        if self.check_sums:
+            self._add_magnitude(record, module, covered, float(sq_norms.sum()) * batch_size / sq_norms.shape[0])
         record.add(sq_norms.float())
 
-    def _add_layer_sums(self, record: PassNorms, module: nn.Module, covered: _CoveredModule, inp: Tensor,
+    @staticmethod
+    def _add_layer_sums(record: PassNorms, module: nn.Module, covered: _CoveredModule, inp: Tensor,
                         grad_output: Tensor) -> None:
-        """Every example's gradient summed, per parameter (the layer's own weight gradient, recomputed), and
-        ``Σ_i |g_i|²`` over the layer's parameters, the scale of the sum's rounding."""
+        """Every example's gradient summed, per parameter: the layer's own weight gradient, recomputed."""
         if covered.summed_grads is None:
             return
         with torch.no_grad():
             summed = covered.summed_grads(module, inp, grad_output, param_names=covered.param_names)
-            magnitude = float(covered.sq_norms(module, inp, grad_output, param_names=covered.param_names).sum())
-        self.summed_sq_norms += magnitude
         for local_name, value in summed.items():
             key = id(module.get_parameter(local_name))
             before, size = record.layer_sums.get(key, (0.0, 0.0))
-            record.layer_sums[key] = (value + before, magnitude + size)
+            record.layer_sums[key] = (value + before, size)
+
+    def _add_magnitude(self, record: PassNorms, module: nn.Module, covered: _CoveredModule, magnitude: float) -> None:
+        """``Σ_i |g_i|²`` over the layer's parameters (from the examples measured, scaled to the batch): the scale of
+        its summed gradient's rounding, and with :attr:`summed_sq_norms` that of ``tr Σ``."""
+        if covered.summed_grads is None:
+            return
+        self.summed_sq_norms += magnitude
+        for local_name in covered.param_names:
+            key = id(module.get_parameter(local_name))
+            if key in record.layer_sums:
+                summed, size = record.layer_sums[key]
+                record.layer_sums[key] = (summed, size + magnitude)
 
     def _compare_sum(self, record: PassNorms, param_name: str, grad: Tensor, param_id: int) -> None:
         """Keep ``(S, R, rounding)`` for one parameter in :attr:`extra_gradients`: its layers' summed per-example
