@@ -40,8 +40,8 @@ from gns_callback.recommendation import Recommendation, recommend
 from gns_callback.recommendation.calibration import CALIBRATED, uncalibrated_reason
 from gns_callback.recommendation.objective import BALANCED, OBJECTIVES
 from gns_callback.recommendation.rules import LR_RULES
-from gns_callback.sampling import population_of
 from gns_callback.report import DEFAULT_REPORT_NAME, write_report
+from gns_callback.sampling import population_of
 
 STATE_VERSION = 2
 

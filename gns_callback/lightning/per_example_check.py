@@ -25,4 +25,4 @@ def check_first_batch(meter: GradientNoiseScaleMeter, trainer: Any, pl_module: A
 
     with silenced_logging(pl_module), local_batch_norm(pl_module), ddp_no_sync(trainer), torch.enable_grad():
         return meter.check_per_example(run_pass, batch_size, keep=[trainer, *trainer.optimizers],
-                                                skip=module_internals())
+                                       skip=module_internals())
