@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from gns_callback import arguments as args
 from gns_callback.accumulation import PACKED_FIELDS, AccumulationWindow, LossReduction, step_estimates
@@ -44,7 +45,7 @@ from gns_callback.norms import squared_norm_sum
 from gns_callback.per_example.checks import PerExampleCheck, check_per_example
 from gns_callback.per_example.sketch import reseed_probes
 from gns_callback.probe.state import preserved_state
-from gns_callback.sampling import without_replacement
+from gns_callback.sampling import population_from, without_replacement
 from gns_callback.scalar_ops import host_errors_ignored
 from gns_callback.smoothing import RatioAccumulator, RatioSummary, step_values, summarize_ratio
 from gns_callback.tracking import LocalLinearRatio
@@ -75,9 +76,10 @@ ARGUMENTS: dict[str, args.Rule] = {
 }
 _METHOD = args.Rule(args.one_of(*MEASURING_METHODS), "one of 'per_example', 'micro_batch', e.g. 'per_example'")
 _FALLBACK = args.Rule(args.one_of(None, *MEASURING_METHODS), "None or 'micro_batch'")
-_POPULATION = args.Rule(args.optional(args.int_at_least(2)),
-                        "None (batches drawn with replacement, or a stream) or the data set's size, e.g. len(dataset), "
-                        "when each epoch's batches are drawn without replacement (DataLoader(shuffle=True))")
+_POPULATION = args.Rule(lambda value: value is None or isinstance(value, DataLoader) or args.int_at_least(2)(value),
+                        "None (batches drawn with replacement, or a stream), or, when each epoch's batches are drawn "
+                        "without replacement (DataLoader(shuffle=True)), the data set's size, e.g. len(dataset), or "
+                        "the training DataLoader itself")
 
 #: ``reduce(t) -> t`` summing a float64 tensor over data-parallel ranks (e.g. ``torch.distributed.all_reduce``).
 SumAcrossRanks = Callable[[torch.Tensor], torch.Tensor]
@@ -113,9 +115,10 @@ class GradientNoiseScaleMeter:
             ``method`` can't measure (``method="auto"`` in the callback: ``"micro_batch"`` where the run has several
             backward passes per step). None: stop measuring instead.
         population: the number of examples each epoch's batches are drawn from without replacement
-            (``len(dataset)`` under ``DataLoader(shuffle=True)``): the estimates then correct for it
-            (:mod:`gns_callback.sampling`; left out, ``B_simple`` reads high by about ``B_simple/N``). None: batches
-            drawn with replacement, or from a stream. The Lightning callback reads it off the training sampler.
+            (``len(dataset)`` under ``DataLoader(shuffle=True)``), or the training DataLoader, whose sampler says
+            it: the estimates then correct for it (:mod:`gns_callback.sampling`; left out, ``B_simple`` reads high by
+            about ``B_simple/N``). None: batches drawn with replacement, or from a stream. The Lightning callback
+            reads it off the training sampler.
         measure_every_n_steps: measure one optimizer step in ``n`` (the first, then every ``n``-th): the hooks do
             nothing on the others, so the meter's cost per step falls about ``n``-fold, and the run average's
             standard error at a given number of optimizer steps grows about ``√n``-fold, more in short runs
@@ -163,7 +166,7 @@ class GradientNoiseScaleMeter:
         self.per_example_max_examples = per_example_max_examples
         self.reduce = reduce
         self.measure_every_n_steps = int(measure_every_n_steps)
-        self.population = population  # examples each epoch's batches are drawn from without replacement
+        self.population = population_from(population)  # examples each epoch's batches are drawn from
         self.collector: Collector = COLLECTORS[method](model, max_examples=per_example_max_examples)
         self._watch = GradientWatch([])  # the measured parameters, once attached
         self._attached = False

@@ -23,11 +23,13 @@ scikit-learn's wine (178 examples, exact B_simple 33), where the uncorrected int
 
 from __future__ import annotations
 
-from typing import Optional, TypeVar
+import warnings
+from typing import Optional, TypeVar, Union
 
-from torch.utils.data import DistributedSampler, RandomSampler, Sampler, SequentialSampler, SubsetRandomSampler
+from torch.utils.data import (BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler,
+                              SubsetRandomSampler)
 
-__all__ = ["NOT_SHUFFLED", "population_of", "without_replacement"]
+__all__ = ["NOT_SHUFFLED", "loader_sampler", "population_from", "population_of", "without_replacement"]
 
 Number = TypeVar("Number")  # float, numpy scalar or torch tensor
 
@@ -64,3 +66,22 @@ def population_of(sampler: Optional[Sampler], ranks: int = 1) -> tuple[Optional[
     if kind is SequentialSampler:
         return None, NOT_SHUFFLED
     return None, None
+
+
+def loader_sampler(loader: object) -> Optional[Sampler]:
+    """The sampler behind a DataLoader's batches (None: not a DataLoader, ready-made batches, or a custom batch
+    sampler, whose draws can't be told)."""
+    if not isinstance(loader, DataLoader) or type(loader.batch_sampler) is not BatchSampler:
+        return None
+    return loader.batch_sampler.sampler
+
+
+def population_from(value: Union[int, DataLoader, None]) -> Optional[int]:
+    """The meter's ``population``: an int as it is, or read off a DataLoader's sampler (:func:`population_of`;
+    a loader that does not shuffle is warned about)."""
+    if not isinstance(value, DataLoader):
+        return value
+    population, problem = population_of(loader_sampler(value))
+    if problem is not None:
+        warnings.warn(f"gns_callback: {problem}.", stacklevel=3)
+    return population

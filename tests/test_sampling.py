@@ -55,3 +55,18 @@ def test_samplers_say_how_they_draw():
     assert population_of(WeightedRandomSampler([1.0] * 10, 10)) == (None, None)
     assert population_of(None) == (None, None)
     assert population_of(RandomSampler(data), ranks=2) == (None, None)  # each rank draws on its own
+
+
+def test_the_meter_reads_the_population_off_a_loader():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from gns_callback import GradientNoiseScaleMeter
+
+    data = TensorDataset(torch.zeros(30, 2), torch.zeros(30))
+    model = torch.nn.Linear(2, 1)
+    assert GradientNoiseScaleMeter(model, population=DataLoader(data, batch_size=4, shuffle=True)).population == 30
+    with pytest.warns(UserWarning, match="does not shuffle"):
+        assert GradientNoiseScaleMeter(model, population=DataLoader(data, batch_size=4)).population is None
+    assert GradientNoiseScaleMeter(model, population=DataLoader(data, batch_size=None)).population is None
+    with pytest.raises(ValueError, match="population"):
+        GradientNoiseScaleMeter(model, population="30")

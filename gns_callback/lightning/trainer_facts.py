@@ -7,9 +7,10 @@ import math
 from typing import Any, Callable, Optional
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Sampler
+from torch.utils.data import Sampler
 
 from gns_callback.lightning.compat import callback_types, namespace_of, strategy_types
+from gns_callback.sampling import loader_sampler
 
 
 def loss_scale(trainer: Any) -> Optional[torch.Tensor]:
@@ -96,12 +97,7 @@ def dataset_size(trainer: Any) -> Optional[int]:
 def train_sampler(trainer: Any) -> Optional[Sampler]:
     """The sampler behind the training DataLoader's batches (None: several loaders, an iterable data set, or a custom
     batch sampler, whose draws can't be told)."""
-    loader = getattr(trainer, "train_dataloader", None)
-    if not isinstance(loader, DataLoader):
-        return None
-    if type(loader.batch_sampler) is BatchSampler:
-        return loader.batch_sampler.sampler
-    return None
+    return loader_sampler(getattr(trainer, "train_dataloader", None))
 
 
 def steps_per_epoch(trainer: Any) -> Optional[int]:
