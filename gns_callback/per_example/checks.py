@@ -64,8 +64,8 @@ Extra = tuple[Tensor, Tensor, float]
 class PerExampleCheck:
     """The outcome: ``status`` is ``"independent"`` (both checks passed), ``"extra gradient"`` (check 1 failed),
     ``"coupled"`` (check 2 failed) or ``"not checked"``; ``spread`` the largest relative difference the failed or
-    last check read (NaN when not checked); ``detail`` says why (the reason to stop measuring, or why nothing was
-    checked)."""
+    last check read (NaN when not checked); ``detail`` says why: the reason to stop measuring, why nothing was
+    checked, or for a pass a note (a penalty on the parameters measured as is, and what it moves)."""
 
     status: str
     spread: float = float("nan")
@@ -136,14 +136,18 @@ def _extra_gradient(first: dict[str, Extra], second: dict[str, Extra], scale: fl
     if varying:
         name = max(varying, key=lambda n: _share(*extra[n]))
         return PerExampleCheck("extra gradient", _share(*extra[name]), _varying_reason(name, _share(*extra[name]))), ""
-    shift = sum(float(2 * summed.dot(rest) + rest.dot(rest)) for summed, rest in (
-        (s.flatten(), r.flatten()) for s, r in extra.values()))
-    trace = scale - sum(float(summed.pow(2).sum()) for summed, _, _ in first.values())
-    impact = abs(shift) / trace if trace > 0 else math.inf
+    impact = _trace_shift(extra, first, scale)
     if impact > IMPACT:
         return PerExampleCheck("extra gradient", impact, _fixed_reason(impact)), ""
     return None, (f"a part of the gradient the same for every example (a penalty on the parameters) reaches |G_B|² but "
                   f"no example's norm; it moves tr Σ by {impact:.2%}, measured as is")
+
+
+def _trace_shift(extra: dict[str, tuple[Tensor, Tensor]], first: dict[str, Extra], scale: float) -> float:
+    """``|2ḡ·R + |R|²| / tr Σ`` over the parameters with a rest, ``tr Σ = scale − |ḡ|²`` over all compared ones."""
+    shift = sum(float(2 * (s * r).sum() + r.pow(2).sum()) for s, r in extra.values())
+    trace = scale - sum(float(summed.pow(2).sum()) for summed, _, _ in first.values())
+    return abs(shift) / trace if trace > 0 else math.inf
 
 
 def _share(summed: Tensor, rest: Tensor) -> float:
@@ -185,10 +189,10 @@ def _compare(before: Optional[Tensor], after: Optional[Tensor], half: int, toler
     spread = float((ratios / ratios.median() - 1).abs().max())
     if spread <= tolerance:
         return PerExampleCheck("independent", spread)
-    return PerExampleCheck("coupled", spread, _reason(spread))
+    return PerExampleCheck("coupled", spread, _coupled_reason(spread))
 
 
-def _reason(spread: float) -> str:
+def _coupled_reason(spread: float) -> str:
     return (f"the examples of a batch are coupled: copying the second half's rows from the first half at the first "
             f"measured layer changed the first half's per-example gradient norms by up to {spread:.0%} (a "
             "contrastive loss with in-batch negatives, a statistic over the batch in the loss or between layers, or "
