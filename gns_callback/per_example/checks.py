@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 from .layout import LayoutError, batch_dim, is_sequence_first, position_dims
 from .sketch import restart_probes
+from .sum_check import Extra, SumCheck
 from .tracker import MICRO_BATCH_HINT, SUPPORTED_MODULES, PerExampleNormTracker
 from .transposed_linear import layer_kind
 
@@ -56,8 +57,6 @@ EXAMPLES = 16
 REFUSED = ("extra gradient", "coupled")
 #: Largest share of ``tr Σ`` a gradient part common to every example (a penalty on the parameters) may move.
 IMPACT = 1e-2
-#: Per parameter: its layers' summed per-example gradient, the rest of its gradient, the sum's rounding.
-Extra = tuple[Tensor, Tensor, float]
 
 
 @dataclass(frozen=True)
@@ -100,10 +99,9 @@ def check_per_example(model: nn.Module, run_pass: Callable[[], None], batch_size
     try:
         with tracker, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # what this tracker finds, the meter's says at its first step
-            tracker.check_sums = True
+            tracker.sum_check = first = SumCheck()
             before = _norms(model, tracker, run_pass)
-            first, scale = tracker.extra_gradients, batch_size * tracker.summed_sq_norms
-            tracker.extra_gradients = {}
+            tracker.sum_check = second = SumCheck()
             reset()
             with _rows_replaced(model, tracker, batch_size) as replaced:
                 after = _norms(model, tracker, run_pass)
@@ -111,7 +109,8 @@ def check_per_example(model: nn.Module, run_pass: Callable[[], None], batch_size
         return PerExampleCheck("not checked", detail=str(error))
     finally:
         restart_probes()
-    extra, note = _extra_gradient(first, tracker.extra_gradients, scale, tolerance)
+    extra, note = _extra_gradient(first.extra_gradients, second.extra_gradients, batch_size * first.summed_sq_norms,
+                                  tolerance)
     if extra is not None:
         return extra
     if not replaced:

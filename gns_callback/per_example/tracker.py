@@ -38,6 +38,7 @@ from .embedding_bag import bag_inputs, embedding_bag_sq_norms, embedding_bag_uns
 from .layout import LayoutError, batch_dim, is_sequence_first, position_dims
 from .linear import linear_sq_norms, linear_summed_grads
 from .repeated import combinable, concatenate_calls
+from .sum_check import SumCheck
 from .recurrent import (
     RECURRENT_MODULES,
     input_reason,
@@ -145,9 +146,6 @@ class PassNorms:
     tied_logits: dict = field(default_factory=dict)
     #: ... whose embedding side came first: embedding → (tokens, output gradient).
     tied_lookups: dict = field(default_factory=dict)
-    #: With :attr:`PerExampleNormTracker.check_sums`: per parameter (by ``id``), every example's summed gradient
-    #: over its layers' calls, until the parameter's whole gradient arrives to be compared with it.
-    layer_sums: dict = field(default_factory=dict)
 
     def add(self, sq_norms: Tensor) -> None:
         self.sq_norms = sq_norms if self.sq_norms is None else self.sq_norms + sq_norms
@@ -278,7 +276,7 @@ class PerExampleNormTracker:
     The tracker must be :attr:`enabled` during both forward and backward. While disabled, hooks
     return immediately. Coverage is decided at :meth:`attach`; re-attach after changing
     ``requires_grad``. A parameter used *both* by its module and functionally elsewhere (e.g.
-    ``logits = h @ embedding.weight.T``) is not detected at each step: :attr:`check_sums` (run once, by
+    ``logits = h @ embedding.weight.T``) is not detected at each step: :attr:`sum_check` (run once, by
     :mod:`.checks`) finds it; tie weights by sharing the Parameter between an Embedding and a Linear instead, which
     is measured.
     """
@@ -296,12 +294,9 @@ class PerExampleNormTracker:
         self.last_batch_size: int | None = None
         #: Why measuring stopped (set by a hook, which never raises inside the user's backward), or None.
         self.failure: str | None = None
-        #: Compare each parameter's gradient with the sum of its layers' per-example gradients (a check, once:
-        #: it costs a weight gradient per layer): :attr:`extra_gradients` holds, per parameter, that sum ``S``, the
-        #: rest of its gradient ``R`` and the sum's rounding; :attr:`summed_sq_norms` adds up ``Σ_i |g_i|²``.
-        self.check_sums = False
-        self.extra_gradients: dict[str, tuple[Tensor, Tensor, float]] = {}
-        self.summed_sq_norms = 0.0
+        #: Set, each parameter's gradient is compared with the sum of its layers' per-example gradients
+        #: (:mod:`.sum_check`; a check, once: it costs a weight gradient per layer).
+        self.sum_check: SumCheck | None = None
         self.excluded_reasons: dict[str, str] = {}
         self._covered_modules: dict[nn.Module, _CoveredModule] = {}
         self._covered_params: list[tuple[str, nn.Parameter]] = []
@@ -864,10 +859,8 @@ class PerExampleNormTracker:
     def _measure(self, record: PassNorms, module: nn.Module, covered: _CoveredModule, inp: Tensor,
                  grad_output: Tensor) -> None:
         """Add ``module``'s per-example squared norms (batch in dim 0 by now) to the pass."""
-        batch_size = grad_output.shape[0]
-        if self.check_sums:
-            self._add_layer_sums(record, module, covered, inp, grad_output)
-        subset = self._measures_subset(record, batch_size)
+        every = (inp, grad_output)
+        subset = self._measures_subset(record, grad_output.shape[0])
         if subset:
             inp, grad_output = inp[: self.max_examples], grad_output[: self.max_examples]
         with torch.no_grad():
@@ -875,48 +868,10 @@ class PerExampleNormTracker:
             if subset:
                 summed = covered.summed_grads(module, inp, grad_output, param_names=covered.param_names)
                 record.subset_grads.update({_qualified(covered.name, k): v for k, v in summed.items()})
-        if self.check_sums:
-            self._add_magnitude(record, module, covered, float(sq_norms.sum()) * batch_size / sq_norms.shape[0])
+        if self.sum_check is not None:
+            self.sum_check.add_call(module, covered.summed_grads, covered.param_names, *every,
+                                    float(sq_norms.sum()) * every[1].shape[0] / sq_norms.shape[0])
         record.add(sq_norms.float())
-
-    @staticmethod
-    def _add_layer_sums(record: PassNorms, module: nn.Module, covered: _CoveredModule, inp: Tensor,
-                        grad_output: Tensor) -> None:
-        """Every example's gradient summed, per parameter: the layer's own weight gradient, recomputed."""
-        if covered.summed_grads is None:
-            return
-        with torch.no_grad():
-            summed = covered.summed_grads(module, inp, grad_output, param_names=covered.param_names)
-        for local_name, value in summed.items():
-            key = id(module.get_parameter(local_name))
-            before, size = record.layer_sums.get(key, (0.0, 0.0))
-            record.layer_sums[key] = (value + before, size)
-
-    def _add_magnitude(self, record: PassNorms, module: nn.Module, covered: _CoveredModule, magnitude: float) -> None:
-        """``Σ_i |g_i|²`` over the layer's parameters (from the examples measured, scaled to the batch): the scale of
-        its summed gradient's rounding, and with :attr:`summed_sq_norms` that of ``tr Σ``."""
-        if covered.summed_grads is None:
-            return
-        self.summed_sq_norms += magnitude
-        for local_name in covered.param_names:
-            key = id(module.get_parameter(local_name))
-            if key in record.layer_sums:
-                summed, size = record.layer_sums[key]
-                record.layer_sums[key] = (summed, size + magnitude)
-
-    def _compare_sum(self, record: PassNorms, param_name: str, grad: Tensor, param_id: int) -> None:
-        """Keep ``(S, R, rounding)`` for one parameter in :attr:`extra_gradients`: its layers' summed per-example
-        gradient ``S``, the rest ``R = grad − S``, and the rounding of the sum, ``100·ε·(B·Σ_i |g_i|²)^½`` with
-        ``ε`` the gradient's machine epsilon (1e-5 in float32; in bf16 nearly the gradient itself, so that a model
-        held in bf16 is hardly checked). Parameters whose layers have no summed gradient (attention, recurrent,
-        bag) are not compared."""
-        summed, magnitude = record.layer_sums.pop(param_id, (None, None))
-        if summed is None or grad.layout != torch.strided:
-            return
-        with torch.no_grad():
-            summed = summed.float()
-            rounding = 100 * torch.finfo(grad.dtype).eps * (magnitude * (record.batch_size or 1)) ** 0.5
-            self.extra_gradients[param_name] = (summed, grad.float() - summed, rounding)
 
     def _measures_subset(self, record: PassNorms, batch_size: int) -> bool:
         """Whether this pass measures only the first ``max_examples`` examples: decided once per pass, when the
@@ -940,8 +895,8 @@ class PerExampleNormTracker:
         record = self._pass_record()
         for module in modules:
             self._measure_calls(record, module)
-        if self.check_sums:
-            self._compare_sum(record, param_name, grad, param_id)
+        if self.sum_check is not None:
+            self.sum_check.compare(param_name, param_id, grad, record.batch_size or 1)
         if param_name in record.subset_grads:
             with torch.no_grad():
                 record.add_unmeasured(param_name, grad)
