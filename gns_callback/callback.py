@@ -603,6 +603,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
     def report_sections(self, trainer: Any) -> dict[str, Any]:
         """The report's content."""
         est, run = self.meter.read()
+        check = self.meter.per_example_check
         return {
             "estimate": est.to_dict(),
             "run_estimate": run.to_dict(),
@@ -613,7 +614,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             "probe": self.probe_result.to_dict() if self.probe_result is not None else None,
             "adaptations": self.adaptations,
             "coverage": self.meter.coverage,
-            "per_example_check": None if self.meter.per_example_check is None else self.meter.per_example_check.to_dict(),
+            "per_example_check": check.to_dict() if check is not None else None,
             "config": {
                 "method": self.method,
                 "ema_decay": self.ema_decay,
