@@ -156,3 +156,41 @@ def test_an_l2_term_in_the_loss(digits, tmp_path, strength, accumulate, method):
     assert check.status == ("independent" if method == "per_example" else "extra gradient"), check
     assert callback.run_estimate.method == method
     assert_matches_exact(callback.run_estimate, exact_with_penalty(mlp(), x, y, strength))
+
+
+class Metered(Classifier):
+    """A torchmetrics accuracy updated in ``training_step``, a counter, and ``self.log`` at every step."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__(net, lr=0.05)
+        from torchmetrics.classification import MulticlassAccuracy
+
+        self.accuracy, self.seen = MulticlassAccuracy(num_classes=10), 0
+
+    def training_step(self, batch, batch_idx):
+        logits = self.net(batch[0])
+        self.accuracy(logits, batch[1])
+        self.seen += len(batch[0])
+        self.log("train_acc", self.accuracy, on_step=True, on_epoch=True)
+        self.log("seen", float(self.seen))
+        return F.cross_entropy(logits, batch[1])
+
+
+def test_logs_metric_states_and_weights_are_those_of_a_fit_without_the_callback(digits, tmp_path):
+    """The check runs ``training_step`` twice on the first batch; nothing of it reaches a logger, a metric or the
+    weights (a dropout model under Adam, with a logger and per-step logging)."""
+    from tests.probe.models import RecordingLogger
+
+    x, y = digits
+    runs = []
+    for callbacks in ([], [GradientNoiseScaleCallback(report_path=str(tmp_path / "report.json"), verbose=False)]):
+        module, logger = Metered(nn.Sequential(encoder(dropout=0.3), nn.Linear(16, 10))), RecordingLogger()
+        quiet_trainer(callbacks=callbacks, logger=logger, log_every_n_steps=1).fit(
+            module, with_replacement_loader(x, y, 32, 32 * 20, seed=3))
+        runs.append((logger.metrics, module.seen, float(module.accuracy.compute()), module.state_dict()))
+    assert callbacks[0].meter.per_example_check.status == "independent"
+    (logs, seen, accuracy, weights), (logs_ours, seen_ours, accuracy_ours, weights_ours) = runs
+    assert seen_ours == seen == 32 * 20 and accuracy_ours == accuracy
+    ours_alone = [{k: v for k, v in m.items() if not k.startswith("gns")} for m in logs_ours]
+    assert [m for m in ours_alone if m] == logs  # the callback's own entries (gns/...) left out
+    assert all(torch.equal(weights[k], weights_ours[k]) for k in weights)
