@@ -205,3 +205,30 @@ def test_a_model_held_in_another_precision_sums_to_its_gradient(digits, dtype):
     x, y = digits[0][:BATCH].to(dtype), digits[1][:BATCH]
     result = check_per_example(model, lambda: F.cross_entropy(model(x).float(), y).backward(), BATCH)
     assert result.status == "independent", result
+
+
+class ComputedTable(nn.Module):
+    """One Linear on the examples and on a table computed from a parameter (``table * 2``, not a parameter itself)
+    that happens to have as many rows as the batch: the hooks read its rows as examples. The table's rows gather
+    gradient from every example, so replacing half of them moves the rest."""
+
+    def __init__(self, table_first: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.project, self.head = nn.Linear(64, 16), nn.Linear(BATCH, 10)
+        self.table = nn.Parameter(torch.randn(BATCH, 64) * 0.1)
+        self.table_first = table_first
+
+    def forward(self, x):
+        if self.table_first:
+            table = self.project(self.table * 2.0)
+            return self.head(torch.tanh(self.project(x) @ table.T))
+        h = self.project(x)
+        return self.head(torch.tanh(h @ self.project(self.table * 2.0).T))
+
+
+@pytest.mark.parametrize("table_first", [True, False])
+def test_a_computed_table_with_as_many_rows_as_the_batch_is_found(digits, table_first):
+    x, y = digits[0][:BATCH], digits[1][:BATCH]
+    model = ComputedTable(table_first)
+    assert check_per_example(model, lambda: F.cross_entropy(model(x), y).backward(), BATCH).status == "coupled"
