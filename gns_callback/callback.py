@@ -22,7 +22,7 @@ import torch
 
 from gns_callback import arguments as args
 from gns_callback.batch_size import batch_size_of
-from gns_callback.collectors import METHODS, MIN_COVERAGE, UnmeasurableSetup, choose_method
+from gns_callback.collectors import METHODS, MIN_COVERAGE, UnmeasurableSetup, choose_method, per_example_problem
 from gns_callback.critical_batch import critical_batch_target
 from gns_callback.estimate import GNSEstimate
 from gns_callback.grad_watch import uncleared_gradients
@@ -284,7 +284,9 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         self._refuse_unworkable(trainer)
         if self._adapter is not None:
             self._adapter.resume(trainer)
-        self.meter = self._build_meter(trainer, pl_module)
+        # BatchNorm's mode is judged at the first batch: Lightning puts the module in train mode as each epoch
+        # starts, and a module that freezes its BatchNorm does so in its own on_train_epoch_start, after this.
+        self.meter = self._build_meter(trainer, pl_module, batch_norm=False)
         self.meter.attach()
 
     def _refuse_unworkable(self, trainer: Any) -> None:
@@ -310,10 +312,10 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         if warning is not None:
             _warn_rank_zero(trainer, warning)
 
-    def _build_meter(self, trainer: Any, pl_module: Any) -> GradientNoiseScaleMeter:
+    def _build_meter(self, trainer: Any, pl_module: Any, batch_norm: bool) -> GradientNoiseScaleMeter:
         try:
             choice = choose_method(self.method, pl_module, several_micro_batches=facts.several_micro_batches(trainer),
-                                   compiled=facts.compiled_whole(pl_module))
+                                   compiled=facts.compiled_whole(pl_module), batch_norm=batch_norm)
         except UnmeasurableSetup as error:
             raise misconfiguration(trainer, f"GradientNoiseScaleCallback: {error}") from None
         if choice.note and self.verbose:
@@ -366,6 +368,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
 
     def _start_measuring(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._started = True
+        self._settle_method(trainer, pl_module)
         self._micro_batch_size = self._sizes[-1]
         self._base_lr = facts.base_lr(trainer)
         self._read_sampling(trainer)
@@ -374,6 +377,16 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         check_first_batch(self.meter, trainer, pl_module, batch, batch_idx, self._micro_batch_size)
         if self._probe_wanted(trainer) and self.probe_result is None:
             self._run_probe(trainer, pl_module, batch)
+
+    def _settle_method(self, trainer: Any, pl_module: Any) -> None:
+        """The method again, with BatchNorm in the mode of the first step (it couples the examples in training
+        mode): ``micro_batch`` where the run allows it, else refused, before the first step."""
+        if self.meter.method != "per_example" or per_example_problem(pl_module, batch_norm=True)[0] is None:
+            return
+        self.meter.detach()
+        self.meter = self._build_meter(trainer, pl_module, batch_norm=True)
+        self.meter.attach()
+        self.meter.expect_batch_size(self._sizes[-1])
 
     def _read_sampling(self, trainer: Any) -> None:
         """Batches drawn without replacement from a finite data set are corrected for (:mod:`gns_callback.sampling`);

@@ -71,10 +71,12 @@ class MethodChoice:
     fallback: Optional[str] = None  # the method to switch to if the hooks find ``method`` can't measure a step
 
 
-def per_example_problem(model: nn.Module, compiled: bool = False) -> tuple[Optional[str], float]:
+def per_example_problem(model: nn.Module, compiled: bool = False,
+                        batch_norm: bool = True) -> tuple[Optional[str], float]:
     """Why per-example norms are invalid for ``model`` (or None), and the share of parameters they'd cover.
     ``compiled``: the caller knows ``model``'s forward runs under ``torch.compile``
-    (:mod:`~gns_callback.per_example.compiled`)."""
+    (:mod:`~gns_callback.per_example.compiled`). ``batch_norm``: whether BatchNorm's mode now is that of the
+    training steps (False: not yet known, and not judged)."""
     collector = PerExampleCollector(model)
     coverage = collector.coverage()
     compile_problem = compiled_problem(model, compiled)
@@ -82,7 +84,7 @@ def per_example_problem(model: nn.Module, compiled: bool = False) -> tuple[Optio
         return compile_problem, coverage.fraction
     if coverage.measured_parameters == 0:
         return f"no parameter is in a supported layer ({supported_layer_names()})", 0.0
-    if collector.tracker.has_batchnorm_in_training():
+    if batch_norm and collector.tracker.has_batchnorm_in_training():
         return (
             "the model has BatchNorm in training mode, which couples the examples of a batch, so per-example "
             "gradients are not independent samples"
@@ -90,13 +92,14 @@ def per_example_problem(model: nn.Module, compiled: bool = False) -> tuple[Optio
     return None, coverage.fraction
 
 
-def choose_method(requested: str, model: nn.Module, *, several_micro_batches: bool,
-                  compiled: bool = False) -> MethodChoice:
+def choose_method(requested: str, model: nn.Module, *, several_micro_batches: bool, compiled: bool = False,
+                  batch_norm: bool = True) -> MethodChoice:
     """The method to measure ``model`` with; raises :class:`UnmeasurableSetup` with the reason and the fix.
 
     ``several_micro_batches``: the run has more than one backward pass per optimizer step (gradient
     accumulation and/or several data-parallel ranks), which ``micro_batch`` needs. ``compiled``: ``model``'s forward
-    runs under ``torch.compile`` in a way its modules don't show (a framework compiled it whole).
+    runs under ``torch.compile`` in a way its modules don't show (a framework compiled it whole). ``batch_norm``:
+    whether BatchNorm's mode now is that of the steps (see :func:`per_example_problem`).
     """
     if requested not in METHODS:
         raise ValueError(f"method={requested!r}: use one of {', '.join(METHODS)}.")
@@ -104,7 +107,7 @@ def choose_method(requested: str, model: nn.Module, *, several_micro_batches: bo
         if not several_micro_batches:
             raise UnmeasurableSetup(_NEEDS_MICRO_BATCHES.format(who="method='micro_batch'"))
         return MethodChoice("micro_batch")
-    problem, fraction = per_example_problem(model, compiled)
+    problem, fraction = per_example_problem(model, compiled, batch_norm)
     if requested == "per_example":
         if problem is not None:
             raise UnmeasurableSetup(f"method='per_example': {problem}; use method='micro_batch'.")

@@ -194,3 +194,40 @@ def test_logs_metric_states_and_weights_are_those_of_a_fit_without_the_callback(
     ours_alone = [{k: v for k, v in m.items() if not k.startswith("gns")} for m in logs_ours]
     assert [m for m in ours_alone if m] == logs  # the callback's own entries (gns/...) left out
     assert all(torch.equal(weights[k], weights_ours[k]) for k in weights)
+
+
+def frozen_batch_norm_net() -> nn.Module:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 10))
+    net[1].requires_grad_(False)
+    with torch.no_grad():
+        net[3].weight.mul_(3.0)
+    return net
+
+
+class FrozenBatchNorm(Classifier):
+    """Fine-tuning's frozen BatchNorm: put in eval mode as each epoch starts (Lightning sets train mode before)."""
+
+    def on_train_epoch_start(self) -> None:
+        self.net[1].eval()
+
+
+def test_batch_norm_frozen_as_each_epoch_starts_is_measured_per_example(digits, exact_gns, tmp_path):
+    """BatchNorm's mode is judged at the first batch, not at fit start, where Lightning has the module in train mode:
+    before, this fit was refused ("BatchNorm in training mode"), and with accumulation measured by micro-batches."""
+    x, y = digits
+    callback = GradientNoiseScaleCallback(report_path=str(tmp_path / "report.json"), verbose=False)
+    with_and_without(lambda: FrozenBatchNorm(frozen_batch_norm_net()),
+                     lambda: with_replacement_loader(x, y, 32, 32 * STEPS), callback)
+    assert callback.run_estimate.method == "per_example" and callback.meter.coverage["fraction"] == 1.0
+    assert_matches_exact(callback.run_estimate, exact_gns(frozen_batch_norm_net().eval(), F.cross_entropy, x, y)[0])
+
+
+def test_batch_norm_in_training_mode_at_the_first_batch_is_still_refused_before_any_step(digits, tmp_path):
+    from tests.helpers import bn_mlp
+
+    x, y = digits
+    trainer = quiet_trainer(callbacks=[GradientNoiseScaleCallback(report_path=str(tmp_path / "r.json"))])
+    with pytest.raises(Exception, match="BatchNorm in training mode"):
+        trainer.fit(Classifier(bn_mlp()), with_replacement_loader(x, y, 32, 32 * 5))
+    assert trainer.global_step == 0
