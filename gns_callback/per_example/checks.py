@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from .layout import LayoutError, batch_dim, is_sequence_first, position_dims
 from .sketch import restart_probes
 from .sum_check import Extra, SumCheck
-from .tracker import MICRO_BATCH_HINT, SUPPORTED_MODULES, PerExampleNormTracker
+from .tracker import MICRO_BATCH_HINT, SUPPORTED_MODULES, PerExampleNormTracker, is_parameter
 from .transposed_linear import layer_kind
 
 __all__ = ["PerExampleCheck", "check_per_example"]
@@ -133,8 +133,8 @@ def _extra_gradient(first: dict[str, Extra], second: dict[str, Extra], scale: fl
     varying = [name for name, (_, rest) in extra.items()
                if name not in second or float((second[name][1] - rest).norm()) > tolerance * float(rest.norm())]
     if varying:
-        name = max(varying, key=lambda n: _share(*extra[n]))
-        return PerExampleCheck("extra gradient", _share(*extra[name]), _varying_reason(name, _share(*extra[name]))), ""
+        share, name = max((_share(*extra[n]), n) for n in varying)
+        return PerExampleCheck("extra gradient", share, _varying_reason(name, share)), ""
     impact = _trace_shift(extra, first, scale)
     if impact > IMPACT:
         return PerExampleCheck("extra gradient", impact, _fixed_reason(impact)), ""
@@ -209,7 +209,7 @@ def _rows_replaced(model: nn.Module, tracker: PerExampleNormTracker, batch_size:
 
     def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[tuple]:
         inp = args[0] if args else kwargs.get("input")
-        if replaced or not isinstance(inp, Tensor) or isinstance(inp, nn.Parameter):
+        if replaced or not isinstance(inp, Tensor) or is_parameter(inp):
             return None
         dim = _batch_dim(module, inp, batch_size, sequence_first)
         if dim is None:

@@ -223,7 +223,7 @@ def _is_bag(module: nn.Module) -> bool:
     return type(module) is nn.EmbeddingBag
 
 
-def _is_parameter(tensor: Tensor) -> bool:
+def is_parameter(tensor: Tensor) -> bool:
     """Whether ``tensor`` is a parameter or a view of one (a row block, a transpose), not broadcast over a batch:
     ``latents.expand(B, ...)`` (learned queries) gives every example the table, and each example its own rows."""
     if isinstance(tensor, nn.Parameter):
@@ -543,7 +543,7 @@ class PerExampleNormTracker:
         if not isinstance(inp, Tensor) or self._left_out(module, inp):
             return
         self._saw_tracked_forward = True
-        if _is_parameter(inp):
+        if is_parameter(inp):
             output.register_hook(partial(self._on_table_call, module))
             return
         saved = inp.detach()
