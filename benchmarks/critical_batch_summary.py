@@ -34,7 +34,9 @@ warnings.filterwarnings("ignore")
 from benchmarks.bcrit.problems import PROBLEMS, Problem  # noqa: E402
 from benchmarks.bcrit.summaries import CHOSEN, engine_summaries, exact_summaries  # noqa: E402
 from benchmarks.bcrit.sweep import BatchSweep, SweepConfig, fit_critical_batch, sweep  # noqa: E402
-from gns_callback.critical_batch import MODEL_FACTOR, block_depths, critical_batch_size, step_blocks  # noqa: E402
+from gns_callback.critical_batch import (  # noqa: E402
+    MODEL_FACTOR, block_depths, critical_batch_size, critical_batch_target, step_blocks)
+from gns_callback.recommendation import recommend  # noqa: E402
 
 SECTION_HEADING = "## Critical batch from one run: which summary of the noise scale (issue 12)"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -145,6 +147,38 @@ def chosen_detail(p: dict) -> str:
             f"{in_ci}/{len(rows)} (median width ×{np.median(widths):.2f}: the interval is estimator noise only), "
             f"inside the trust range (interval widened by the model error ×{MODEL_FACTOR:g}) in "
             f"{in_trust}/{len(rows)}; method: {', '.join(methods)}.")
+
+
+def _optimizer(name: str) -> torch.optim.Optimizer:
+    """An instance of the problem's optimizer (the recommendation reads SGD's momentum off it)."""
+    params = [torch.zeros(1, requires_grad=True)]
+    if name == "adam":
+        return torch.optim.Adam(params)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9 if name == "momentum" else 0.0)
+
+
+def recommended_moves(p: dict) -> str:
+    """Where the recommendation takes each tuned run's batch, and what the slow-way fit ``S = S_min(1 + B_crit/B)``
+    predicts that move does to the steps and examples (ranges over the tuned runs; the interval decides how far
+    the batch moves, :mod:`gns_callback.recommendation.trust`)."""
+    fit, rows = p["fit"], [r for r in p["rows"] if r["tuned"]]
+
+    def steps(b: float) -> float:
+        return fit["s_min"] * (1.0 + fit["b_crit"] / b)
+
+    moves = []
+    for r in rows:
+        rec = recommend(critical_batch_target(r["estimate"]), current_batch_size=r["batch_size"], current_lr=None,
+                        optimizer=_optimizer(p["problem"].optimizer))
+        moves.append((r["batch_size"], rec.batch_size))
+    moved = [(b0, b1) for b0, b1 in moves if b1 != b0]
+    text = f"Recommended batch from the {len(rows)} tuned runs: kept in {len(rows) - len(moved)}"
+    if moved:
+        ratio = [b1 * steps(b1) / (b0 * steps(b0)) for b0, b1 in moved]
+        step_ratio = [steps(b1) / steps(b0) for b0, b1 in moved]
+        text += (f", moved in {len(moved)} ({', '.join(f'{b0} → {b1}' for b0, b1 in moved)}): predicted steps "
+                 f"×{min(step_ratio):.2f}–{max(step_ratio):.2f}, examples ×{min(ratio):.2f}–{max(ratio):.2f}")
+    return text + "."
 
 
 def verdict(out: dict, optimizer: str = "sgd") -> str:
@@ -286,14 +320,16 @@ def render(out: dict, command: str, figure_link: str | None = None) -> str:
         f"- Slow-way B_crit per problem: LR grid ×√2 refined by ×2^(1/4) around the best (seed 0; runs "
         f"{cfg.prune_factor:g}× slower than the best are cut), then {cfg.seeds} data-order seeds at the best LR and "
         "its neighbours; tuned LR = fewest mean steps among LRs where every seed reached the target; fit of "
-        "S = S_min(1 + B_crit/B) in log S, bootstrap over seeds. Batches i.i.d. with replacement, 1500 training "
-        "images, target = full training-set cross-entropy.",
+        "S = S_min(1 + B_crit/B) in log S, bootstrap over seeds. Batches i.i.d. with replacement from the "
+        "training set (digits: 1,500 images; breast cancer: all 569 examples), target = full training-set "
+        "cross-entropy.",
         "- Summaries are computed from what the callback sees (per-example b = 1 over the first 16 examples, "
         "big batch = the step's batch, the batch loss), except the rows marked *exact* (whole-training-set values "
         "every few steps). Cells: median (min–max) over the seeds at the tuned LR of value/B_crit; *all LRs* adds "
         "the runs at the grid neighbours of the tuned LR.",
         "- The chosen summary and its settings (two windows, the middle half of the log-loss range) were picked on "
-        "data-order seeds 0–2; seeds 100–102 are fresh runs made after the choice.",
+        "data-order seeds 0–2 of the digits problems; seeds 100–102 are fresh runs made after the choice, and "
+        "`bc_mlp` (breast cancer) is a data set and network held out from it.",
     ]
     for p in out["problems"]:
         fit, prob = p["fit"], p["problem"]
@@ -302,7 +338,7 @@ def render(out: dict, command: str, figure_link: str | None = None) -> str:
                   f"**B_crit = {fit['b_crit']:.1f}** (bootstrap over seeds {fit['bootstrap'][0]:.1f} – "
                   f"{fit['bootstrap'][1]:.1f}; S_min = {fit['s_min']:.0f}, E_min = {fit['e_min']:,.0f}); "
                   f"{p['seconds']:.0f} s wall, {p.get('cpu_seconds', math.nan):.0f} s CPU.", "", *sweep_table(p), "",
-                  *summary_table(p), "", chosen_detail(p)]
+                  *summary_table(p), "", chosen_detail(p), "", recommended_moves(p)]
     lines += ["", verdict(out)]
     lines += [v for v in (verdict(out, "momentum"), verdict(out, "adam")) if v]
     if not out.get("quick"):

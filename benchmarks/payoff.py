@@ -48,7 +48,8 @@ from benchmarks.bcrit.training import Run, full_loss, train  # noqa: E402
 from benchmarks.results import replace_section  # noqa: E402
 
 SECTION_HEADING = "## Following the recommendation: steps and examples to the target (issue 12)"
-STARTS = {"mlp": (8, 32, 512), "mlp_adam": (8, 32, 512), "cnn": (8, 64, 512), "cnn_adam": (8, 64, 512)}
+STARTS = {"mlp": (8, 32, 512), "mlp_adam": (8, 32, 512), "cnn": (8, 64, 512), "cnn_adam": (8, 64, 512),
+          "bc_mlp": (8, 64, 512)}  # bc_mlp: held out (a data set and network the calibration never saw)
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,8 @@ class PayoffConfig:
     sweep: SweepConfig = SweepConfig(seeds=3, neighbours=1, record=False)
     measure_seed: int = 0
     quick: bool = False
+    divergence_seeds: int = 0  # more data-order seeds at the start and the followed setting, counting divergence
+    divergence_first_seed: int = 1000  # the first of them (fresh: the sweeps use seeds 0, 1, 2)
 
 
 QUICK = PayoffConfig(sweep=SweepConfig(seeds=2, neighbours=0, record=False, max_examples=200_000), quick=True)
@@ -71,6 +74,7 @@ class Case:
     follow: list[Run]
     tuned_at_rec: BatchSweep
     seconds: float
+    divergence: Optional[tuple[int, int, int, float]] = None  # diverged at the start, followed; seeds; median S1
 
 
 @dataclass
@@ -133,16 +137,30 @@ def measure(problem: Problem, data, b: int, lr: float, seed: int, max_steps: int
     return rec, trainer.global_step
 
 
-def follow(problem: Problem, data, cfg: PayoffConfig, rec: dict, lr0: float) -> list[Run]:
-    """Every seed at the recommended batch, LR and warmup (no cut but the step budget)."""
+def follow(problem: Problem, data, cfg: PayoffConfig, rec: dict, lr0: float, seeds: Optional[range] = None
+           ) -> list[Run]:
+    """Every seed (default: the sweep's) at the recommended batch, LR and warmup (no cut but the step budget)."""
     b = int(rec["batch_size"])
     lr = rec["learning_rate"] if rec["learning_rate"] is not None else lr0
     budget = min(cfg.sweep.max_steps, cfg.sweep.max_examples // b)
     every = max(1, round(expected_steps(b) / cfg.sweep.evals_per_run))
     warmup = int(rec.get("warmup_steps") or 0)
+    seeds = seeds or range(cfg.sweep.first_seed, cfg.sweep.first_seed + cfg.sweep.seeds)
     return [train(problem, data, b, lr, s, max_steps=budget, eval_every=every, warmup_steps=warmup,
-                  warmup_start_lr=lr0)
-            for s in range(cfg.sweep.first_seed, cfg.sweep.first_seed + cfg.sweep.seeds)]
+                  warmup_start_lr=lr0) for s in seeds]
+
+
+def divergence(problem: Problem, data, cfg: PayoffConfig, b0: int, lr0: float, rec: dict
+               ) -> tuple[int, int, int, float]:
+    """Diverged runs over ``cfg.divergence_seeds`` fresh data-order seeds at the start ``(b0, lr0)`` and at the
+    followed setting (is a divergence the recommendation's, or the tuned start LR's own?), the number of seeds, and
+    the median steps of the followed runs that reached the target."""
+    seeds = range(cfg.divergence_first_seed, cfg.divergence_first_seed + cfg.divergence_seeds)
+    start = follow(problem, data, cfg, {"batch_size": b0, "learning_rate": lr0}, lr0, seeds)
+    followed = follow(problem, data, cfg, rec, lr0, seeds)
+    reached = [r.steps for r in followed if r.status == "reached"]
+    return (sum(r.status == "diverged" for r in start), sum(r.status == "diverged" for r in followed), len(seeds),
+            float(np.median(reached)) if reached else math.inf)
 
 
 def run_case(problem: Problem, data, cfg: PayoffConfig, b0: int, result: ProblemResult,
@@ -153,7 +171,8 @@ def run_case(problem: Problem, data, cfg: PayoffConfig, b0: int, result: Problem
     rec, steps = measure(problem, data, b0, start.tuned_lr, cfg.measure_seed, budget)
     runs = follow(problem, data, cfg, rec, start.tuned_lr)
     at_rec = tune(problem, data, cfg, int(rec["batch_size"]), result.sweeps)
-    case = Case(problem.name, b0, start, rec, steps, runs, at_rec, time.time() - t0)
+    diverged = divergence(problem, data, cfg, b0, start.tuned_lr, rec) if cfg.divergence_seeds else None
+    case = Case(problem.name, b0, start, rec, steps, runs, at_rec, time.time() - t0, diverged)
     log(f"{problem.name} B0={b0} lr0={start.tuned_lr:g} S0={tuned_steps(start):.0f} -> B1={rec['batch_size']} "
         f"lr={rec['learning_rate']} warmup={rec.get('warmup_steps')} S1={median_steps(runs):.0f} "
         f"({[r.status for r in runs]}), tuned at B1: lr {at_rec.tuned_lr:g} S={tuned_steps(at_rec):.0f} "
@@ -230,7 +249,16 @@ def render_problem(res: ProblemResult) -> list[str]:
             f"| {n['steps']:.2f} | {n['examples']:.2f} | {case.tuned_at_rec.tuned_lr:.4g}, "
             f"{tuned_steps(case.tuned_at_rec):.0f} | {n['vs_tuned']:.2f} | {n['diverged']} | {TARGETS[kind]}"
             f" | {'yes' if meets(kind, n) else '**no**'} |")
+    rates = [_divergence(where(c.start_batch, knee["b_crit"]), c) for c in res.cases if c.divergence is not None]
+    if rates:
+        lines += ["", "Diverged over fresh data-order seeds, at the start's tuned LR and at the followed setting "
+                  "(median steps of the followed runs that reached the target): " + "; ".join(rates) + "."]
     return lines + [""]
+
+
+def _divergence(kind: str, case: Case) -> str:
+    start, followed, seeds, steps = case.divergence
+    return f"{kind} (B0 = {case.start_batch}): start {start}/{seeds}, followed {followed}/{seeds} ({_steps(steps)})"
 
 
 def _band(crit: dict) -> str:
@@ -249,7 +277,8 @@ def render(results: list[ProblemResult], command: str, seconds: float) -> str:
             f"- Date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {platform.machine()}, "
             f"{os.cpu_count()} CPU cores shared with other work, no GPU; torch {torch.__version__} (1 thread), "
             f"Python {platform.python_version()}; {seconds:.0f} s wall for the runs rendered here.",
-            "- Setup: digits, 1500 training images, batches i.i.d. with replacement, constant LR (plus the "
+            "- Setup: scikit-learn data (digits: 1,500 training images; breast cancer, held out from the "
+            "calibration: all 569 examples), batches i.i.d. with replacement, constant LR (plus the "
             "recommended warmup), steps counted until the full training-set cross-entropy reaches the target; "
             "median of 3 data-order seeds. The recommendation is read from one measuring fit (seed 0) in Lightning "
             "with the callback at its defaults. `met` = the issue's target for the start's position, no diverged "
@@ -266,6 +295,9 @@ def main() -> None:
     parser.add_argument("--save", help="pickle the results here")
     parser.add_argument("--load", nargs="+", help="render pickled results instead of running")
     parser.add_argument("--out", help="replace this benchmark's section in a RESULTS.md")
+    parser.add_argument("--divergence-seeds", type=int, default=0,
+                        help="also count diverged runs over this many fresh seeds at the start and followed settings")
+    parser.add_argument("--divergence-first-seed", type=int, default=1000, help="the first of those seeds")
     a = parser.parse_args()
     torch.set_num_threads(1)
     t0 = time.time()
@@ -280,7 +312,8 @@ def main() -> None:
             runs.append(saved.get("command", path))
         command = "`; `".join(runs + [command])
     else:
-        cfg = QUICK if a.quick else PayoffConfig()
+        cfg = replace(QUICK if a.quick else PayoffConfig(), divergence_seeds=a.divergence_seeds,
+                      divergence_first_seed=a.divergence_first_seed)
         results = [run_problem(name, cfg, lambda m: print(m, flush=True)) for name in a.problems]
         seconds = time.time() - t0
         if a.save:

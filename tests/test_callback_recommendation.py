@@ -38,6 +38,8 @@ def test_recommendation_agrees_across_logs_summary_report_and_attribute(digits, 
     # The SGD LR transfer gets the run's early-phase noise scale, read off the same blocks as the batch target.
     early = report["critical_batch"]["early_noise_scale"]
     assert early is not None and early > 0 and report["batch_target"]["lr_noise_scale"] == pytest.approx(early)
+    low = report["critical_batch"]["early_noise_scale_low"]
+    assert low is not None and 0 <= low < early and report["batch_target"]["lr_noise_scale_low"] == pytest.approx(low)
     if rec.batch_size != rec.current.batch_size:
         assert any("B_noise" in note for note in rec.notes)
 

@@ -20,7 +20,7 @@ from gns_callback.critical_batch import (
 )
 from gns_callback.estimators import grad_sq_norm_estimate, trace_sigma_estimate
 from gns_callback.exact import exact_noise_scale, per_example_gradients
-from gns_callback.smoothing import RatioSummary
+from gns_callback.smoothing import RatioSummary, summarize_ratio
 from tests.helpers import mlp
 
 
@@ -242,3 +242,34 @@ def test_early_noise_scale_is_the_ratio_of_sums_over_the_first_quarter_of_the_lo
     assert math.isnan(unresolved.early_noise_scale)
     flat = critical_batch_size(x, grad_sq, np.full(BLOCKS, 1.0))  # no loss fall: no early phase either
     assert math.isnan(flat.early_noise_scale)
+    assert math.isnan(unresolved.early_noise_scale_low) and math.isnan(flat.early_noise_scale_low)
+
+
+def _noisy_early_phase(rng, ratio=6.0, steps=BLOCKS):
+    """Per-step unbiased estimates whose early-quarter ratio of means is ``ratio`` (noise as on a real run: the
+    |Ĝ|² estimate's spread about its mean is about its mean)."""
+    loss = _geometric_loss(steps, fall=100.0)
+    depth = np.log(loss[0]) - np.log(loss)
+    grad_sq = 1.0 + rng.normal(0.0, 1.0, steps)
+    x = np.where(depth <= 0.25 * depth[-1], ratio, 50.0) * (1.0 + rng.normal(0.0, 0.3, steps))
+    return x, grad_sq, loss, depth <= 0.25 * depth[-1]
+
+
+def test_early_noise_scale_low_is_the_fieller_lower_end_over_the_early_steps():
+    x, grad_sq, loss, early = _noisy_early_phase(np.random.default_rng(0))
+    est = critical_batch_size(x, grad_sq, loss, smoothing=0)
+    xe, ye = x[early], grad_sq[early]
+    n = float(len(xe))
+    want = summarize_ratio([n, n, xe.sum(), ye.sum(), (xe * xe).sum(), (ye * ye).sum(), (xe * ye).sum()])
+    assert est.early_noise_scale == pytest.approx(want.ratio, rel=1e-9)
+    assert est.early_noise_scale_low == pytest.approx(want.ci_low, rel=1e-9)
+    assert 0.0 < est.early_noise_scale_low < est.early_noise_scale
+    assert critical_batch_target(est)["lr_noise_scale_low"] == est.early_noise_scale_low
+
+
+def test_early_noise_scale_low_lies_below_the_true_value_at_the_nominal_rate():
+    """The lower end of a 95% two-sided interval: the true early ratio lies at or above it in about 97.5% of runs."""
+    rng = np.random.default_rng(1)
+    lows = [critical_batch_size(*_noisy_early_phase(rng)[:3], smoothing=0).early_noise_scale_low for _ in range(400)]
+    below = np.mean([low <= 6.0 for low in lows])
+    assert 0.95 <= below <= 0.995, below  # binomial sd at 0.975 over 400 runs: 0.008

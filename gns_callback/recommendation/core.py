@@ -154,7 +154,8 @@ def recommend(
 
     def lr_at(batch_size: int) -> LRChoice:
         return choose_lr(current_lr, current_batch_size, batch_size, optimizer, lr_rule, b_noise=est.b_simple,
-                         sharpness=sharpness, early_b_noise=est.lr_noise_scale)
+                         sharpness=sharpness, early_b_noise=est.lr_noise_scale,
+                         early_b_noise_low=est.lr_noise_scale_low)
 
     lr = lr_at(choice.batch_size)
     plans = with_learning_rates(plans, lambda b: lr_at(b).learning_rate)

@@ -6,8 +6,12 @@ The rule comes from ``lr_rule=`` when given (a user override), else from the opt
 
 Which ``B_noise``. A constant LR has to survive the whole run, and an SGD LR is limited by the early phase, where
 ``|G|²`` is large and the noise scale small; so an SGD *increase* uses the *early* noise scale when the run
-measured one (``early_b_noise``: :func:`gns_callback.critical_batch.early_window`) and it is the smaller. A
-*decrease* uses the larger of the two: a tuned LR sits at the stability edge, and on digits the early scale alone
+measured one (``early_b_noise``: :func:`gns_callback.critical_batch.early_window`) and it is the smaller, at the
+lower end of its interval (``early_b_noise_low``) where given, as the batch moves to its interval's near end: on
+breast cancer (a data set the rule was not calibrated on) the point value from a run at batch 8 read 34 where the
+tuned LRs fit ``B_noise ≈ 14–27``; the increase it gave (batch 8 → 88, LR ×3.2 with its warmup, above the LR tuned
+at 88) diverged on 5 of 200 fresh seeds, the lower end's (×2.3) on none, at 9% more steps; on the digits MLP the
+lower end costs 7% more steps (``benchmarks/payoff.py --divergence-seeds``). A *decrease* uses the larger of the two: a tuned LR sits at the stability edge, and on digits the early scale alone
 kept the LR too high in 2 of 15 decreases from batch 128 (diverged or 3.7× the steps).
 Measured on digits (``benchmarks/lr_transfer_digits.py``, MLP 64-64-10, LRs tuned at 8…512): the tuned SGD LRs
 fit ``ε_max/(1 + B_noise/B)`` with ``B_noise ≈ 11``, the early window read 11–14 from runs at batch 8, 32 and 512,
@@ -123,6 +127,7 @@ def choose_lr(
     b_noise: float,
     sharpness: Optional[float] = None,
     early_b_noise: float = math.nan,
+    early_b_noise_low: float = math.nan,
 ) -> LRChoice:
     """The current LR moved from ``current_batch_size`` to ``batch_size`` by the chosen rule at the noise scale
     :func:`noise_scale_for` picks, then bounded by :func:`sgd_ceiling` (SGD rules only)."""
@@ -130,10 +135,11 @@ def choose_lr(
     citation = CITATIONS[rule] if source != USER_OVERRIDE else f"{USER_OVERRIDE} ({CITATIONS[rule]})"
     if current_lr is None:
         return LRChoice(rule, source, citation, None, notes)
-    scale, which = noise_scale_for(rule, b_noise, early_b_noise, raising=batch_size > current_batch_size)
+    scale, which = noise_scale_for(rule, b_noise, early_b_noise, raising=batch_size > current_batch_size,
+                                   early_low=early_b_noise_low)
     scaled, how = transfer(current_lr, current_batch_size, batch_size, rule, scale)
-    if which == EARLY:
-        how = tuple(f"{note} (B_noise of the early phase: it limits a constant SGD LR)" for note in how)
+    if which in (EARLY, EARLY_LOW):
+        how = tuple(f"{note} (B_noise of the {which}: it limits a constant SGD LR)" for note in how)
     automatic = source != USER_OVERRIDE
     ceiling, why = sgd_ceiling(current_lr, rule, sharpness, optimizer, automatic=automatic,
                                early=has_early_scale(rule, early_b_noise))
@@ -145,6 +151,7 @@ def choose_lr(
 
 
 EARLY = "early phase"
+EARLY_LOW = "early phase, the lower end of its interval"
 BATCH = "batch target"
 
 
@@ -153,16 +160,21 @@ def has_early_scale(rule: str, early_b_noise: float) -> bool:
     return rule in SGD_RULES and rule in NOISE_RULES and 0.0 < early_b_noise < math.inf
 
 
-def noise_scale_for(rule: str, b_noise: float, early_b_noise: float, *, raising: bool = True) -> tuple[float, str]:
+def noise_scale_for(rule: str, b_noise: float, early_b_noise: float, *, raising: bool = True,
+                    early_low: float = math.nan) -> tuple[float, str]:
     """``(B_noise, which)`` for the LR rule. A noise-aware SGD rule with a measured early noise scale (finite and
     positive) takes the more cautious of the two: the smaller when the batch rises (a smaller LR increase), the
-    larger when it falls (a larger LR decrease). Otherwise the batch's ``B_noise`` (see the module doc)."""
+    larger when it falls (a larger LR decrease). When the batch rises, the early scale is the lower end of its
+    interval (``early_low``) where given. Otherwise the batch's ``B_noise`` (see the module doc)."""
     if not has_early_scale(rule, early_b_noise):
         return b_noise, BATCH
+    early, which = early_b_noise, EARLY
+    if raising and 0.0 <= early_low < early_b_noise:
+        early, which = early_low, EARLY_LOW
     if math.isnan(b_noise) or b_noise < 0:
-        return early_b_noise, EARLY
-    cautious = min(early_b_noise, b_noise) if raising else max(early_b_noise, b_noise)
-    return cautious, EARLY if cautious == early_b_noise else BATCH
+        return early, which
+    cautious = min(early, b_noise) if raising else max(early, b_noise)
+    return cautious, which if cautious == early else BATCH
 
 
 def _with_margin(current_lr: float, scaled: float, rule: str, *, automatic: bool) -> tuple[float, tuple[str, ...]]:

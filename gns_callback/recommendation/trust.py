@@ -38,6 +38,7 @@ class EstimateView:
     confidence: float = 0.95
     averaging: str = "unknown"
     lr_noise_scale: float = math.nan  # the early phase's noise scale, for an SGD LR transfer (nan: not given)
+    lr_noise_scale_low: float = math.nan  # the lower end of its interval (nan: not given)
 
 
 NO_ESTIMATE = EstimateView(math.nan, math.nan, math.nan, 0, 0.95, "none")
@@ -67,8 +68,14 @@ def read_estimate(estimate: Any) -> EstimateView:
         steps=steps,
         confidence=float(get("confidence") or 0.95),
         averaging=str(get("averaging") or "unknown"),
-        lr_noise_scale=math.nan if get("lr_noise_scale") is None else float(get("lr_noise_scale")),
+        lr_noise_scale=_number(get("lr_noise_scale")),
+        lr_noise_scale_low=_number(get("lr_noise_scale_low")),
     )
+
+
+def _number(value: Any) -> float:
+    """``value`` as a float; ``None`` (absent, or JSON ``null``) as ``nan``."""
+    return math.nan if value is None else float(value)
 
 
 def assess(

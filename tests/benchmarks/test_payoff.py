@@ -63,3 +63,13 @@ def test_training_warmup_is_the_recommendations_ramp():
     assert [loss for _, loss in run.losses] == pytest.approx(expected, rel=1e-6)
     no_warmup = train(problem, (x, y), 16, 1.0, 0, max_steps=6, eval_every=1, diverge_factor=math.inf)
     assert [loss for _, loss in no_warmup.losses][2] != pytest.approx(expected[2], rel=1e-6)
+
+
+def test_divergence_counts_fresh_seeds_at_the_start_and_followed_settings(payoff):
+    """A start LR far past the stability edge diverges on every fresh seed; a small followed LR on none."""
+    from dataclasses import replace
+
+    problem = PROBLEMS["bc_mlp"]
+    cfg = replace(payoff.PayoffConfig(), divergence_seeds=2)
+    counts = payoff.divergence(problem, problem.data(), cfg, 32, 50.0, {"batch_size": 64, "learning_rate": 0.5})
+    assert counts[:3] == (2, 0, 2) and 0 < counts[3] < 20_000

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from gns_callback.recommendation.learning_rate import INCREASE_MARGIN, choose_lr, pick_rule, plan_warmup, sgd_ceiling, transfer
+from gns_callback.recommendation import recommend
 
 
 def test_pick_rule_by_family_override_and_unknown():
@@ -93,6 +94,39 @@ def test_sgd_rule_uses_the_early_noise_scale_when_measured():
     for bad in (math.nan, 0.0, math.inf):
         held = choose_lr(0.1, 64, 256, torch.optim.SGD, None, b_noise=64.0, early_b_noise=bad)
         assert held.learning_rate == 0.1
+
+
+def test_sgd_increase_uses_the_lower_end_of_the_early_noise_scale():
+    # Batch 8 → 32 at the early phase's lower end 4 (point value 8): ε·(1 + 4/8)/(1 + 4/32), then the margin.
+    up = choose_lr(0.5, 8, 32, torch.optim.SGD, None, b_noise=64.0, early_b_noise=8.0, early_b_noise_low=4.0)
+    assert up.learning_rate == pytest.approx(0.5 * 1.5 / 1.125 * INCREASE_MARGIN)
+    assert "lower end of its interval" in up.notes[0]
+    # A lower end of 0 (the interval reaches 0): the rule gives no increase, the LR is kept.
+    kept = choose_lr(0.5, 8, 32, torch.optim.SGD, None, b_noise=64.0, early_b_noise=8.0, early_b_noise_low=0.0)
+    assert kept.learning_rate == 0.5
+    # A decrease is not made smaller by it (the larger scale stays the cautious one); nan or a value above the
+    # point value is ignored; the batch target still bounds an increase when it is the smaller.
+    down = choose_lr(1.0, 512, 64, torch.optim.SGD, None, b_noise=4.0, early_b_noise=8.0, early_b_noise_low=2.0)
+    assert down.learning_rate == pytest.approx((1 + 8 / 512) / (1 + 8 / 64))
+    for ignored in (math.nan, 9.0):
+        same = choose_lr(0.5, 8, 32, torch.optim.SGD, None, b_noise=64.0, early_b_noise=8.0, early_b_noise_low=ignored)
+        assert same.learning_rate == pytest.approx(0.5 * 2.0 / 1.25 * INCREASE_MARGIN)
+    batch = choose_lr(0.5, 8, 32, torch.optim.SGD, None, b_noise=2.0, early_b_noise=8.0, early_b_noise_low=4.0)
+    assert batch.learning_rate == pytest.approx(max(0.5, 0.5 * 1.25 / (1 + 2 / 32) * INCREASE_MARGIN))
+    # Adam's rule does not use the early phase at all.
+    adam = choose_lr(1e-3, 64, 256, "Adam", None, b_noise=64.0, early_b_noise=8.0, early_b_noise_low=4.0)
+    assert adam.learning_rate == pytest.approx(1e-3 * (2 / 1.25) ** 0.5)
+
+
+def test_recommend_reads_the_lower_end_from_the_estimate():
+    estimate = {"b_simple": 32.0, "ci_low": 28.0, "ci_high": 36.0, "steps": 500, "lr_noise_scale": 8.0,
+                "lr_noise_scale_low": 4.0}
+    rec = recommend(estimate, current_batch_size=8, current_lr=0.5, optimizer=torch.optim.SGD)
+    assert rec.batch_size == 32
+    assert rec.learning_rate == pytest.approx(0.5 * 1.5 / 1.125 * INCREASE_MARGIN)
+    without = recommend({**estimate, "lr_noise_scale_low": None}, current_batch_size=8, current_lr=0.5,
+                        optimizer=torch.optim.SGD)
+    assert without.learning_rate == pytest.approx(0.5 * 2.0 / 1.25 * INCREASE_MARGIN)
 
 
 def test_stability_limit_binds_only_below_it_with_the_early_noise_scale():
