@@ -368,6 +368,9 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
 
     def _start_measuring(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._started = True
+        problem = supported.combined_loaders_refusal(trainer)
+        if problem is not None:
+            raise misconfiguration(trainer, problem)
         self._settle_method(trainer, pl_module)
         self._micro_batch_size = self._sizes[-1]
         self._base_lr = facts.base_lr(trainer)

@@ -6,7 +6,9 @@ setup that would give a wrong number is refused before any training time is spen
 * sharded strategies (FSDP, DeepSpeed, model parallel): no rank's ``.grad`` holds the whole gradient, so
   ``|G_B|²`` and every micro-batch norm would be partial sums (:func:`sharded_refusal`);
 * manual optimization: the callback reads gradients at the optimizer step Lightning makes (:func:`manual_refusal`);
-* ``adapt=True`` beside a ``GradientAccumulationScheduler``: both would set ``accumulate_grad_batches``.
+* ``adapt=True`` beside a ``GradientAccumulationScheduler``: both would set ``accumulate_grad_batches``;
+* several training DataLoaders combined into each batch (checked at the first batch, when Lightning has built
+  them): :func:`combined_loaders_refusal`.
 
 A strategy that is neither known data-parallel nor known sharded (a custom one) is measured with a warning
 (:func:`unverified_strategy_warning`).
@@ -57,6 +59,22 @@ def adapt_refusal(trainer: Any, adapt: bool) -> Optional[str]:
     return (
         "GradientNoiseScaleCallback(adapt=True) changes accumulate_grad_batches itself; remove the "
         "GradientAccumulationScheduler callback or set adapt=False."
+    )
+
+
+def combined_loaders_refusal(trainer: Any) -> Optional[str]:
+    """Why batches combined from several training DataLoaders cannot be measured (Lightning's fit loop combines them
+    in every mode it allows; ``"sequential"`` it refuses); None for one loader."""
+    loaders, mode = facts.combined_train_loaders(trainer)
+    if loaders <= 1:
+        return None
+    return (
+        f"GradientNoiseScaleCallback cannot measure batches combined from {loaders} training DataLoaders (mode "
+        f"{mode!r}): a step's examples come from several loaders, weighted as training_step chooses, and rows of "
+        "different loaders share an index, so neither the batch size nor one example's gradient can be told (per-"
+        "example norms would add two loaders' examples as one: on digits B_simple read half the exact value). Train "
+        "from one DataLoader over the combined data (torch.utils.data.ConcatDataset, or a sampler that mixes them), "
+        "or measure in your own loop with gns_callback.GradientNoiseScaleMeter."
     )
 
 

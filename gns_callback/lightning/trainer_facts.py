@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 import torch
@@ -92,6 +93,15 @@ def dataset_size(trainer: Any) -> Optional[int]:
         return len(trainer.train_dataloader.dataset)
     except (AttributeError, TypeError):
         return None
+
+
+def combined_train_loaders(trainer: Any) -> tuple[int, Optional[str]]:
+    """How many training DataLoaders Lightning combines into each batch (a dict or list of them returned by
+    ``train_dataloader``), and its ``CombinedLoader``'s mode (None where it can't be read)."""
+    iterables = getattr(trainer, "train_dataloader", None)
+    count = len(iterables) if isinstance(iterables, (Mapping, list, tuple)) else 1
+    combined = getattr(getattr(trainer, "fit_loop", None), "_combined_loader", None)
+    return count, getattr(combined, "_mode", None)
 
 
 def train_sampler(trainer: Any) -> Optional[Sampler]:

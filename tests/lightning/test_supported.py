@@ -120,3 +120,53 @@ def test_a_compiled_model_without_micro_batches_is_refused_at_fit_start(namespac
         trainer.fit(module)
     assert "method='micro_batch' measures a compiled model" in str(error.value)
     assert trainer.global_step == 0
+
+
+def _loaders_module(namespace, combine: str):
+    """The digits classifier trained from the loaders ``combine`` names: each batch's loss is the mean over every
+    example of every loader in it."""
+    base = type(namespace.classifier())
+
+    class Loaders(base):
+        def training_step(self, batch, batch_idx):
+            parts = batch.values() if isinstance(batch, dict) else [batch]
+            x, y = (torch.cat(t) for t in zip(*parts))
+            return torch.nn.functional.cross_entropy(self.net(x), y)
+
+        def train_dataloader(self):
+            loaders = {name: super(Loaders, self).train_dataloader() for name in ("a", "b")}
+            if combine == "one loader in a dict":
+                return {"a": loaders["a"]}
+            if combine == "min_size":
+                return namespace.sub("utilities").CombinedLoader(loaders, mode="min_size")
+            return loaders  # Lightning combines a dict of loaders in mode 'max_size_cycle'
+
+    return Loaders(lr=0.1, micro_batches=8)
+
+
+def test_batches_combined_from_several_loaders_are_refused_at_the_first_batch(namespace):
+    """Rows of two loaders share an index: per-example norms would add two examples as one (B_simple read half
+    the exact value before this refusal); nothing has trained when it is raised."""
+    trainer = namespace.trainer(max_steps=4, callbacks=[quiet()])
+    module = _loaders_module(namespace, "dict")
+    before = [p.detach().clone() for p in module.parameters()]
+    with pytest.raises(namespace.MisconfigurationException,
+                       match="combined from 2 training DataLoaders \\(mode 'max_size_cycle'\\)") as error:
+        trainer.fit(module)
+    assert "ConcatDataset" in str(error.value) and "GradientNoiseScaleMeter" in str(error.value)
+    assert trainer.global_step == 0
+    assert all(torch.equal(p, b) for p, b in zip(module.parameters(), before))
+
+
+def test_a_combined_loader_in_another_mode_is_refused_too(namespace):
+    trainer = namespace.trainer(max_steps=4, callbacks=[quiet()])
+    with pytest.raises(namespace.MisconfigurationException, match="2 training DataLoaders \\(mode 'min_size'\\)"):
+        trainer.fit(_loaders_module(namespace, "min_size"))
+    assert trainer.global_step == 0
+
+
+def test_one_loader_in_a_dict_is_measured(namespace):
+    cb = quiet()
+    trainer = namespace.trainer(max_steps=6, callbacks=[cb])
+    trainer.fit(_loaders_module(namespace, "one loader in a dict"))
+    assert trainer.global_step == 6 and cb.run_estimate.steps == 6
