@@ -77,7 +77,9 @@ class Classifier(pl.LightningModule):
     def configure_optimizers(self):
         if self.optimizer == "adam":
             return torch.optim.Adam(self.parameters(), lr=self.lr)
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
+        if self.optimizer not in ("sgd", "momentum"):
+            raise ValueError(f"optimizer must be 'sgd', 'momentum' (SGD, momentum 0.9) or 'adam', got {self.optimizer!r}")
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9 if self.optimizer == "momentum" else 0.0)
 
     def train_dataloader(self):
         args = dict(self.loader_args)

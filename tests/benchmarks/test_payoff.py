@@ -73,3 +73,17 @@ def test_divergence_counts_fresh_seeds_at_the_start_and_followed_settings(payoff
     cfg = replace(payoff.PayoffConfig(), divergence_seeds=2)
     counts = payoff.divergence(problem, problem.data(), cfg, 32, 50.0, {"batch_size": 64, "learning_rate": 0.5})
     assert counts[:3] == (2, 0, 2) and 0 < counts[3] < 20_000
+
+
+@pytest.mark.parametrize("name, momentum", [("sgd", 0.0), ("momentum", 0.9)])
+def test_the_measuring_fit_trains_with_the_problems_optimizer(name, momentum):
+    """The recommendation reads the optimizer off the fit it measured: the momentum problem must measure with
+    momentum (before, its measuring fit ran plain SGD, and the plain-SGD rules sent batch 512 to 48)."""
+    import torch
+
+    from tests.helpers import Classifier, mlp
+
+    optimizer = Classifier(mlp(), lr=0.1, optimizer=name).configure_optimizers()
+    assert isinstance(optimizer, torch.optim.SGD) and optimizer.param_groups[0]["momentum"] == momentum
+    with pytest.raises(ValueError, match="optimizer must be"):
+        Classifier(mlp(), optimizer="rmsprop").configure_optimizers()
