@@ -195,8 +195,8 @@ def early_window(blocks: torch.Tensor, depth: torch.Tensor, trim: float,
     B_noise/B)`` then transfers the LR with *that* phase's ``B_noise``. Measured on digits (SGD; LRs tuned at
     every batch 8…512, ``benchmarks/lr_transfer_digits.py``): the tuned LRs of the MLP fit this form with
     ``B_noise ≈ 11``, and this window read 11–14 from runs at batch 8, 32 and 512, where the run's ``B_crit``
-    is 32–35 (``benchmarks/payoff.py``). On breast cancer (held out) it read 16–34 from runs at batch 8 where the
-    tuned LRs fit ``B_noise ≈ 14–27``, with lower ends 8–15; an LR increase uses the lower end
+    is 32–35 (``benchmarks/payoff.py``). On breast cancer (held out) it read 34 (lower end 17.6) from a run at
+    batch 8, where the tuned LRs fit ``B_noise ≈ 15–30``; an LR increase uses the lower end
     (:mod:`gns_callback.recommendation.learning_rate`)."""
     part = summarize_ratio(blocks[depth <= trim * float(depth[-1]), :7].sum(0).tolist(), confidence)
     if not (part.effective_steps > 1.0 and 0.0 < part.ratio < math.inf):

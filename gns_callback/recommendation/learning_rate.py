@@ -9,9 +9,10 @@ Which ``B_noise``. A constant LR has to survive the whole run, and an SGD LR is 
 measured one (``early_b_noise``: :func:`gns_callback.critical_batch.early_window`) and it is the smaller, at the
 lower end of its interval (``early_b_noise_low``) where given, as the batch moves to its interval's near end: on
 breast cancer (a data set the rule was not calibrated on) the point value from a run at batch 8 read 34 where the
-tuned LRs fit ``B_noise ≈ 14–27``; the increase it gave (batch 8 → 88, LR ×3.2 with its warmup, above the LR tuned
+tuned LRs fit ``B_noise ≈ 15–30``; the increase it gave (batch 8 → 88, LR ×3.2 with its warmup, above the LR tuned
 at 88) diverged on 5 of 200 fresh seeds, the lower end's (×2.3) on none, at 9% more steps; on the digits MLP the
-lower end costs 7% more steps (``benchmarks/payoff.py --divergence-seeds``). A *decrease* uses the larger of the two: a tuned LR sits at the stability edge, and on digits the early scale alone
+lower end costs 7% more steps (``benchmarks/payoff.py --divergence-seeds``). A *decrease* uses the larger of the
+two: a tuned LR sits at the stability edge, and on digits the early scale alone
 kept the LR too high in 2 of 15 decreases from batch 128 (diverged or 3.7× the steps).
 Measured on digits (``benchmarks/lr_transfer_digits.py``, MLP 64-64-10, LRs tuned at 8…512): the tuned SGD LRs
 fit ``ε_max/(1 + B_noise/B)`` with ``B_noise ≈ 11``, the early window read 11–14 from runs at batch 8, 32 and 512,
