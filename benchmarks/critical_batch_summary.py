@@ -341,8 +341,8 @@ def render(out: dict, command: str, figure_link: str | None = None) -> str:
                   *summary_table(p), "", chosen_detail(p), "", recommended_moves(p)]
     lines += ["", verdict(out)]
     lines += [v for v in (verdict(out, "momentum"), verdict(out, "adam")) if v]
-    if not out.get("quick"):
-        lines += ["", reading(out)]
+    if not out.get("quick") and any(p["problem"].optimizer == "sgd" for p in out["problems"]):
+        lines += ["", reading(out)]  # written around the plain-SGD runs
     if figure_link:
         lines += ["", f"![windowed noise scale against the loss, every batch size]({figure_link})"]
     return "\n".join(lines)

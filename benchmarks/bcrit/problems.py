@@ -90,6 +90,8 @@ PROBLEMS = {
     # held out: a data set and a network the summary was not chosen on
     "bc_mlp": Problem("bc_mlp", "breast-cancer MLP 30-32-2 (tanh), SGD, target full-data cross-entropy 0.02",
                       bc_mlp, breast_cancer, 0.02, lr_grid(0.2, 9.1)),
+    "bc_mlp_adam": Problem("bc_mlp_adam", "breast-cancer MLP 30-32-2 (tanh), Adam, target full-data cross-entropy 0.02",
+                           bc_mlp, breast_cancer, 0.02, lr_grid(0.002, 0.2), optimizer="adam"),
     "cnn": Problem("cnn", "digits CNN (2 conv + GroupNorm + linear, ReLU), SGD, target full-data cross-entropy 0.03",
                    cnn, digits, 0.03, lr_grid(0.05, 0.8)),
 }
