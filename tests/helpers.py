@@ -59,20 +59,21 @@ class Classifier(pl.LightningModule):
     """
 
     def __init__(self, net: nn.Module, lr: float = 0.0, loss_reduction: str = "mean", loader_args: dict | None = None,
-                 optimizer: str = "sgd") -> None:
+                 optimizer: str = "sgd", loss_fn=F.cross_entropy) -> None:
         super().__init__()
         self.net = net
         self.lr = lr
         self.loss_reduction = loss_reduction
         self.loader_args = loader_args
         self.optimizer = optimizer
+        self.loss_fn = loss_fn
 
     def forward(self, x):
         return self.net(x)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return F.cross_entropy(self.net(x), y, reduction=self.loss_reduction)
+        return self.loss_fn(self.net(x), y, reduction=self.loss_reduction)
 
     def configure_optimizers(self):
         if self.optimizer == "adam":

@@ -21,7 +21,8 @@ from tests.helpers import small_cnn
 
 @dataclass(frozen=True)
 class Problem:
-    """A data set, a network factory, a target training loss and the LR grid searched per batch size."""
+    """A data set, a network factory, a target training loss and the LR grid searched per batch size; ``loss`` is
+    the per-batch loss (``F.cross_entropy``, or ``F.mse_loss`` for regression), called with ``reduction=``."""
 
     name: str
     description: str
@@ -30,6 +31,7 @@ class Problem:
     target_loss: float
     lrs: tuple[float, ...]
     optimizer: str = "sgd"
+    loss: Callable[..., torch.Tensor] = F.cross_entropy
 
 
 def digits(train_size: int = 1500, split_seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,6 +52,21 @@ def breast_cancer() -> tuple[torch.Tensor, torch.Tensor]:
     data = load_breast_cancer()
     x = torch.tensor(data.data, dtype=torch.float32)
     return ((x - x.mean(0)) / x.std(0)).contiguous(), torch.tensor(data.target)
+
+
+def diabetes() -> tuple[torch.Tensor, torch.Tensor]:
+    """scikit-learn's diabetes regression (442 examples, 10 features and the target standardised), all of it."""
+    from sklearn.datasets import load_diabetes
+
+    data = load_diabetes()
+    x = torch.tensor(data.data, dtype=torch.float32)
+    y = torch.tensor(data.target, dtype=torch.float32)[:, None]
+    return ((x - x.mean(0)) / x.std(0)).contiguous(), ((y - y.mean()) / y.std()).contiguous()
+
+
+def diabetes_mlp(hidden: int = 64, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(10, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 1))
 
 
 def bc_mlp(hidden: int = 32, seed: int = 0) -> nn.Module:
@@ -92,6 +109,8 @@ PROBLEMS = {
                       bc_mlp, breast_cancer, 0.02, lr_grid(0.2, 9.1)),
     "bc_mlp_adam": Problem("bc_mlp_adam", "breast-cancer MLP 30-32-2 (tanh), Adam, target full-data cross-entropy 0.02",
                            bc_mlp, breast_cancer, 0.02, lr_grid(0.002, 0.2), optimizer="adam"),
+    "diabetes_mlp": Problem("diabetes_mlp", "diabetes MLP 10-64-64-1 (tanh), regression, SGD, target full-data MSE 0.25 "
+                            "(standardised target)", diabetes_mlp, diabetes, 0.25, lr_grid(0.01, 0.32), loss=F.mse_loss),
     "cnn": Problem("cnn", "digits CNN (2 conv + GroupNorm + linear, ReLU), SGD, target full-data cross-entropy 0.03",
                    cnn, digits, 0.03, lr_grid(0.05, 0.8)),
 }
@@ -104,8 +123,9 @@ class ExactSums:
     norms come from the tracker, without materialising per-example gradients.
     """
 
-    def __init__(self, tracker: PerExampleNormTracker, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.tracker, self.x, self.y = tracker, x, y
+    def __init__(self, tracker: PerExampleNormTracker, x: torch.Tensor, y: torch.Tensor,
+                 loss: Callable[..., torch.Tensor] = F.cross_entropy) -> None:
+        self.tracker, self.x, self.y, self.loss = tracker, x, y, loss
 
     def __call__(self, net: nn.Module) -> tuple[float, float]:
         saved = self.tracker.max_examples
@@ -114,7 +134,7 @@ class ExactSums:
         kept = [p.grad for p in params]
         for p in params:  # the tracker reads passes that fill .grad (not torch.autograd.grad's)
             p.grad = None
-        F.cross_entropy(net(self.x), self.y, reduction="sum").backward()
+        self.loss(net(self.x), self.y, reduction="sum").backward()
         grads = [p.grad for p in params]
         sq = self.tracker.pop().double()
         for p, g in zip(params, kept):

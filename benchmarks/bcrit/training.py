@@ -58,9 +58,9 @@ def batch_indices(n: int, batch_size: int, seed: int):
         yield torch.randint(0, n, (batch_size,), generator=gen)
 
 
-def full_loss(net, x, y) -> float:
+def full_loss(net, x, y, loss=F.cross_entropy) -> float:
     with torch.no_grad():
-        return F.cross_entropy(net(x), y).item()
+        return loss(net(x), y).item()
 
 
 def crossing(prev: tuple[int, float], cur: tuple[int, float], target: float) -> float:
@@ -94,9 +94,9 @@ def train(problem: Problem, data, batch_size: int, lr: float, seed: int, *, max_
     net = problem.make_net()
     opt = _optimizer(problem, net.parameters(), lr)
     tracker = PerExampleNormTracker(net, max_examples=max_examples).attach() if record else None
-    exact = ExactSums(tracker, x, y) if record else None
+    exact = ExactSums(tracker, x, y, problem.loss) if record else None
     rows: list[tuple[float, float, float, float]] = []
-    prev = (0, full_loss(net, x, y))
+    prev = (0, full_loss(net, x, y, problem.loss))
     losses = [prev]
     initial, status, found = prev[1], "budget", math.inf
     for step, idx in zip(range(1, max_steps + 1), batch_indices(len(x), batch_size, seed)):
@@ -105,7 +105,7 @@ def train(problem: Problem, data, batch_size: int, lr: float, seed: int, *, max_
             for group in opt.param_groups:
                 group["lr"] = warmup_lr(step - 1, start_lr=warmup_start_lr, target_lr=lr,
                                         warmup_steps=warmup_steps)
-        loss = F.cross_entropy(net(x[idx]), y[idx])
+        loss = problem.loss(net(x[idx]), y[idx])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if record:
@@ -115,7 +115,7 @@ def train(problem: Problem, data, batch_size: int, lr: float, seed: int, *, max_
         opt.step()
         if step % eval_every and step != max_steps:
             continue
-        cur = (step, full_loss(net, x, y))
+        cur = (step, full_loss(net, x, y, problem.loss))
         losses.append(cur)
         if not math.isfinite(cur[1]) or cur[1] > diverge_factor * initial:
             status = "diverged"

@@ -20,7 +20,7 @@ def problems(load_benchmark):
     return problems
 
 
-@pytest.mark.parametrize("name", ["mlp", "cnn", "bc_mlp"])
+@pytest.mark.parametrize("name", ["mlp", "cnn", "bc_mlp", "diabetes_mlp"])
 def test_exact_sums_match_per_example_gradients(problems, name):
     """What the critical-batch study records as exact is the brute-force ``|G|²`` and ``tr Σ`` over the whole data
     set, and the gradients the training loop left in ``.grad`` are put back."""
@@ -29,11 +29,11 @@ def test_exact_sums_match_per_example_gradients(problems, name):
     x, y = x[:300], y[:300]
     net = problem.make_net()
     tracker = PerExampleNormTracker(net, max_examples=16).attach()
-    F.cross_entropy(net(x[:8]), y[:8]).backward()
+    problem.loss(net(x[:8]), y[:8]).backward()
     tracker.pop()
     before = [p.grad.clone() for p in net.parameters()]
-    grad_sq, trace = problems.ExactSums(tracker, x, y)(net)
-    _, want_grad_sq, want_trace = exact_b_simple(net, F.cross_entropy, x, y)
+    grad_sq, trace = problems.ExactSums(tracker, x, y, problem.loss)(net)
+    _, want_grad_sq, want_trace = exact_b_simple(net, problem.loss, x, y)
     assert math.isclose(grad_sq, want_grad_sq, rel_tol=1e-5)
     assert math.isclose(trace, want_trace, rel_tol=1e-5)
     assert all(torch.equal(p.grad, b) for p, b in zip(net.parameters(), before))
