@@ -21,7 +21,7 @@ measured (the SGD values agree with ``benchmarks/critical_batch_summary.py``'s 7
     python benchmarks/payoff.py --problems mlp mlp_adam --save /tmp/payoff_mlp.pkl
     python benchmarks/payoff.py --problems cnn cnn_adam --save /tmp/payoff_cnn.pkl
     python benchmarks/payoff.py --load /tmp/payoff_mlp.pkl /tmp/payoff_cnn.pkl --out benchmarks/RESULTS.md
-    python benchmarks/payoff.py --quick          # smoke run, about a minute
+    python benchmarks/payoff.py --quick          # smoke run: the digits problems, 6 min on 2 CPU cores
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ STARTS = {"mlp": (8, 32, 512), "mlp_adam": (8, 32, 512), "cnn": (8, 64, 512), "c
           "mlp_momentum": (8, 32, 512)}
 # bc_* and diabetes_mlp: held out (data sets and networks the calibration never saw; diabetes a regression);
 # mlp_momentum: an optimizer the critical batch reads low for (a lower bound)
+DEFAULT_PROBLEMS = ("mlp", "mlp_adam", "cnn", "cnn_adam")  # the digits problems; the others by name
 
 
 @dataclass(frozen=True)
@@ -293,7 +294,7 @@ def render(results: list[ProblemResult], command: str, seconds: float) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--problems", nargs="+", default=list(STARTS), choices=list(STARTS))
+    parser.add_argument("--problems", nargs="+", default=list(DEFAULT_PROBLEMS), choices=list(STARTS))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--save", help="pickle the results here")
     parser.add_argument("--load", nargs="+", help="render pickled results instead of running")
