@@ -95,7 +95,9 @@ def recommend(
 
     Args:
         estimate: a :class:`~gns_callback.GNSEstimate` (preferably the run average), its ``to_dict()``, or any
-            object with ``b_simple``, ``ci_low``, ``ci_high``, ``steps``.
+            object with ``b_simple``, ``ci_low``, ``ci_high``, ``steps``; optionally ``lr_noise_scale`` and
+            ``lr_noise_scale_low``, the early phase's noise scale and the lower end of its interval, for the SGD LR
+            transfer (what :func:`gns_callback.critical_batch.critical_batch_target` gives).
         current_batch_size: the global batch now (``micro × accumulate × devices``).
         current_lr: the LR tuned for the current batch (the base LR, not a decayed one); ``None``: no LR advice.
         optimizer: class, instance or name; picks the LR rule (SGD family → ``"noise_linear"``, Adam family →
