@@ -321,8 +321,8 @@ def render(out: dict, command: str, figure_link: str | None = None) -> str:
         f"{cfg.prune_factor:g}× slower than the best are cut), then {cfg.seeds} data-order seeds at the best LR and "
         "its neighbours; tuned LR = fewest mean steps among LRs where every seed reached the target; fit of "
         "S = S_min(1 + B_crit/B) in log S, bootstrap over seeds. Batches i.i.d. with replacement from the "
-        "training set (digits: 1,500 images; breast cancer: all 569 examples), target = full training-set "
-        "cross-entropy.",
+        "training set (digits: 1,500 images; breast cancer: all 569 examples; diabetes: all 442), target = the "
+        "full training-set loss (cross-entropy, or MSE for the diabetes regression).",
         "- Summaries are computed from what the callback sees (per-example b = 1 over the first 16 examples, "
         "big batch = the step's batch, the batch loss), except the rows marked *exact* (whole-training-set values "
         "every few steps). Cells: median (min–max) over the seeds at the tuned LR of value/B_crit; *all LRs* adds "

@@ -282,9 +282,10 @@ def render(results: list[ProblemResult], command: str, seconds: float) -> str:
             f"- Date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {platform.machine()}, "
             f"{os.cpu_count()} CPU cores shared with other work, no GPU; torch {torch.__version__} (1 thread), "
             f"Python {platform.python_version()}; {seconds:.0f} s wall for the runs rendered here.",
-            "- Setup: scikit-learn data (digits: 1,500 training images; breast cancer, held out from the "
-            "calibration: all 569 examples), batches i.i.d. with replacement, constant LR (plus the "
-            "recommended warmup), steps counted until the full training-set cross-entropy reaches the target; "
+            "- Setup: scikit-learn data (digits: 1,500 training images; held out from the calibration: breast "
+            "cancer, all 569 examples, and the diabetes regression, all 442), batches i.i.d. with replacement, "
+            "constant LR (plus the recommended warmup), steps counted until the full training-set loss (each "
+            "problem's: cross-entropy, or MSE for diabetes) reaches the target; "
             "median of 3 data-order seeds. The recommendation is read from one measuring fit (seed 0) in Lightning "
             "with the callback at its defaults. `met` = the issue's target for the start's position, no diverged "
             "run, and S1 within 1.3× of the tuned LR's steps at B1.",
