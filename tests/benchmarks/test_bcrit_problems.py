@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from gns_callback.exact import exact_b_simple
 from gns_callback.per_example import PerExampleNormTracker
