@@ -34,6 +34,7 @@ warnings.filterwarnings("ignore")
 from benchmarks.bcrit.problems import PROBLEMS, Problem  # noqa: E402
 from benchmarks.bcrit.summaries import CHOSEN, engine_summaries, exact_summaries  # noqa: E402
 from benchmarks.bcrit.sweep import BatchSweep, SweepConfig, fit_critical_batch, sweep  # noqa: E402
+from benchmarks.bcrit.training import optimizer_for  # noqa: E402
 from gns_callback.critical_batch import (  # noqa: E402
     MODEL_FACTOR, block_depths, critical_batch_size, critical_batch_target, step_blocks)
 from gns_callback.recommendation import recommend  # noqa: E402
@@ -149,14 +150,6 @@ def chosen_detail(p: dict) -> str:
             f"{in_trust}/{len(rows)}; method: {', '.join(methods)}.")
 
 
-def _optimizer(name: str) -> torch.optim.Optimizer:
-    """An instance of the problem's optimizer (the recommendation reads SGD's momentum off it)."""
-    params = [torch.zeros(1, requires_grad=True)]
-    if name == "adam":
-        return torch.optim.Adam(params)
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9 if name == "momentum" else 0.0)
-
-
 def recommended_moves(p: dict) -> str:
     """Where the recommendation takes each tuned run's batch, and what the slow-way fit ``S = S_min(1 + B_crit/B)``
     predicts that move does to the steps and examples (ranges over the tuned runs; the interval decides how far
@@ -169,7 +162,7 @@ def recommended_moves(p: dict) -> str:
     moves = []
     for r in rows:
         rec = recommend(critical_batch_target(r["estimate"]), current_batch_size=r["batch_size"], current_lr=None,
-                        optimizer=_optimizer(p["problem"].optimizer))
+                        optimizer=optimizer_for(p["problem"].optimizer, [torch.zeros(1, requires_grad=True)], 0.1))
         moves.append((r["batch_size"], rec.batch_size))
     moved = [(b0, b1) for b0, b1 in moves if b1 != b0]
     text = f"Recommended batch from the {len(rows)} tuned runs: kept in {len(rows) - len(moved)}"

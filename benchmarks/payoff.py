@@ -1,7 +1,8 @@
 """Does following the recommendation pay off? Train with it to the same target and count (issue 12).
 
-For each problem (scikit-learn digits; an MLP and a CNN; plain SGD and Adam) and each starting batch ``B0``
-(far below the knee, near it, far above it):
+For each problem (scikit-learn digits by default: an MLP and a CNN, plain SGD and Adam; by name, momentum and
+the held-out breast-cancer and diabetes problems, :data:`STARTS`) and each starting batch ``B0`` (far below the
+knee, near it, far above it):
 
 1. **Baseline.** The LR tuned on a grid at ``B0`` (:func:`benchmarks.bcrit.sweep.sweep_batch`: seed 0 over the
    grid, then every seed at the best LR and its neighbours; tuned = fewest mean steps among the LRs where every

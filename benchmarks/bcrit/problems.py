@@ -45,13 +45,17 @@ def digits(train_size: int = 1500, split_seed: int = 0) -> tuple[torch.Tensor, t
     return x[perm].contiguous(), y[perm].contiguous()
 
 
+def _standardised(values: torch.Tensor) -> torch.Tensor:
+    """Each column at mean 0 and standard deviation 1."""
+    return ((values - values.mean(0)) / values.std(0)).contiguous()
+
+
 def breast_cancer() -> tuple[torch.Tensor, torch.Tensor]:
     """scikit-learn's breast-cancer data (569 examples, 30 features standardised, 2 classes), all of it."""
     from sklearn.datasets import load_breast_cancer
 
     data = load_breast_cancer()
-    x = torch.tensor(data.data, dtype=torch.float32)
-    return ((x - x.mean(0)) / x.std(0)).contiguous(), torch.tensor(data.target)
+    return _standardised(torch.tensor(data.data, dtype=torch.float32)), torch.tensor(data.target)
 
 
 def diabetes() -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,8 +64,7 @@ def diabetes() -> tuple[torch.Tensor, torch.Tensor]:
 
     data = load_diabetes()
     x = torch.tensor(data.data, dtype=torch.float32)
-    y = torch.tensor(data.target, dtype=torch.float32)[:, None]
-    return ((x - x.mean(0)) / x.std(0)).contiguous(), ((y - y.mean()) / y.std()).contiguous()
+    return _standardised(x), _standardised(torch.tensor(data.target, dtype=torch.float32)[:, None])
 
 
 def diabetes_mlp(hidden: int = 64, seed: int = 0) -> nn.Module:

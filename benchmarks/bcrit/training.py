@@ -72,14 +72,15 @@ def crossing(prev: tuple[int, float], cur: tuple[int, float], target: float) -> 
     return s0 + min(max(frac, 0.0), 1.0) * (s1 - s0)
 
 
-def _optimizer(problem: Problem, params, lr: float) -> torch.optim.Optimizer:
-    if problem.optimizer == "sgd":
+def optimizer_for(name: str, params, lr: float) -> torch.optim.Optimizer:
+    """A problem's optimizer by its name: ``"sgd"``, ``"momentum"`` (SGD, momentum 0.9) or ``"adam"``."""
+    if name == "sgd":
         return torch.optim.SGD(params, lr=lr)
-    if problem.optimizer == "momentum":
+    if name == "momentum":
         return torch.optim.SGD(params, lr=lr, momentum=0.9)
-    if problem.optimizer == "adam":
+    if name == "adam":
         return torch.optim.Adam(params, lr=lr)
-    raise ValueError(f"unknown optimizer {problem.optimizer!r}")
+    raise ValueError(f"unknown optimizer {name!r}")
 
 
 def train(problem: Problem, data, batch_size: int, lr: float, seed: int, *, max_steps: int, eval_every: int,
@@ -92,7 +93,7 @@ def train(problem: Problem, data, batch_size: int, lr: float, seed: int, *, max_
     (:func:`gns_callback.recommendation.rules.warmup_lr`, what the recommendation's warmup means)."""
     x, y = data
     net = problem.make_net()
-    opt = _optimizer(problem, net.parameters(), lr)
+    opt = optimizer_for(problem.optimizer, net.parameters(), lr)
     tracker = PerExampleNormTracker(net, max_examples=max_examples).attach() if record else None
     exact = ExactSums(tracker, x, y, problem.loss) if record else None
     rows: list[tuple[float, float, float, float]] = []
