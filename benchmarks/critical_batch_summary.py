@@ -34,10 +34,10 @@ warnings.filterwarnings("ignore")
 from benchmarks.bcrit.problems import PROBLEMS, Problem  # noqa: E402
 from benchmarks.bcrit.summaries import CHOSEN, engine_summaries, exact_summaries  # noqa: E402
 from benchmarks.bcrit.sweep import BatchSweep, SweepConfig, fit_critical_batch, sweep  # noqa: E402
-from benchmarks.bcrit.training import optimizer_for  # noqa: E402
 from gns_callback.critical_batch import (  # noqa: E402
     MODEL_FACTOR, block_depths, critical_batch_size, critical_batch_target, step_blocks)
 from gns_callback.recommendation import recommend  # noqa: E402
+from tests.helpers import optimizer_for  # noqa: E402
 
 SECTION_HEADING = "## Critical batch from one run: which summary of the noise scale (issue 12)"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

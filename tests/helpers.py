@@ -51,6 +51,15 @@ def small_cnn(classes: int = 10, seed: int = 0) -> nn.Module:
     )
 
 
+def optimizer_for(name: str, params, lr: float) -> torch.optim.Optimizer:
+    """An optimizer by its name: ``"sgd"``, ``"momentum"`` (SGD, momentum 0.9) or ``"adam"``."""
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    if name not in ("sgd", "momentum"):
+        raise ValueError(f"optimizer must be 'sgd', 'momentum' (SGD, momentum 0.9) or 'adam', got {name!r}")
+    return torch.optim.SGD(params, lr=lr, momentum=0.9 if name == "momentum" else 0.0)
+
+
 class Classifier(pl.LightningModule):
     """Wraps a network with cross-entropy; ``lr=0`` keeps the parameters fixed (exact-value tests).
 
@@ -76,11 +85,7 @@ class Classifier(pl.LightningModule):
         return self.loss_fn(self.net(x), y, reduction=self.loss_reduction)
 
     def configure_optimizers(self):
-        if self.optimizer == "adam":
-            return torch.optim.Adam(self.parameters(), lr=self.lr)
-        if self.optimizer not in ("sgd", "momentum"):
-            raise ValueError(f"optimizer must be 'sgd', 'momentum' (SGD, momentum 0.9) or 'adam', got {self.optimizer!r}")
-        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9 if self.optimizer == "momentum" else 0.0)
+        return optimizer_for(self.optimizer, self.parameters(), self.lr)
 
     def train_dataloader(self):
         args = dict(self.loader_args)

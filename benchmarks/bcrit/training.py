@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from benchmarks.bcrit.problems import ExactSums, Problem
 from gns_callback.per_example import PerExampleNormTracker
 from gns_callback.recommendation.rules import warmup_lr
+from tests.helpers import optimizer_for
 
 
 @dataclass
@@ -70,17 +71,6 @@ def crossing(prev: tuple[int, float], cur: tuple[int, float], target: float) -> 
         return float(s1)
     frac = (math.log(l0) - math.log(target)) / (math.log(l0) - math.log(l1))
     return s0 + min(max(frac, 0.0), 1.0) * (s1 - s0)
-
-
-def optimizer_for(name: str, params, lr: float) -> torch.optim.Optimizer:
-    """A problem's optimizer by its name: ``"sgd"``, ``"momentum"`` (SGD, momentum 0.9) or ``"adam"``."""
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    if name == "momentum":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr)
-    raise ValueError(f"unknown optimizer {name!r}")
 
 
 def train(problem: Problem, data, batch_size: int, lr: float, seed: int, *, max_steps: int, eval_every: int,
