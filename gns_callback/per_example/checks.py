@@ -195,9 +195,11 @@ def _coupled_reason(spread: float) -> str:
     return (f"the examples of a batch are coupled: copying the second half's rows from the first half at the first "
             f"measured layer changed the first half's per-example gradient norms by up to {spread:.0%} (a "
             "contrastive loss with in-batch negatives, a statistic over the batch in the loss or between layers, or "
-            "in-batch mining does this). Per-example gradients are then not samples of one distribution, and the "
-            f"noise scale read from them would be wrong. Instead, {MICRO_BATCH_HINT}: it compares the gradients of "
-            "whole micro-batches, each with its own in-batch terms")
+            "in-batch mining does this; so does a layer fed a sequence-first (T, B, ...) tensor whose sequence length "
+            "equals the batch size, which reads dim 0 as the batch: then use a batch size other than the sequence "
+            "length). Per-example gradients are then not samples of one distribution, and the noise scale read from "
+            f"them would be wrong. Instead, {MICRO_BATCH_HINT}: it compares the gradients of whole micro-batches, each "
+            "with its own in-batch terms")
 
 
 @contextmanager

@@ -100,6 +100,31 @@ def test_rows_are_replaced_along_the_batch_dim_of_a_sequence_first_model(digits,
     assert result.status == ("coupled" if coupled else "independent"), result
 
 
+class HandWrittenSequenceFirst(nn.Module):
+    """Digits as ``length`` tokens of pixels, turned to ``(T, B, ...)`` by hand: only ``nn.Linear`` layers, none with a
+    ``batch_first`` flag, so nothing tells the layout but the shapes."""
+
+    def __init__(self, length: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.length = length
+        self.inp, self.head = nn.Linear(64 // length, 16), nn.Linear(16, 10)
+
+    def forward(self, x):
+        tokens = x.view(len(x), self.length, -1).transpose(0, 1)
+        return self.head(torch.tanh(self.inp(tokens)).mean(0))
+
+
+def test_a_sequence_first_input_as_long_as_the_batch_is_refused_with_the_layout_named(digits):
+    """With T = B the shapes can't tell the batch dim: dim 0 (positions) would be read as the examples, giving
+    per-position norms and a wrong noise scale. The check finds it, and says what to change."""
+    model = HandWrittenSequenceFirst(length=16)
+    result = check(model, INDEPENDENT["mean"], digits, batch=16)
+    assert result.status == "coupled", result
+    assert "sequence length equals the batch size" in result.detail
+    assert check(model, INDEPENDENT["mean"], digits, batch=BATCH).status == "independent"
+
+
 class QueueOfNegatives(nn.Module):
     """MoCo's shape: each step's loss uses a queue of earlier embeddings as negatives, then enqueues the batch. The
     examples are independent given the queue, which the step changes: the second pass must see the first's queue."""
