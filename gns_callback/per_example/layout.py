@@ -8,8 +8,13 @@ dim 1. Taking dim 0 there gives per-*position* norms and a confidently wrong noi
 
 * dim 0 holds it (and dim 1 does not, or nothing in the model is sequence-first): dim 0;
 * dim 1 holds it and dim 0 does not: dim 1, the ``(T, B, ...)`` layout, handled by moving dim 1 to the front;
-* anything else (neither holds it; both do in a sequence-first model; or the size is unknown and the model is
-  sequence-first): :class:`LayoutError`, and measuring stops with the reason instead of guessing.
+* both hold it (a sequence as long as the batch): the dim this layer's input held the batch in at its earlier calls,
+  where their shapes told it (:class:`LayoutMemory`: with sequences of varying length, one batch as long as it is
+  wide must not stop the measurement, nor be read along the positions); with no such call, dim 0, unless the model
+  is sequence-first;
+* anything else (neither holds it; both do in a sequence-first model with no earlier call to go by; or the size is
+  unknown and the model is sequence-first): :class:`LayoutError`, and measuring stops with the reason instead of
+  guessing.
 
 Torch only, no Lightning.
 """
@@ -23,7 +28,7 @@ from torch import Tensor, nn
 
 from .transposed_linear import TransposedLinear, layer_kind
 
-__all__ = ["LayoutError", "batch_dim", "is_sequence_first", "position_dims"]
+__all__ = ["LayoutError", "LayoutMemory", "batch_dim", "is_sequence_first", "position_dims"]
 
 
 class LayoutError(ValueError):
@@ -52,7 +57,8 @@ def is_sequence_first(model: nn.Module) -> bool:
     return any(getattr(module, "batch_first", None) is False for module in model.modules())
 
 
-def batch_dim(shape: Sequence[int], position_dims: int, expected: Optional[int], sequence_first: bool) -> int:
+def batch_dim(shape: Sequence[int], position_dims: int, expected: Optional[int], sequence_first: bool,
+              seen: Optional[int] = None) -> int:
     """0 or 1: the dim of an input of ``shape`` that holds the ``expected`` examples (see the module docstring).
 
     Args:
@@ -60,6 +66,8 @@ def batch_dim(shape: Sequence[int], position_dims: int, expected: Optional[int],
         position_dims: its leading batch/sequence dims (:func:`position_dims`); dim 1 is a candidate only if ≥ 2.
         expected: the micro-batch's size read off the batch, or None if it could not be read.
         sequence_first: the model has a ``batch_first=False`` module (:func:`is_sequence_first`).
+        seen: the dim this layer's input held the batch in at earlier calls whose shapes told it
+            (:class:`LayoutMemory`), or None; it decides where dims 0 and 1 both equal ``expected``.
 
     Raises:
         LayoutError: the batch dim can't be told.
@@ -75,6 +83,8 @@ def batch_dim(shape: Sequence[int], position_dims: int, expected: Optional[int],
             )
         return 0
     zero_holds, one_holds = shape[0] == expected, dim1 and shape[1] == expected
+    if zero_holds and one_holds and seen is not None:
+        return seen
     if zero_holds and (not one_holds or not sequence_first):
         return 0
     if one_holds and not zero_holds:
@@ -91,3 +101,21 @@ def batch_dim(shape: Sequence[int], position_dims: int, expected: Optional[int],
         "runs on something other than the examples, e.g. a learned table or positions shared by all examples, or "
         "the examples are reshaped so that positions become rows)"
     )
+
+
+class LayoutMemory:
+    """Per layer, the dim its input held the batch in at the calls whose shapes told it alone (dims 0 and 1 of
+    different sizes), for the calls whose shapes don't (:func:`batch_dim`'s ``seen``). A layer seen with the batch
+    in both dims is not guessed for."""
+
+    def __init__(self) -> None:
+        self._seen: dict[nn.Module, Optional[int]] = {}
+
+    def batch_dim(self, module: nn.Module, shape: Sequence[int], expected: Optional[int], sequence_first: bool,
+                  dims: int) -> int:
+        """:func:`batch_dim` of ``module``'s input of ``shape`` with ``dims`` position dims, remembered where the
+        shape tells it alone."""
+        dim = batch_dim(shape, dims, expected, sequence_first, self._seen.get(module))
+        if expected is not None and dims >= 2 and shape[0] != shape[1]:
+            self._seen[module] = dim if self._seen.get(module, dim) == dim else None
+        return dim

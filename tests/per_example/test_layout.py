@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from gns_callback.per_example.layout import LayoutError, batch_dim, is_sequence_first, position_dims
+from gns_callback.per_example.layout import (LayoutError, LayoutMemory, batch_dim, is_sequence_first,
+                                             position_dims)
 
 
 @pytest.mark.parametrize(
@@ -36,6 +37,29 @@ def test_batch_dim(shape, dims, expected, sequence_first, dim):
 def test_batch_dim_refuses_what_it_cannot_tell(shape, dims, expected, sequence_first, match):
     with pytest.raises(LayoutError, match=match):
         batch_dim(shape, dims, expected, sequence_first)
+
+
+@pytest.mark.parametrize("sequence_first", [False, True])
+@pytest.mark.parametrize("seen", [0, 1])
+def test_where_both_dims_hold_the_batch_the_dim_seen_before_decides(seen, sequence_first):
+    assert batch_dim((32, 32, 16), 2, 32, sequence_first, seen=seen) == seen
+    assert batch_dim((8, 32, 16), 2, 32, sequence_first, seen=0) == 1  # the shape tells: it wins
+
+
+def test_layout_memory_remembers_what_the_shapes_told_and_never_guesses_between_two():
+    layer, other = nn.Linear(16, 2), nn.Linear(16, 2)
+    memory = LayoutMemory()
+    with pytest.raises(LayoutError, match="both equal"):
+        memory.batch_dim(layer, (32, 32, 16), 32, True, 2)  # nothing seen yet
+    assert memory.batch_dim(layer, (8, 32, 16), 32, True, 2) == 1
+    assert memory.batch_dim(layer, (32, 32, 16), 32, True, 2) == 1
+    assert memory.batch_dim(layer, (32, 32, 16), 32, False, 2) == 1  # a hand-written (T, B, D) model too
+    with pytest.raises(LayoutError, match="both equal"):
+        memory.batch_dim(other, (32, 32, 16), 32, True, 2)  # per layer
+    assert memory.batch_dim(layer, (32, 8, 16), 32, True, 2) == 0  # now seen both ways: no guess
+    with pytest.raises(LayoutError, match="both equal"):
+        memory.batch_dim(layer, (32, 32, 16), 32, True, 2)
+    assert memory.batch_dim(layer, (32, 32, 16), None, False, 2) == 0  # size unknown: nothing remembered
 
 
 def test_position_dims_per_layer_type():

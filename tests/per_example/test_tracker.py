@@ -431,6 +431,42 @@ def test_sequence_first_input_is_measured_along_dim_1() -> None:
     assert sequence_first.shape == (BATCH,)
 
 
+class SequenceFirstEncoder(nn.Module):
+    """Tokens (T, B) through an embedding, a sequence-first encoder layer (or Linear layers only, turned to (T, B, ·)
+    by hand, with no ``batch_first`` flag anywhere) and a head on the mean over positions."""
+
+    def __init__(self, flagged: bool) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(9, 8)
+        self.body = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0) if flagged else nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(self.embedding(tokens))).mean(0))
+
+
+@pytest.mark.parametrize("flagged", [True, False])
+def test_a_batch_as_long_as_it_is_wide_is_read_along_the_dim_seen_before(flagged) -> None:
+    """Sequences of varying length in a sequence-first model: a batch of T = B tokens can't be told by its shapes;
+    read the way earlier batches of other lengths were. Before, it stopped the measurement of a flagged model for the
+    rest of the run, and read a hand-written one along its positions. Reference: each example's own backward."""
+    torch.manual_seed(0)
+    model = SequenceFirstEncoder(flagged).double()
+    tracker = PerExampleNormTracker(model).attach()
+    tracker.expected_batch_size = 5
+    for length in (4, 5):
+        tokens, weights = torch.randint(9, (length, 5)), torch.randn(5, 3, dtype=torch.float64)
+        (model(tokens) * weights).sum().backward()
+        got = tracker.pop().double()
+        model.zero_grad()
+        expected = []
+        for i in range(5):
+            grads = torch.autograd.grad((model(tokens[:, i:i + 1]) * weights[i:i + 1]).sum(), list(model.parameters()))
+            expected.append(sum(g.pow(2).sum() for g in grads))
+        torch.testing.assert_close(got, torch.stack(expected), rtol=1e-6, atol=0)
+    tracker.detach()
+
+
 @pytest.mark.parametrize("factory, shape", [(make_mlp, (7, 5)), (make_cnn, (7, 3, 6, 6))])
 def test_a_subset_pass_records_the_unmeasured_examples_summed_gradient(factory, shape, monkeypatch) -> None:
     """With ``max_examples`` below the batch, the pass also holds ``|Σ_{i unmeasured} g_i|²`` over the covered
