@@ -425,6 +425,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
                 # Throughput where the decision is made: the current micro-batch and its doublings (the probe adds
                 # the largest size that fits).
                 throughput_sizes=[self._micro_batch_size * 2**k for k in range(6)], progress_bar=bar,
+                batch_size=self._micro_batch_size,
             )
         if self.verbose:
             facts.say(trainer, f"GradientNoiseScaleCallback: {self.probe_result.summary()}")

@@ -10,6 +10,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from gns_callback import batch_size as examples
+
 
 def map_tensors(batch: Any, fn: Callable[[Tensor], Any]) -> Any:
     """``batch`` with ``fn`` applied to every tensor inside dicts, lists, tuples, named tuples and dataclasses."""
@@ -31,12 +33,16 @@ def map_tensors(batch: Any, fn: Callable[[Tensor], Any]) -> Any:
 
 
 def batch_size_of(batch: Any) -> int:
-    """Size of dim 0 of the first tensor (with at least one dimension) in ``batch``."""
-    sizes: list[int] = []
-    map_tensors(batch, lambda t: sizes.append(t.shape[0]) if t.ndim > 0 else None)
-    if not sizes:
-        raise ValueError("the probe needs a batch holding at least one tensor with a batch dimension.")
-    return sizes[0]
+    """The examples in ``batch``: the dim 0 more of its tensors share than any other
+    (:func:`gns_callback.batch_size.batch_size_of`; the first tensor's dim 0 would read 3 for ``(meta_3vec, x, y)``
+    and tile only the metadata). Raises ``ValueError`` where that can't be told."""
+    size = examples.batch_size_of(batch)
+    if size is None:
+        raise ValueError(
+            "the probe can't tell how many examples the batch holds: it has no tensor with a dim, or its tensors' "
+            "dim 0 sizes tie with no majority (e.g. (x, meta_3vec), or tokens (B, T) beside labels flattened to "
+            "(B·T,)). Pass batch_size, or let most of the batch's tensors hold the examples in dim 0.")
+    return size
 
 
 def resize_batch(batch: Any, size: int, batch_size: Optional[int] = None) -> Any:

@@ -200,9 +200,9 @@ def _check_strategy(trainer: "pl.Trainer") -> None:
 
 
 def _split_request(
-    trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, global_batch_size: Optional[int]
+    trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch_size: int, global_batch_size: Optional[int]
 ) -> SplitRequest:
-    default_global = batch_size_of(batch) * trainer.accumulate_grad_batches * trainer.world_size
+    default_global = batch_size * trainer.accumulate_grad_batches * trainer.world_size
     global_batch, devices = int(global_batch_size or default_global), int(trainer.world_size)
     per_device_batch(global_batch, devices)  # fail before probing, on every rank alike
     handle = SplitFactor.find(pl_module)
@@ -231,6 +231,7 @@ def probe_trainer(
     search_split: bool = False,
     global_batch_size: Optional[int] = None,
     batch_idx: int = 0,
+    batch_size: Optional[int] = None,
     **settings: Any,
 ) -> ProbeResult:
     """Probe from inside a fit (a callback hook), with a real ``batch`` from the train dataloader.
@@ -255,15 +256,21 @@ def probe_trainer(
             ``global_batch_size`` (default: the current one, ``len(batch) × accumulate_grad_batches × world_size``),
             result in ``.split``.
         batch_idx: passed to ``training_step`` (the hook's own ``batch_idx``).
+        batch_size: the examples in ``batch`` (default: the dim 0 most of its tensors share; the probe steps
+            aside, saying why, where that can't be told).
 
     Returns:
         :class:`ProbeResult`, identical on every rank except ``.trials``, ``.wall_seconds`` and
         ``.timing_seconds`` (each rank's own).
     """
     config = make_config(config, settings)
-    split_request = _split_request(trainer, pl_module, batch, global_batch_size) if search_split else None
     try:
-        result = run_probe(_session(trainer, pl_module, batch, search_split, batch_idx), config,
+        size = batch_size_of(batch) if batch_size is None else int(batch_size)
+    except ValueError as exc:  # the batch's size can't be told: measure nothing rather than guess
+        return _stepped_aside(exc, trainer, config)
+    split_request = _split_request(trainer, pl_module, size, global_batch_size) if search_split else None
+    try:
+        result = run_probe(_session(trainer, pl_module, batch, size, search_split, batch_idx), config,
                            Ranks(strategy_agree(trainer), trainer.world_size, trainer.is_global_zero), split_request)
     except Exception as exc:  # noqa: BLE001 - the probe must not end the user's run
         return _stepped_aside(exc, trainer, config)
@@ -273,7 +280,8 @@ def probe_trainer(
 
 
 def _session(
-    trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, search_split: bool, batch_idx: int
+    trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_size: int, search_split: bool,
+    batch_idx: int
 ) -> Session:
     _check_strategy(trainer)
     device = trainer.strategy.root_device
@@ -285,4 +293,5 @@ def _session(
         split_handle=SplitFactor.find(pl_module) if search_split else None,
         keep=[trainer],
         skip_attributes=module_internals(),
+        batch_size=batch_size,
     )

@@ -54,6 +54,8 @@ class Session:
     keep: Sequence[Any] = ()
     #: module ``__dict__`` names the state snapshot leaves alone (a framework's internals)
     skip_attributes: frozenset[str] = frozenset()
+    #: the examples in ``batch`` (None: read off it, :func:`~gns_callback.probe.batches.batch_size_of`)
+    batch_size: Optional[int] = None
 
 
 def resolve_measure(measure: str, device: torch.device) -> str:
@@ -119,7 +121,7 @@ def run_probe(
             runner = TrialRunner(
                 session.module, session.optimizers, session.batch, session.step, device=session.device,
                 measure=measure, limit_bytes=config.headroom * budget, config=config, state=state,
-                split_handle=session.split_handle, bar=bar,
+                split_handle=session.split_handle, bar=bar, batch_size=session.batch_size,
             )
             result = search(runner, config, agree=ranks.agree, world_size=ranks.world_size, budget=budget,
                             split_request=split_request)

@@ -101,6 +101,7 @@ def probe_micro_batch(
     *,
     config: Optional[ProbeConfig] = None,
     reduce_min: Optional[Callable[[Tensor], Tensor]] = None,
+    batch_size: Optional[int] = None,
     **settings: Any,
 ) -> ProbeResult:
     """The largest micro-batch that fits, and samples/s per micro-batch size; no Trainer needed.
@@ -120,12 +121,14 @@ def probe_micro_batch(
         config: the settings (:class:`~gns_callback.probe.config.ProbeConfig`); ``**settings`` override its
             fields by name (``memory_budget_bytes=..., headroom=..., throughput_sizes=...``).
         reduce_min: element-wise MIN all-reduce across ranks (default: ``torch.distributed`` if initialised).
+        batch_size: the examples in ``batch`` (default: the dim 0 most of its tensors share; ``ValueError`` where
+            that can't be told).
     """
     config = make_config(config, settings)
     device = _device_of(model)
     contexts, internals = _lightning_parts(model)
     session = Session(model, _optimizer_list(optimizer), move_batch(batch, device), step_fn or default_step(model),
-                      device, contexts=contexts, skip_attributes=internals)
+                      device, contexts=contexts, skip_attributes=internals, batch_size=batch_size)
     ranks = distributed_ranks(reduce_min)
     result = run_probe(session, config, ranks)
     if config.verbose and ranks.rank_zero:

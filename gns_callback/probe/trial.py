@@ -76,11 +76,12 @@ class TrialRunner:
         state: ProbeState,
         split_handle: Optional[SplitHandle] = None,
         bar: Any = None,
+        batch_size: Optional[int] = None,
     ) -> None:
         self.module = module
         self.optimizers = list(optimizers)
         self.batch = batch
-        self.batch_size = batch_size_of(batch)
+        self.batch_size = batch_size_of(batch) if batch_size is None else int(batch_size)
         self.step = step
         self.device = device
         self.measure = measure

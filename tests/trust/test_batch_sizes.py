@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 from gns_callback import GradientNoiseScaleCallback
 from tests.helpers import Classifier, assert_matches_exact, mlp, token_model
-from tests.trust.setups import assert_withheld, messages, single, with_and_without
+from tests.trust.setups import assert_withheld, fit, messages, single, with_and_without
 
 STEPS = 150
 
@@ -57,6 +57,21 @@ def test_metadata_in_front_of_the_data(digits, mlp_exact, method, accumulate, ba
     callback, _ = run_meta(digits, method, accumulate, batch_size)
     assert callback.run_estimate.steps == STEPS and callback.run_estimate.method == method
     assert_matches_exact(callback.run_estimate, mlp_exact)
+
+
+def probed(digits, module, collate_fn=None):
+    callback = GradientNoiseScaleCallback(probe=True, memory_budget_bytes=4_000_000, verbose=False)
+    fit(module, loader(TensorDataset(*digits), 32, 32 * 5, collate_fn=collate_fn), (callback,))
+    return callback.probe_result
+
+
+def test_the_probe_tiles_the_data_not_the_metadata_in_front(digits):
+    """The probe read the first tensor's dim 0 (3) and tiled only the metadata: 0 bytes per example and the largest
+    micro-batch it allows, for any model. It now counts the examples as the estimate does."""
+    plain = probed(digits, Classifier(mlp()))
+    meta = probed(digits, MetaFirst(mlp()), collate_fn=with_metadata)
+    assert plain.measured and plain.bytes_per_sample > 0
+    assert meta.bytes_per_sample == plain.bytes_per_sample and meta.max_micro_batch == plain.max_micro_batch
 
 
 class TiedSizes(Classifier):
