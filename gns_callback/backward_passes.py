@@ -16,6 +16,8 @@ inside. Counted apart, one micro-batch would read as two, each with part of the 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Generic, Iterable, TypeVar
@@ -34,6 +36,28 @@ def current_pass() -> int:
 def in_functorch_transform() -> bool:
     """Whether a ``torch.func`` transform (vmap, grad, jvp, ...) is running: hooks must stay inert there."""
     return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+_paused = 0  # open measurement_paused() contexts
+
+
+@contextmanager
+def measurement_paused() -> Iterator[None]:
+    """Every meter's hooks in this process inert inside: the passes a probe or a check runs are no one's training
+    step. (With two meters on one model, one's probe ran batches of 2 through the other's hooks, which then stopped
+    measuring: "dim 0 does not hold the batch of 16".)"""
+    global _paused
+    _paused += 1
+    try:
+        yield
+    finally:
+        _paused -= 1
+
+
+def hooks_inert() -> bool:
+    """Whether measuring hooks must do nothing now: inside :func:`measurement_paused` or a ``torch.func``
+    transform."""
+    return _paused > 0 or in_functorch_transform()
 
 
 @dataclass

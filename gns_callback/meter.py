@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader
 
 from gns_callback import arguments as args
 from gns_callback.accumulation import PACKED_FIELDS, AccumulationWindow, LossReduction, step_estimates
+from gns_callback.backward_passes import measurement_paused
 from gns_callback.blend import PairBlend
 from gns_callback.collectors import COLLECTORS, Collector
 from gns_callback.critical_batch import CriticalBatchAccumulator, CriticalBatchEstimate
@@ -239,11 +240,13 @@ class GradientNoiseScaleMeter:
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """Hooks inert inside (forward/backward passes that are not training steps), and what they left dropped."""
+        """Hooks inert inside (forward/backward passes that are not training steps), and what they left dropped; every
+        other meter's too (:func:`~gns_callback.backward_passes.measurement_paused`)."""
         was = self.enabled
         self.enabled = False
         try:
-            yield
+            with measurement_paused():
+                yield
         finally:
             self.enabled = was
             self.discard_pending()

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from gns_callback.backward_passes import PassLedger
+from gns_callback.backward_passes import PassLedger, hooks_inert, measurement_paused
 
 
 class Recorder:
@@ -81,3 +81,18 @@ def test_a_pass_inside_another_that_fills_no_grad_is_dropped():
     net[1:](hidden).sum().backward()
     (only,) = recorder.ledger.pop()
     assert sorted(only) == ["0", "1", "2", "3", "4"]
+
+
+def test_measurement_pauses_nest_and_end_with_their_context():
+    assert not hooks_inert()
+    with measurement_paused():
+        with measurement_paused():
+            assert hooks_inert()
+        assert hooks_inert()
+    assert not hooks_inert()
+    try:
+        with measurement_paused():
+            raise RuntimeError("a probe step failed")
+    except RuntimeError:
+        pass
+    assert not hooks_inert()

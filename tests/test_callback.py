@@ -38,6 +38,18 @@ def test_mlp_matches_exact_value(digits, mlp_exact, tmp_path):
     assert json.loads((tmp_path / "r.json").read_text())["run"]["accumulate_grad_batches"] == 4
 
 
+def test_two_callbacks_on_one_trainer_each_measure_while_the_other_probes(digits, mlp_exact, tmp_path):
+    """Each callback's probe runs trial batches through the model at the first batch. The other's hooks took them
+    for part of a training step: its per-example norms saw a batch of 2 and stopped measuring."""
+    first = GradientNoiseScaleCallback(probe=True, memory_budget_bytes=4_000_000, verbose=False,
+                                       report_path=str(tmp_path / "a.json"))
+    second = micro(probe=True, memory_budget_bytes=4_000_000, report_path=str(tmp_path / "b.json"))
+    fit_with_gns(mlp(), *digits, callback=first, callbacks=[second], accumulate=2, batch_size=16)
+    for cb in (first, second):
+        assert cb.probe_result.measured and cb.run_estimate.steps == 300
+        assert_matches_exact(cb.run_estimate, mlp_exact)
+
+
 def test_cnn_with_groupnorm_matches_exact_value(digits, exact_gns):
     exact = exact_gns(small_cnn(), F.cross_entropy, *digits)[0]
     cb, _, _ = fit_with_gns(small_cnn(), *digits, callback=micro(), steps=250)

@@ -89,6 +89,36 @@ def test_hooks_come_off_at_exit(digits):
     assert meter.run_estimate == before and before.steps == 3
 
 
+@pytest.mark.parametrize("method", ["per_example", "micro_batch"])
+def test_a_pause_of_one_meter_pauses_every_meter_on_the_model(digits, method):
+    """Two meters on one model (two callbacks on one Trainer): the passes one runs paused (its probe's trial batches,
+    here 2 examples filling ``.grad``, then cleared) are no training step of the other either. Before, the other's
+    hooks took them for part of the next step and it stopped measuring."""
+    x, y = digits
+
+    def run(pause_between: bool):
+        net = mlp()
+        with GradientNoiseScaleMeter(net, method="per_example") as first, \
+                GradientNoiseScaleMeter(net, method=method) as other:
+            g = torch.Generator().manual_seed(0)
+            for step in range(40):
+                if pause_between and step == 20:
+                    with first.paused():
+                        F.cross_entropy(net(x[:2]), y[:2]).backward()
+                    net.zero_grad()
+                for _ in range(2):
+                    i = torch.randint(0, len(x), (16,), generator=g)
+                    (F.cross_entropy(net(x[i]), y[i]) / 2).backward()
+                first.step(micro_batch_size=16)
+                other.step(micro_batch_size=16)
+                net.zero_grad()
+        return other.run_estimate
+
+    paused, plain = run(True), run(False)
+    assert paused.measured and paused.steps == 40
+    assert paused == plain
+
+
 def test_state_dict_resumes_exactly(digits):
     net = mlp()
     with GradientNoiseScaleMeter(net) as whole:

@@ -27,7 +27,7 @@ from torch.utils.hooks import RemovableHandle
 from gns_callback.accumulation import AccumulationWindow, LossReduction
 from gns_callback.collectors.coverage import Coverage
 from gns_callback.norms import squared_norm, squared_norm_sum
-from gns_callback.backward_passes import PassLedger, in_functorch_transform
+from gns_callback.backward_passes import PassLedger, hooks_inert
 
 #: Gradient bytes the hooks hold before squaring them in one multi-tensor kernel (the extra memory, at most).
 BUCKET_BYTES = 32 * 2**20
@@ -119,7 +119,7 @@ class MicroBatchCollector:
         return Coverage(measured_parameters=total, trainable_parameters=total)
 
     def _on_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None:
-        if not self.enabled or in_functorch_transform():
+        if not self.enabled or hooks_inert():
             return
         pass_id = self._passes.current()
         record = self._passes.record(pass_id)

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils.hooks import RemovableHandle
 
-from gns_callback.backward_passes import PassLedger, current_pass, in_functorch_transform
+from gns_callback.backward_passes import PassLedger, current_pass, hooks_inert
 from gns_callback.norms import squared_norm
 
 from . import compiled
@@ -530,7 +530,7 @@ class PerExampleNormTracker:
         return self.enabled and self._attached and self.failure is None
 
     def _active(self) -> bool:
-        return self._listening() and not in_functorch_transform()
+        return self._listening() and not hooks_inert()
 
     def _refuses_compiled(self) -> bool:
         """Stop measuring (and say why) when a training forward is being traced by ``torch.compile``
