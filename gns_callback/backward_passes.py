@@ -54,10 +54,10 @@ def measurement_paused() -> Iterator[None]:
         _paused -= 1
 
 
-def hooks_inert() -> bool:
-    """Whether measuring hooks must do nothing now: inside :func:`measurement_paused` or a ``torch.func``
-    transform."""
-    return _paused > 0 or in_functorch_transform()
+def hooks_inert(pausable: bool = True) -> bool:
+    """Whether measuring hooks must do nothing now: inside a ``torch.func`` transform, or (``pausable``) inside
+    :func:`measurement_paused`."""
+    return (pausable and _paused > 0) or in_functorch_transform()
 
 
 @dataclass

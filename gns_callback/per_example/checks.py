@@ -96,6 +96,7 @@ def check_per_example(model: nn.Module, run_pass: Callable[[], None], batch_size
         return PerExampleCheck("not checked", detail=f"a batch of {batch_size} has no two examples to compare")
     tracker = PerExampleNormTracker(model, max_examples=min(EXAMPLES, half))
     tracker.expected_batch_size = batch_size
+    tracker.runs_when_paused = True  # the meters are paused for these passes, this tracker is the check's own
     try:
         with tracker, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # what this tracker finds, the meter's says at its first step

@@ -305,6 +305,9 @@ class PerExampleNormTracker:
         #: (:mod:`.sum_check`; a check, once: it costs a weight gradient per layer).
         self.sum_check: SumCheck | None = None
         self.excluded_reasons: dict[str, str] = {}
+        #: Set, the hooks measure inside :func:`~gns_callback.backward_passes.measurement_paused` too (a check's own
+        #: tracker, which runs its passes while every meter is paused).
+        self.runs_when_paused = False
         self._covered_modules: dict[nn.Module, _CoveredModule] = {}
         self._covered_params: list[tuple[str, nn.Parameter]] = []
         self._uncovered_params: list[tuple[str, nn.Parameter]] = []
@@ -530,7 +533,7 @@ class PerExampleNormTracker:
         return self.enabled and self._attached and self.failure is None
 
     def _active(self) -> bool:
-        return self._listening() and not hooks_inert()
+        return self._listening() and not hooks_inert(pausable=not self.runs_when_paused)
 
     def _refuses_compiled(self) -> bool:
         """Stop measuring (and say why) when a training forward is being traced by ``torch.compile``
