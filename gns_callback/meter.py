@@ -51,6 +51,11 @@ from gns_callback.scalar_ops import host_errors_ignored
 from gns_callback.smoothing import RatioAccumulator, RatioSummary, step_values, summarize_ratio
 from gns_callback.tracking import LocalLinearRatio
 
+GRADIENTS_CLEARED = (
+    "the step's gradient was read as zero while its backward passes had nonzero gradients: the gradients were "
+    "cleared (optimizer.zero_grad()) or zeroed before the meter read them. Call meter.step() after backward and "
+    "before optimizer.zero_grad()"
+)
 LOSS_REDUCTIONS = ("mean", "sum")
 MEASURING_METHODS = tuple(COLLECTORS)
 #: 3: the recent estimate is a :class:`~gns_callback.tracking.LocalLinearRatio` (2: an EMA of the parts, which
@@ -473,6 +478,10 @@ class GradientNoiseScaleMeter:
         estimate, the run average and the critical-batch sums (:mod:`gns_callback.scalar_ops`)."""
         fields = len(PACKED_FIELDS)
         packed, (step_grad_sq, loss, failed) = values[:fields], values[fields:]
+        if self.failure is not None:
+            return
+        if step_grad_sq == 0.0 and packed[0] > 0.0:  # no sum of nonzero gradients is exactly zero
+            return self.stop(GRADIENTS_CLEARED)
         with host_errors_ignored():
             trace, grad_sq, valid = step_estimates(packed, step_grad_sq, self.loss_reduction,
                                                    self.blend if subset else None)

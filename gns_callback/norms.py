@@ -31,4 +31,6 @@ def squared_norm_sum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
                          (torch.float32, [t for t in dense if t.dtype != torch.float64])):
         if group:
             sums.append(torch.stack(torch._foreach_norm(group, 2, dtype=dtype)).square().sum().float())
+    if not sums:
+        return torch.zeros(())  # no gradient at all (cleared before the read): zero
     return sums[0] if len(sums) == 1 else torch.stack(sums).sum()

@@ -119,6 +119,28 @@ def test_a_pause_of_one_meter_pauses_every_meter_on_the_model(digits, method):
     assert paused == plain
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("method", ["per_example", "micro_batch"])
+def test_a_step_read_after_zero_grad_stops_with_the_fix(digits, method, set_to_none):
+    """``meter.step()`` after ``optimizer.zero_grad()``: the per-example or per-pass norms are there, the step's
+    gradient is gone. It crashed the loop (no gradient to sum) or read |G_B|² = 0 at every step; now the meter stops
+    at the first such step, warns once with the fix, and the loop runs on."""
+    x, y = digits
+    net = mlp()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught, GradientNoiseScaleMeter(net, method=method) as meter:
+        warnings.simplefilter("always")
+        for step in range(5):
+            for part in (slice(16 * step, 16 * step + 16), slice(100 + 16 * step, 116 + 16 * step)):
+                (F.cross_entropy(net(x[part]), y[part]) / 2).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=set_to_none)
+            meter.step(micro_batch_size=16)
+    estimate = meter.run_estimate
+    assert not estimate.measured and "before optimizer.zero_grad()" in estimate.failure
+    assert len([w for w in caught if "stopped measuring" in str(w.message)]) == 1
+
+
 def test_state_dict_resumes_exactly(digits):
     net = mlp()
     with GradientNoiseScaleMeter(net) as whole:
