@@ -62,6 +62,7 @@ def trained_mlp(x: torch.Tensor, y: torch.Tensor, loss: Loss, outputs: int) -> n
         optimizer.zero_grad()
         loss(net(x[i]), y[i]).backward()
         optimizer.step()
+    optimizer.zero_grad()  # else the first measured step's gradient holds the last training step's
     return net
 
 

@@ -20,7 +20,10 @@ the read (:meth:`~GradientWatch.problem`):
 AMP's unscaling changes every gradient alike (torch 2.13 leaves the versions alone; another build may not): under a
 loss scale, a version change common to every gradient is left to the norms.
 
-:func:`uncleared_gradients` catches the other way ``.grad`` goes wrong before the read: trainable parameters that no
+:class:`StaleGradients` catches a step whose ``.grad`` already held a gradient when its first backward pass began (a
+loop that calls ``meter.step()`` after every micro-batch of an accumulation window: on the digits MLP, B_simple =
+3.7, 95% CI 3.5–3.9, against an exact 68). :func:`uncleared_gradients` catches the other way ``.grad`` goes wrong
+before the read: trainable parameters that no
 optimizer param group holds (a backbone left trainable while only the head is optimized) get gradients that
 ``optimizer.zero_grad()`` never clears, so they grow from step to step. Torch only, no Lightning.
 """
@@ -28,12 +31,14 @@ optimizer param group holds (a backbone left trainable while only the head is op
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 
+from gns_callback.backward_passes import PassLedger, hooks_inert
 from gns_callback.norms import squared_norm
 
 #: Parameters whose norms are watched (the smallest, so that marking costs almost nothing).
@@ -86,6 +91,59 @@ class GradientWatch:
             if then is not None and now is not None and _differ(float(then), now):
                 return PROBLEM
         return None
+
+
+#: Steps whose first backward pass is checked (the mistake is in the loop's code, so it shows at every step); a
+#: host read each only where ``.grad`` is kept between steps (``zero_grad(set_to_none=False)``).
+STALE_CHECKS = 8
+
+STALE = (
+    "the step's first backward pass found .grad already holding a gradient from before the step: meter.step() is "
+    "called more than once per optimizer step (after every micro-batch of an accumulation loop, say) or the "
+    "gradients are not cleared between steps, so |G_B|² would hold backward passes the step's norms don't. Call "
+    "meter.step() once per optimizer step, after its last backward pass and before optimizer.zero_grad()"
+)
+
+
+class StaleGradients:
+    """Whether the first backward pass of a step found a nonzero ``.grad`` on ``param`` (one small parameter; read in
+    its gradient hook, before accumulation), on the first :data:`STALE_CHECKS` steps. Passes that fill no ``.grad``
+    (``torch.autograd.grad``) and paused ones are left out (:class:`~gns_callback.backward_passes.PassLedger`)."""
+
+    def __init__(self, param: nn.Parameter) -> None:
+        self.param = param
+        self.checks_left = STALE_CHECKS
+        self._passes: PassLedger[list] = PassLedger(new=list, merge=operator.add)
+        self._passes.watch([param])
+        self._handle = param.register_hook(self._on_grad)
+
+    @classmethod
+    def on_smallest(cls, params: Sequence[nn.Parameter]) -> Optional["StaleGradients"]:
+        return cls(min(params, key=lambda p: p.numel())) if params else None
+
+    def remove(self) -> None:
+        self._handle.remove()
+        self._passes.unwatch()
+        self.checks_left = 0
+
+    def _on_grad(self, grad: torch.Tensor) -> None:
+        if hooks_inert():
+            return
+        held = self._passes.record(self._passes.current())
+        if not held:  # this pass's first look: what .grad held before it
+            held.append(None if self.param.grad is None else self.param.grad.detach().abs().amax())
+
+    def problem(self) -> Optional[str]:
+        """At the read: :data:`STALE` if this step's first pass found a gradient, else None; forgets the step. After
+        :data:`STALE_CHECKS` steps the hooks come off."""
+        passes = self._passes.pop()
+        if self.checks_left <= 0 or not passes or not passes[0]:
+            return None
+        self.checks_left -= 1
+        if self.checks_left == 0:
+            self.remove()
+        found = passes[0][0]
+        return STALE if found is not None and float(found) > 0 else None
 
 
 def _version_of(grad: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], int]:

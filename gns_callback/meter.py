@@ -41,7 +41,7 @@ from gns_callback.collectors import COLLECTORS, Collector
 from gns_callback.critical_batch import CriticalBatchAccumulator, CriticalBatchEstimate
 from gns_callback.deferred import DeferredReads
 from gns_callback.estimate import GNSEstimate
-from gns_callback.grad_watch import PROBLEM as GRADIENTS_CHANGED, GradientWatch
+from gns_callback.grad_watch import PROBLEM as GRADIENTS_CHANGED, GradientWatch, StaleGradients
 from gns_callback.norms import squared_norm_sum
 from gns_callback.per_example.checks import PerExampleCheck, check_per_example
 from gns_callback.per_example.sketch import reseed_probes
@@ -175,6 +175,8 @@ class GradientNoiseScaleMeter:
         self.population = population_from(population)  # examples each epoch's batches are drawn from
         self.collector: Collector = COLLECTORS[method](model, max_examples=per_example_max_examples)
         self._watch = GradientWatch([])  # the measured parameters, once attached
+        self._stale: Optional[StaleGradients] = None  # the first steps' check for gradients left from before
+        self._stale_steps = 0  # steps it found
         self._attached = False
         self._enabled = True
         self.steps_offered = 0  # every call to step(), measured or resting: the duty cycle's phase
@@ -187,12 +189,18 @@ class GradientNoiseScaleMeter:
         """Put the hooks on (idempotent)."""
         self.collector.attach()
         self._watch = GradientWatch(self.collector.measured_parameters())
+        if self._stale is not None:
+            self._stale.remove()
+        self._stale = StaleGradients.on_smallest(self.collector.measured_parameters())
         self._attached = True
         return self
 
     def detach(self) -> None:
         """Take every hook off."""
         self.collector.detach()
+        if self._stale is not None:
+            self._stale.remove()
+            self._stale = None
         self._attached = False
 
     @property
@@ -364,8 +372,11 @@ class GradientNoiseScaleMeter:
         """
         measured = self.measures_next_step
         self._rest_or_resume()
+        stale = None if self._stale is None else self._stale.problem()
         if self.failure is not None or not measured:
             return self.discard_pending()
+        if stale is not None and self._stale_step(stale):
+            return
         window = self._collect(_as_sizes(micro_batch_size), loss_divisor)
         if self._gradients_changed(loss_scale) and self.reduce is None:
             return self.stop(GRADIENTS_CHANGED)
@@ -381,6 +392,22 @@ class GradientNoiseScaleMeter:
         elif self._may_say_unmeasurable:
             self._say_unmeasurable(window)
         self._may_say_unmeasurable = False
+
+    def _stale_step(self, reason: str) -> bool:
+        """A step whose first pass found a gradient from before it (:class:`~gns_callback.grad_watch.StaleGradients`):
+        the first is skipped (a gradient left over from before the meter, say); a second means the loop reads more
+        than once per optimizer step, and measuring stops. With ``reduce`` the ranks stop together and no rank skips
+        alone. True if this step is not measured."""
+        self._stale_steps += 1
+        if self.reduce is not None:
+            self._problem = self._problem or (reason if self._stale_steps > 1 else None)
+            return False
+        if self._stale_steps > 1:
+            self.stop(reason)
+        else:
+            self.steps_seen += 1  # counted as skipped
+            self.discard_pending()
+        return True
 
     def _gradients_changed(self, loss_scale: Union[torch.Tensor, float, None]) -> bool:
         """Whether the gradients changed after backward (:meth:`backward_done`): their versions at every step, the

@@ -3,7 +3,8 @@
 import torch
 import torch.nn as nn
 
-from gns_callback.grad_watch import PROBLEM, GradientWatch
+from gns_callback.backward_passes import measurement_paused
+from gns_callback.grad_watch import PROBLEM, STALE, STALE_CHECKS, GradientWatch, StaleGradients
 from tests.helpers import mlp
 
 
@@ -116,3 +117,45 @@ def test_nothing_marked_nothing_checked():
     net = mlp()
     backward(net)
     assert GradientWatch(list(net.parameters())).problem() is None
+
+
+def passes(net: nn.Module, count: int) -> None:
+    for _ in range(count):
+        (net(torch.randn(4, 64)).square().mean()).backward()
+
+
+def test_a_step_whose_first_pass_found_a_gradient_is_stale():
+    net = mlp()
+    stale = StaleGradients.on_smallest(list(net.parameters()))
+    assert stale.param.numel() == 10
+    passes(net, 2)  # one step of two passes into cleared gradients: fine
+    assert stale.problem() is None
+    passes(net, 1)  # the next step, with the last one's gradient still in .grad
+    assert stale.problem() == STALE
+
+
+def test_cleared_or_zeroed_gradients_and_passes_that_fill_no_grad_are_not_stale():
+    net = mlp()
+    stale = StaleGradients.on_smallest(list(net.parameters()))
+    for set_to_none in (True, False, True):
+        net.zero_grad(set_to_none=set_to_none)
+        passes(net, 2)
+        assert stale.problem() is None
+    x = torch.randn(4, 64, requires_grad=True)
+    torch.autograd.grad(net(x).sum(), list(net.parameters()))  # a gradient penalty's pass, say: not a step's
+    with measurement_paused():
+        passes(net, 1)  # a probe's pass
+    net.zero_grad()
+    passes(net, 1)
+    assert stale.problem() is None
+
+
+def test_the_check_comes_off_after_its_steps():
+    net = mlp()
+    stale = StaleGradients.on_smallest(list(net.parameters()))
+    for _ in range(STALE_CHECKS):
+        net.zero_grad()
+        passes(net, 1)
+        assert stale.problem() is None
+    passes(net, 1)  # stale now, but no longer looked at: no hook, no host read
+    assert stale.problem() is None and not stale.param._backward_hooks

@@ -141,6 +141,38 @@ def test_a_step_read_after_zero_grad_stops_with_the_fix(digits, method, set_to_n
     assert len([w for w in caught if "stopped measuring" in str(w.message)]) == 1
 
 
+@pytest.mark.parametrize("method", ["per_example", "micro_batch"])
+def test_a_read_after_every_micro_batch_stops_with_the_fix(digits, method):
+    """An accumulation loop calling ``meter.step()`` after every backward pass: each read's |G_B|² held the earlier
+    passes of the optimizer step, and per_example read B_simple = 3.7 (95% CI 3.5–3.9) against an exact 68."""
+    x, y = digits
+    net = mlp()
+    g = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught, GradientNoiseScaleMeter(net, method=method) as meter:
+        warnings.simplefilter("always")
+        for _ in range(10):
+            for _ in range(4):
+                i = torch.randint(0, len(x), (16,), generator=g)
+                (F.cross_entropy(net(x[i]), y[i]) / 4).backward()
+                meter.step(micro_batch_size=16)
+            net.zero_grad()
+    estimate = meter.run_estimate
+    assert not estimate.measured and "once per optimizer step" in estimate.failure
+    assert len([w for w in caught if "stopped measuring" in str(w.message)]) == 1
+
+
+def test_a_gradient_left_from_before_the_meter_skips_its_first_step_only(digits, exact_gns):
+    x, y = digits
+    net = mlp()
+    F.cross_entropy(net(x[:64]), y[:64]).backward()  # left in .grad before the meter was attached
+    with warnings.catch_warnings(record=True) as caught, GradientNoiseScaleMeter(net) as meter:
+        warnings.simplefilter("always")
+        _steps(meter, net, x, y, steps=301, seed=0)
+    estimate = meter.run_estimate
+    assert estimate.steps == 300 and estimate.skipped_steps == 1 and not caught
+    assert estimate.ci_low <= exact_gns(mlp(), F.cross_entropy, x, y)[0] <= estimate.ci_high
+
+
 def test_state_dict_resumes_exactly(digits):
     net = mlp()
     with GradientNoiseScaleMeter(net) as whole:
