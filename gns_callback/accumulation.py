@@ -195,6 +195,23 @@ def _dot(values: Sequence[float], weights: Sequence[float]) -> float:
     return total
 
 
+#: How far the step's mean-gradient norm may exceed the mean of its units' before the two read as on different
+#: scales (exactly 1 by Jensen's inequality; the margin covers sketched norms' noise, :mod:`.per_example.sketch`).
+SCALE_MARGIN = 10.0
+
+
+def scale_mismatch(packed: Sequence[float], step_grad_sq: float, loss_reduction: LossReduction = "mean") -> float:
+    """``|Ĝ_B|² / mean_j |ĝ_j|²`` of one step (host floats, ``PACKED_FIELDS``) where its units (examples or
+    micro-batches) cover every example, else 0. The mean gradient's squared norm never exceeds the mean of its
+    parts' (Jensen), so a ratio above :data:`SCALE_MARGIN` means the two were read on different scales: an AMP loss
+    scale taken off one and not the other, say."""
+    unit_sq_sum, unit_size_sum, _, micro_count, _, micro_size_sum, _, divisor_sum = packed[:8]
+    if unit_size_sum < micro_size_sum or unit_sq_sum <= 0.0:
+        return 0.0
+    grad_to_mean = divisor_sum / (micro_count if loss_reduction == "mean" else micro_size_sum)
+    return step_grad_sq * grad_to_mean * grad_to_mean / (unit_sq_sum / unit_size_sum)
+
+
 def step_estimates(
     packed: Union[torch.Tensor, Sequence[float]],
     step_grad_sq: Union[torch.Tensor, float],

@@ -34,7 +34,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from gns_callback import arguments as args
-from gns_callback.accumulation import PACKED_FIELDS, AccumulationWindow, LossReduction, step_estimates
+from gns_callback.accumulation import (PACKED_FIELDS, SCALE_MARGIN, AccumulationWindow, LossReduction, scale_mismatch,
+                                      step_estimates)
 from gns_callback.backward_passes import measurement_paused
 from gns_callback.blend import PairBlend
 from gns_callback.collectors import COLLECTORS, Collector
@@ -55,6 +56,12 @@ GRADIENTS_CLEARED = (
     "the step's gradient was read as zero while its backward passes had nonzero gradients: the gradients were "
     "cleared (optimizer.zero_grad()) or zeroed before the meter read them. Call meter.step() after backward and "
     "before optimizer.zero_grad()"
+)
+SCALES_DIFFER = (
+    "the step's mean gradient read {ratio:.3g}× the mean squared norm of its examples' (or micro-batches') gradients, "
+    "which a mean never exceeds: the two were read on different scales. With AMP, pass loss_scale= only once the "
+    "gradients are unscaled (scaler.unscale_(optimizer) before meter.step()), or pass no loss_scale while they "
+    "are still scaled"
 )
 LOSS_REDUCTIONS = ("mean", "sum")
 MEASURING_METHODS = tuple(COLLECTORS)
@@ -509,6 +516,9 @@ class GradientNoiseScaleMeter:
             return
         if step_grad_sq == 0.0 and packed[0] > 0.0:  # no sum of nonzero gradients is exactly zero
             return self.stop(GRADIENTS_CLEARED)
+        mismatch = scale_mismatch(packed, step_grad_sq, self.loss_reduction)
+        if math.isfinite(mismatch) and mismatch > SCALE_MARGIN:  # a step the GradScaler skips reads inf: not this
+            return self.stop(SCALES_DIFFER.format(ratio=mismatch))
         with host_errors_ignored():
             trace, grad_sq, valid = step_estimates(packed, step_grad_sq, self.loss_reduction,
                                                    self.blend if subset else None)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from gns_callback.accumulation import AccumulationWindow, step_estimates
+from gns_callback.accumulation import SCALE_MARGIN, AccumulationWindow, scale_mismatch, step_estimates
 from gns_callback.estimators import effective_batch_size, grad_sq_norm_estimate, trace_sigma_estimate
 
 
@@ -164,3 +164,18 @@ def test_host_values_give_inf_and_invalid_where_tensors_do():
     assert str(float(host[0])) == str(device[0].item())
     empty = step_estimates(AccumulationWindow().packed_values(), 0.0)
     assert not empty[2]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_the_mean_gradient_never_exceeds_its_units_and_a_scale_between_them_shows(reduction):
+    """Jensen: |Ĝ_B|² ≤ the mean of the units' |ĝ_j|², whatever the gradients (here nearly equal ones, the tightest
+    case, in several passes). The step's gradient read 2³² too large (an AMP scale left on it) is far above the
+    margin; a window with a subset measured is not judged."""
+    torch.manual_seed(3)
+    passes = [torch.randn(b, 5, dtype=torch.float64) * 0.01 + 1.0 for b in (4, 4, 3)]
+    window, step_grad, _ = _example_window(passes, [4, 4, 3], reduction)
+    packed, step_sq = window.packed().tolist(), float(step_grad.pow(2).sum())
+    assert 0.99 < scale_mismatch(packed, step_sq, reduction) <= 1.0
+    assert scale_mismatch(packed, step_sq * 2.0**32, reduction) > SCALE_MARGIN
+    subset, step_grad, _ = _example_window(passes, [2, 4, 3], reduction)
+    assert scale_mismatch(subset.packed().tolist(), float(step_grad.pow(2).sum()) * 2.0**32, reduction) == 0.0

@@ -173,6 +173,36 @@ def test_a_gradient_left_from_before_the_meter_skips_its_first_step_only(digits,
     assert estimate.ci_low <= exact_gns(mlp(), F.cross_entropy, x, y)[0] <= estimate.ci_high
 
 
+@pytest.mark.parametrize("unscaled, given, measured", [(True, True, True), (False, False, True), (False, True, False)])
+def test_an_amp_loss_scale_is_taken_off_once_or_the_meter_stops(digits, unscaled, given, measured):
+    """A real GradScaler in a plain loop. Unscaled gradients with the scale given, or scaled ones with none, measure
+    the same; the scale given while the gradients are still scaled read B_simple = 0 (95% CI 0–0), a confident
+    wrong number, and now stops with the fix."""
+    x, y = digits
+    net = mlp()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    g = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings(record=True), GradientNoiseScaleMeter(net) as meter:
+        warnings.simplefilter("always")
+        for _ in range(50):
+            i = torch.randint(0, len(x), (32,), generator=g)
+            scale = scaler.get_scale()
+            scaler.scale(F.cross_entropy(net(x[i]), y[i])).backward()
+            if unscaled:
+                scaler.unscale_(optimizer)
+            meter.step(loss_scale=scale if given else None)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    estimate = meter.run_estimate
+    assert estimate.measured == measured
+    if measured:
+        assert estimate.steps == 50 and 30 < estimate.b_simple < 150
+    else:
+        assert "unscale_" in estimate.failure
+
+
 def test_state_dict_resumes_exactly(digits):
     net = mlp()
     with GradientNoiseScaleMeter(net) as whole:
