@@ -23,9 +23,9 @@ loss scale, a version change common to every gradient is left to the norms.
 :class:`StaleGradients` catches a step whose ``.grad`` already held a gradient when its first backward pass began (a
 loop that calls ``meter.step()`` after every micro-batch of an accumulation window: on the digits MLP, B_simple =
 3.7, 95% CI 3.5–3.9, against an exact 68). :func:`uncleared_gradients` catches the other way ``.grad`` goes wrong
-before the read: trainable parameters that no
-optimizer param group holds (a backbone left trainable while only the head is optimized) get gradients that
-``optimizer.zero_grad()`` never clears, so they grow from step to step. Torch only, no Lightning.
+before the read: trainable parameters that no optimizer param group holds (a backbone left trainable while only the
+head is optimized) get gradients that ``optimizer.zero_grad()`` never clears, so they grow from step to step. Torch
+only, no Lightning.
 """
 
 from __future__ import annotations

@@ -514,11 +514,9 @@ class GradientNoiseScaleMeter:
         packed, (step_grad_sq, loss, failed) = values[:fields], values[fields:]
         if self.failure is not None:
             return
-        if step_grad_sq == 0.0 and packed[0] > 0.0:  # no sum of nonzero gradients is exactly zero
-            return self.stop(GRADIENTS_CLEARED)
-        mismatch = scale_mismatch(packed, step_grad_sq, self.loss_reduction)
-        if math.isfinite(mismatch) and mismatch > SCALE_MARGIN:  # a step the GradScaler skips reads inf: not this
-            return self.stop(SCALES_DIFFER.format(ratio=mismatch))
+        problem = self._read_problem(packed, step_grad_sq)
+        if problem is not None:
+            return self.stop(problem)
         with host_errors_ignored():
             trace, grad_sq, valid = step_estimates(packed, step_grad_sq, self.loss_reduction,
                                                    self.blend if subset else None)
@@ -529,6 +527,17 @@ class GradientNoiseScaleMeter:
         self.run.update_values(step, valid)
         self.critical.update_values(step, loss, valid)
         self.losses_given = self.losses_given or loss_given
+
+    def _read_problem(self, packed: list[float], step_grad_sq: float) -> Optional[str]:
+        """Why the step's |G_B|² and its small-batch norms can't be of the same gradients, or None: a zero gradient
+        beside nonzero norms (cleared before the read), or a mean gradient above the mean of its parts (different
+        scales, :func:`~gns_callback.accumulation.scale_mismatch`; a step the GradScaler skips reads inf: not this)."""
+        if step_grad_sq == 0.0 and packed[0] > 0.0:  # no sum of nonzero gradients is exactly zero
+            return GRADIENTS_CLEARED
+        mismatch = scale_mismatch(packed, step_grad_sq, self.loss_reduction)
+        if math.isfinite(mismatch) and mismatch > SCALE_MARGIN:
+            return SCALES_DIFFER.format(ratio=mismatch)
+        return None
 
     def _may_measure_a_subset(self, window: AccumulationWindow) -> bool:
         """Whether this step's |G|² may need the blend: ``per_example`` with fewer examples measured than seen here,
