@@ -358,6 +358,8 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         self._next_micro_batch(batch_size_of(batch))
         if not self._started:
             self._start_measuring(trainer, pl_module, batch, batch_idx)
+        elif self.meter.needs_check:
+            self._check_again(trainer, pl_module, batch, batch_idx)
         if self.sharpness_monitor is not None:
             self.sharpness_monitor.on_train_batch_start(trainer, pl_module, batch, batch_idx, quiet=self.meter.paused)
 
@@ -380,6 +382,13 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         check_first_batch(self.meter, trainer, pl_module, batch, batch_idx, self._micro_batch_size)
         if self._probe_wanted(trainer) and self.probe_result is None:
             self._run_probe(trainer, pl_module, batch)
+
+    def _check_again(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        """The first batch's check on this batch, for parameters the meter measures since its last step (a backbone
+        unfrozen for fine-tuning): its layers may add a gradient part no example carries, or couple the examples."""
+        self.meter.needs_check = False
+        if self._micro_batch_size is not None:
+            check_first_batch(self.meter, trainer, pl_module, batch, batch_idx, self._micro_batch_size)
 
     def _settle_method(self, trainer: Any, pl_module: Any) -> None:
         """The method again, with BatchNorm in the mode of the first step (it couples the examples in training

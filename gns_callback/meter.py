@@ -65,6 +65,9 @@ SCALES_DIFFER = (
 )
 LOSS_REDUCTIONS = ("mean", "sum")
 MEASURING_METHODS = tuple(COLLECTORS)
+#: Steps between checks that the model's trainable parameters are still the ones measured (unfreezing a backbone
+#: for fine-tuning changes them); each check walks the parameter list once.
+TRAINABLE_CHECK_EVERY = 50
 #: 3: the recent estimate is a :class:`~gns_callback.tracking.LocalLinearRatio` (2: an EMA of the parts, which
 #: cannot be converted: a version-2 state resumes everything else, and the recent estimate restarts).
 STATE_VERSION = 3
@@ -184,6 +187,9 @@ class GradientNoiseScaleMeter:
         self._watch = GradientWatch([])  # the measured parameters, once attached
         self._stale: Optional[StaleGradients] = None  # the first steps' check for gradients left from before
         self._stale_steps = 0  # steps it found
+        self._trainable: tuple[int, ...] = ()  # ids of the trainable parameters when the hooks went on
+        #: Set when the measured parameters changed: run :meth:`check_per_example` again before the next step.
+        self.needs_check = False
         self._attached = False
         self._enabled = True
         self.steps_offered = 0  # every call to step(), measured or resting: the duty cycle's phase
@@ -199,6 +205,7 @@ class GradientNoiseScaleMeter:
         if self._stale is not None:
             self._stale.remove()
         self._stale = StaleGradients.on_smallest(self.collector.measured_parameters())
+        self._trainable = _trainable_ids(self.model)
         self._attached = True
         return self
 
@@ -379,6 +386,8 @@ class GradientNoiseScaleMeter:
         """
         measured = self.measures_next_step
         self._rest_or_resume()
+        if self._trainable_changed():
+            return self._follow_trainable()
         stale = None if self._stale is None else self._stale.problem()
         if self.failure is not None or not measured:
             return self.discard_pending()
@@ -399,6 +408,34 @@ class GradientNoiseScaleMeter:
         elif self._may_say_unmeasurable:
             self._say_unmeasurable(window)
         self._may_say_unmeasurable = False
+
+    def _trainable_changed(self) -> bool:
+        """Every :data:`TRAINABLE_CHECK_EVERY` steps: whether the trainable parameters differ from those measured."""
+        if not self._attached or self.failure is not None or self.steps_offered % TRAINABLE_CHECK_EVERY:
+            return False
+        return _trainable_ids(self.model) != self._trainable
+
+    def _follow_trainable(self) -> None:
+        """Measure the model's trainable parameters as they are now, from the next step; the steps so far are
+        forgotten (they measured the noise scale of another set of parameters: of the head alone, before a backbone
+        was unfrozen, say). Every rank finds the change at the same step."""
+        before, after = len(self._trainable), len(_trainable_ids(self.model))
+        warnings.warn(
+            f"gns_callback: the model's trainable parameters changed ({before} → {after} tensors, e.g. a backbone "
+            "unfrozen for fine-tuning); the noise scale is now measured over the new set, and the estimate restarts "
+            "from the next step", stacklevel=3)
+        self.discard_pending()
+        self._use_collector(self.method)
+        self.needs_check = self.method == "per_example"
+        self.reset()
+
+    def _use_collector(self, method: str) -> None:
+        """A fresh ``method`` collector over the model's trainable parameters as they are now, hooked as before."""
+        self.collector.detach()
+        self.collector = COLLECTORS[method](self.model, max_examples=self.per_example_max_examples)
+        self._set_hooks()  # the new collector takes the pause and the duty cycle as they are
+        if self._attached:
+            self.attach()
 
     def _stale_step(self, reason: str) -> bool:
         """A step whose first pass found a gradient from before it (:class:`~gns_callback.grad_watch.StaleGradients`):
@@ -569,11 +606,7 @@ class GradientNoiseScaleMeter:
             f"restarts from the next step), because the per-step check found: {reason}",
             stacklevel=4,
         )
-        self.collector.detach()
-        self.collector = COLLECTORS[method](self.model, max_examples=self.per_example_max_examples)
-        self._set_hooks()  # the new collector takes the pause and the duty cycle as they are
-        if self._attached:
-            self.attach()
+        self._use_collector(method)
         self.switched_from, self.method, self.fallback_method = self.method, method, None
         self.reset()
 
@@ -712,6 +745,10 @@ def _as_sizes(micro_batch_size: BatchSizes) -> Optional[list[Optional[int]]]:
     if isinstance(micro_batch_size, int):
         return [micro_batch_size]
     return [None if b is None else int(b) for b in micro_batch_size]
+
+
+def _trainable_ids(model: nn.Module) -> tuple[int, ...]:
+    return tuple(id(p) for p in model.parameters() if p.requires_grad)
 
 
 __all__ = ["ARGUMENTS", "GradientNoiseScaleMeter", "all_reduce_sum", "LOSS_REDUCTIONS", "MEASURING_METHODS"]

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gns_callback.meter import GradientNoiseScaleMeter
+from gns_callback.meter import TRAINABLE_CHECK_EVERY, GradientNoiseScaleMeter
 from gns_callback.smoothing import RatioAccumulator
 from tests.helpers import mlp
 
@@ -201,6 +201,26 @@ def test_an_amp_loss_scale_is_taken_off_once_or_the_meter_stops(digits, unscaled
         assert estimate.steps == 50 and 30 < estimate.b_simple < 150
     else:
         assert "unscale_" in estimate.failure
+
+
+def test_a_layer_unfrozen_mid_run_is_measured_from_then_on(digits, exact_gns):
+    """Fine-tuning: the first layer frozen, then unfrozen at step 100. The meter measured the head alone for the
+    rest of the run (tr Σ 2.98 against the whole model's 6.90); now it finds the change at its next check, warns
+    once, and restarts over every trainable parameter."""
+    x, y = digits
+    net = mlp()
+    net[0].requires_grad_(False)
+    exact, _, exact_trace = exact_gns(mlp(), F.cross_entropy, x, y)
+    with warnings.catch_warnings(record=True) as caught, GradientNoiseScaleMeter(net) as meter:
+        warnings.simplefilter("always")
+        _steps(meter, net, x, y, steps=100, seed=0)
+        net[0].requires_grad_(True)
+        _steps(meter, net, x, y, steps=400, seed=1)
+    estimate = meter.run_estimate
+    assert len([w for w in caught if "trainable parameters changed (2 → 4 tensors" in str(w.message)]) == 1
+    assert estimate.steps == 500 - TRAINABLE_CHECK_EVERY * 3 and meter.collector.coverage().fraction == 1.0
+    assert abs(estimate.trace_sigma / exact_trace - 1) < 0.15
+    assert estimate.ci_low <= exact <= estimate.ci_high
 
 
 def test_state_dict_resumes_exactly(digits):
