@@ -208,8 +208,13 @@ def scale_mismatch(packed: Sequence[float], step_grad_sq: float, loss_reduction:
     unit_sq_sum, unit_size_sum, _, micro_count, _, micro_size_sum, _, divisor_sum = packed[:8]
     if unit_size_sum < micro_size_sum or unit_sq_sum <= 0.0:
         return 0.0
-    grad_to_mean = divisor_sum / (micro_count if loss_reduction == "mean" else micro_size_sum)
+    grad_to_mean = _grad_to_mean(divisor_sum, micro_count, micro_size_sum, loss_reduction)
     return step_grad_sq * grad_to_mean * grad_to_mean / (unit_sq_sum / unit_size_sum)
+
+
+def _grad_to_mean(divisor_sum: Any, micro_count: Any, micro_size_sum: Any, loss_reduction: LossReduction) -> Any:
+    """What turns the optimizer's gradient into the big batch's mean gradient (:func:`step_estimates`)."""
+    return divisor_sum / (micro_count if loss_reduction == "mean" else micro_size_sum)
 
 
 def step_estimates(
@@ -250,7 +255,7 @@ def _step_estimates(packed: Sequence[Any], step_grad_sq: Any, loss_reduction: Lo
     """:func:`step_estimates` on the unpacked fields, with ``ops`` for the tensors' or the host's scalars."""
     (unit_sq_sum, unit_size_sum, unit_count, micro_count, micro_inv_size_sum, micro_size_sum, _, divisor_sum,
      example_micro_count, excluded_sq_over_b2, excluded_sq, excluded_terms_over_b2, excluded_terms) = packed
-    grad_to_mean = divisor_sum / (micro_count if loss_reduction == "mean" else micro_size_sum)
+    grad_to_mean = _grad_to_mean(divisor_sum, micro_count, micro_size_sum, loss_reduction)
     small_sq = unit_sq_sum / unit_size_sum
     b_small = unit_size_sum / unit_count
     if loss_reduction == "mean":

@@ -117,10 +117,6 @@ class StaleGradients:
         self._passes.watch([param])
         self._handle = param.register_hook(self._on_grad)
 
-    @classmethod
-    def on_smallest(cls, params: Sequence[nn.Parameter]) -> Optional["StaleGradients"]:
-        return cls(min(params, key=lambda p: p.numel())) if params else None
-
     def remove(self) -> None:
         self._handle.remove()
         self._passes.unwatch()

@@ -204,7 +204,7 @@ class GradientNoiseScaleMeter:
         self._watch = GradientWatch(self.collector.measured_parameters())
         if self._stale is not None:
             self._stale.remove()
-        self._stale = StaleGradients.on_smallest(self.collector.measured_parameters())
+        self._stale = StaleGradients(self._watch.params[0]) if self._watch.params else None  # the smallest
         self._trainable = _trainable_ids(self.model)
         self._attached = True
         return self

@@ -126,7 +126,7 @@ def passes(net: nn.Module, count: int) -> None:
 
 def test_a_step_whose_first_pass_found_a_gradient_is_stale():
     net = mlp()
-    stale = StaleGradients.on_smallest(list(net.parameters()))
+    stale = StaleGradients(GradientWatch(list(net.parameters())).params[0])  # the smallest, as the meter watches
     assert stale.param.numel() == 10
     passes(net, 2)  # one step of two passes into cleared gradients: fine
     assert stale.problem() is None
@@ -136,7 +136,7 @@ def test_a_step_whose_first_pass_found_a_gradient_is_stale():
 
 def test_cleared_or_zeroed_gradients_and_passes_that_fill_no_grad_are_not_stale():
     net = mlp()
-    stale = StaleGradients.on_smallest(list(net.parameters()))
+    stale = StaleGradients(GradientWatch(list(net.parameters())).params[0])  # the smallest, as the meter watches
     for set_to_none in (True, False, True):
         net.zero_grad(set_to_none=set_to_none)
         passes(net, 2)
@@ -152,7 +152,7 @@ def test_cleared_or_zeroed_gradients_and_passes_that_fill_no_grad_are_not_stale(
 
 def test_the_check_comes_off_after_its_steps():
     net = mlp()
-    stale = StaleGradients.on_smallest(list(net.parameters()))
+    stale = StaleGradients(GradientWatch(list(net.parameters())).params[0])  # the smallest, as the meter watches
     for _ in range(STALE_CHECKS):
         net.zero_grad()
         passes(net, 1)

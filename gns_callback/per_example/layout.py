@@ -111,10 +111,9 @@ class LayoutMemory:
     def __init__(self) -> None:
         self._seen: dict[nn.Module, Optional[int]] = {}
 
-    def batch_dim(self, module: nn.Module, shape: Sequence[int], expected: Optional[int], sequence_first: bool,
-                  dims: int) -> int:
-        """:func:`batch_dim` of ``module``'s input of ``shape`` with ``dims`` position dims, remembered where the
-        shape tells it alone."""
+    def batch_dim(self, module: nn.Module, inp: Tensor, expected: Optional[int], sequence_first: bool) -> int:
+        """:func:`batch_dim` of ``module``'s input ``inp``, remembered where its shape tells it alone."""
+        shape, dims = inp.shape, position_dims(module, inp)
         dim = batch_dim(shape, dims, expected, sequence_first, self._seen.get(module))
         if expected is not None and dims >= 2 and shape[0] != shape[1]:
             self._seen[module] = dim if self._seen.get(module, dim) == dim else None

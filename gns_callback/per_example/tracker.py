@@ -36,7 +36,7 @@ from .conv_transpose import conv_transpose_sq_norms, conv_transpose_summed_grads
 from .cost import ACCELERATOR_LAUNCH_COST, COSTS, CostFunction, subset_is_cheaper
 from .embedding import embedding_sq_norms, embedding_summed_grads, embedding_unsupported_reason, shared_table_reason
 from .embedding_bag import bag_inputs, embedding_bag_sq_norms, embedding_bag_unsupported_reason
-from .layout import LayoutError, LayoutMemory, is_sequence_first, position_dims
+from .layout import LayoutError, LayoutMemory, is_sequence_first
 from .linear import linear_sq_norms, linear_summed_grads
 from .repeated import combinable, concatenate_calls
 from .sum_check import SumCheck
@@ -583,8 +583,7 @@ class PerExampleNormTracker:
         if shared is not None:
             return self._fail_pass(record, f"module '{covered.name}' (Embedding): {shared}; or {MICRO_BATCH_HINT}.")
         try:
-            if self._layouts.batch_dim(module, inp.shape, self.expected_batch_size, self._sequence_first,
-                                       position_dims(module, inp)) == 1:
+            if self._layouts.batch_dim(module, inp, self.expected_batch_size, self._sequence_first) == 1:
                 inp, grad_output = inp.movedim(1, 0), grad_output.movedim(1, 0)  # (T, B, ...) → (B, T, ...)
         except LayoutError as error:
             return self._fail_pass(record,
@@ -808,8 +807,7 @@ class PerExampleNormTracker:
             return None  # the table was not looked up in this forward: no cross term
         names = f"'{self._covered_modules[embedding].name}' (Embedding, tied to '{self._covered_modules[head].name}')"
         try:
-            if self._layouts.batch_dim(embedding, tokens.shape, self.expected_batch_size, self._sequence_first,
-                                       position_dims(embedding, tokens)) == 1:
+            if self._layouts.batch_dim(embedding, tokens, self.expected_batch_size, self._sequence_first) == 1:
                 tokens = tokens.movedim(1, 0)
         except LayoutError as error:
             self._fail_pass(record, f"module {names}: {error}; {MICRO_BATCH_HINT}.")

@@ -48,18 +48,19 @@ def test_where_both_dims_hold_the_batch_the_dim_seen_before_decides(seen, sequen
 
 def test_layout_memory_remembers_what_the_shapes_told_and_never_guesses_between_two():
     layer, other = nn.Linear(16, 2), nn.Linear(16, 2)
+    square, t_first, b_first = torch.zeros(32, 32, 16), torch.zeros(8, 32, 16), torch.zeros(32, 8, 16)
     memory = LayoutMemory()
     with pytest.raises(LayoutError, match="both equal"):
-        memory.batch_dim(layer, (32, 32, 16), 32, True, 2)  # nothing seen yet
-    assert memory.batch_dim(layer, (8, 32, 16), 32, True, 2) == 1
-    assert memory.batch_dim(layer, (32, 32, 16), 32, True, 2) == 1
-    assert memory.batch_dim(layer, (32, 32, 16), 32, False, 2) == 1  # a hand-written (T, B, D) model too
+        memory.batch_dim(layer, square, 32, True)  # nothing seen yet
+    assert memory.batch_dim(layer, t_first, 32, True) == 1
+    assert memory.batch_dim(layer, square, 32, True) == 1
+    assert memory.batch_dim(layer, square, 32, False) == 1  # a hand-written (T, B, D) model too
     with pytest.raises(LayoutError, match="both equal"):
-        memory.batch_dim(other, (32, 32, 16), 32, True, 2)  # per layer
-    assert memory.batch_dim(layer, (32, 8, 16), 32, True, 2) == 0  # now seen both ways: no guess
+        memory.batch_dim(other, square, 32, True)  # per layer
+    assert memory.batch_dim(layer, b_first, 32, True) == 0  # now seen both ways: no guess
     with pytest.raises(LayoutError, match="both equal"):
-        memory.batch_dim(layer, (32, 32, 16), 32, True, 2)
-    assert memory.batch_dim(layer, (32, 32, 16), None, False, 2) == 0  # size unknown: nothing remembered
+        memory.batch_dim(layer, square, 32, True)
+    assert memory.batch_dim(layer, square, None, False) == 0  # size unknown: nothing remembered
 
 
 def test_position_dims_per_layer_type():
