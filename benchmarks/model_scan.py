@@ -171,8 +171,9 @@ def exact_values(net: nn.Module, x: torch.Tensor, y: torch.Tensor, covered: set[
 def fit(make: Callable[[], nn.Module], x: torch.Tensor, y: torch.Tensor, seed: int, steps: int):
     torch.manual_seed(0)
     net = make()
-    draws = torch.randint(0, len(x), (steps * 32,), generator=torch.Generator().manual_seed(seed))
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[draws], y[draws]), batch_size=32)
+    draws = torch.utils.data.RandomSampler(range(len(x)), replacement=True, num_samples=steps * 32,
+                                           generator=torch.Generator().manual_seed(seed))  # i.i.d., as exact assumes
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32, sampler=draws)
     callback = GradientNoiseScaleCallback(verbose=False)
     trainer = pl.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[callback])

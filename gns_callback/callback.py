@@ -108,6 +108,10 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             steps, so the recent window spans ``n`` times as many optimizer steps. For long runs, where a quarter
             of the steps still measures the noise scale precisely. The probe, logging and the sharpness monitor are
             unaffected.
+        data_in_random_order: the training data set is in a random order already (shuffled or drawn beforehand)
+            and the DataLoader reads it in order (``shuffle=False``): measure its batches as random draws. Left
+            ``False``, a training DataLoader that does not shuffle is refused at fit start: its batches are the same
+            every epoch, not random draws (:mod:`gns_callback.sampling`).
 
     After fit: ``estimate`` (recent) and ``run_estimate`` (run average) are :class:`GNSEstimate` objects,
     ``probe`` the probe result (or None) and ``recommendation`` the recommendation (or None); with
@@ -146,6 +150,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         objective: str = "balanced",
         max_devices: Optional[int] = None,
         measure_every_n_steps: int = 1,
+        data_in_random_order: bool = False,
     ) -> None:
         _check_arguments({name: value for name, value in locals().items() if name != "self"})
         self.method = method
@@ -157,6 +162,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         self.verbose = verbose
         self.per_example_max_examples = per_example_max_examples
         self.measure_every_n_steps = measure_every_n_steps
+        self.data_in_random_order = data_in_random_order
         self.probe_enabled = probe
         self.memory_budget_bytes = None if memory_budget_bytes is None else int(memory_budget_bytes)
         self.headroom = headroom
@@ -343,6 +349,9 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             )
         meter.load_state_dict(self._restored)
 
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._read_sampling(trainer)  # on a resumed fit too: the sampler is not part of the checkpoint
+
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self._detach()
 
@@ -376,7 +385,6 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         self._settle_method(trainer, pl_module)
         self._micro_batch_size = self._sizes[-1]
         self._base_lr = facts.base_lr(trainer)
-        self._read_sampling(trainer)
         if self._micro_batch_size is None:
             return self._say_size_unknown(trainer)
         check_first_batch(self.meter, trainer, pl_module, batch, batch_idx, self._micro_batch_size)
@@ -395,17 +403,25 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         mode): ``micro_batch`` where the run allows it, else refused, before the first step."""
         if self.meter.method != "per_example" or per_example_problem(pl_module, batch_norm=True)[0] is None:
             return
+        population = self.meter.population
         self.meter.detach()
         self.meter = self._build_meter(trainer, pl_module, batch_norm=True)
+        self.meter.population = population
         self.meter.attach()
         self.meter.expect_batch_size(self._sizes[-1])
 
     def _read_sampling(self, trainer: Any) -> None:
-        """Batches drawn without replacement from a finite data set are corrected for (:mod:`gns_callback.sampling`);
-        batches that are not drawn at random at all are said once."""
-        self.meter.population, problem = population_of(facts.train_sampler(trainer), trainer.world_size)
+        """The examples each epoch's batches are drawn from without replacement, corrected for
+        (:mod:`gns_callback.sampling`). Batches not drawn at random at all are refused, before the first step."""
+        population, problem = population_of(facts.train_sampler(trainer), trainer.world_size,
+                                            in_random_order=self.data_in_random_order)
         if problem is not None:
-            _warn_rank_zero(trainer, f"GradientNoiseScaleCallback: {problem}.")
+            raise misconfiguration(trainer,
+                f"GradientNoiseScaleCallback cannot measure this run: {problem}. Pass shuffle=True to the training "
+                "DataLoader; or, if the data set is in a random order already (shuffled or drawn beforehand) and must "
+                "be read in order, GradientNoiseScaleCallback(data_in_random_order=True)."
+            )
+        self.meter.population = population
 
     def _say_size_unknown(self, trainer: Any) -> None:
         if self._probe_wanted(trainer) or self.recommend_enabled:
@@ -693,6 +709,7 @@ _ARGUMENTS: dict[str, args.Rule] = {
                                        "a number ≥ 0, e.g. 2.5 (your currency per device-hour), or None"),
     "summary_every_n_epochs": args.Rule(_POSITIVE_INT, "a positive int, e.g. 1, or None for no periodic summary"),
     "adapt": args.Rule(args.is_bool, "True or False"),
+    "data_in_random_order": args.Rule(args.is_bool, "True or False"),
     "adapt_factor": args.Rule(args.number_in(1, math.inf, low_open=True, high_open=True),
                               "a number > 1, e.g. 1.5 (no change while the recommended batch is within ×1.5)"),
     "adapt_patience": args.Rule(args.int_at_least(1), "a positive int, e.g. 2 (consecutive epochs)"),

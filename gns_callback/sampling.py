@@ -23,7 +23,6 @@ scikit-learn's wine (178 examples, exact B_simple 33), where the uncorrected int
 
 from __future__ import annotations
 
-import warnings
 from typing import Optional, TypeVar, Union
 
 from torch.utils.data import (BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler,
@@ -35,8 +34,8 @@ Number = TypeVar("Number")  # float, numpy scalar or torch tensor
 
 NOT_SHUFFLED = (
     "the training DataLoader does not shuffle (shuffle=False): every epoch has the same batches, while the noise "
-    "scale assumes batches drawn at random, so the estimate is that of these fixed batches (far off where the data "
-    "is ordered, e.g. by class); pass shuffle=True to the training DataLoader"
+    "scale assumes batches drawn at random: the estimate would be that of these fixed batches, far off where the data "
+    "is ordered (e.g. by class), with an interval that counts each epoch's repeat of them as new draws"
 )
 
 
@@ -48,12 +47,15 @@ def without_replacement(trace: Number, grad_sq: Number, population: Optional[int
     return trace * ((population - 1) / population), grad_sq + trace / population
 
 
-def population_of(sampler: Optional[Sampler], ranks: int = 1) -> tuple[Optional[int], Optional[str]]:
+def population_of(sampler: Optional[Sampler], ranks: int = 1,
+                  in_random_order: bool = False) -> tuple[Optional[int], Optional[str]]:
     """``(N, problem)``: the number of examples ``sampler`` draws each epoch's batches from without replacement
     (None: with replacement, or not known), and why its batches are not random draws at all (None if they are).
 
     With several data-parallel ``ranks`` only a ``DistributedSampler``'s shards of one shuffled order make the
-    ranks' batches one draw without replacement; ranks shuffling on their own draw independently of each other."""
+    ranks' batches one draw without replacement; ranks shuffling on their own draw independently of each other.
+    ``in_random_order``: the data set's order is random already (shuffled or drawn beforehand), so a sampler that
+    reads it in order draws each epoch without replacement."""
     kind = type(sampler)  # exactly these classes: a subclass (Lightning's DistributedSamplerWrapper) may draw otherwise
     if ranks > 1 and kind in (RandomSampler, SubsetRandomSampler):
         return None, None
@@ -62,9 +64,9 @@ def population_of(sampler: Optional[Sampler], ranks: int = 1) -> tuple[Optional[
     if kind is SubsetRandomSampler:
         return len(sampler.indices), None
     if kind is DistributedSampler:
-        return (len(sampler.dataset), None) if sampler.shuffle else (None, NOT_SHUFFLED)
+        return (len(sampler.dataset), None) if sampler.shuffle or in_random_order else (None, NOT_SHUFFLED)
     if kind is SequentialSampler:
-        return None, NOT_SHUFFLED
+        return (len(sampler.data_source), None) if in_random_order else (None, NOT_SHUFFLED)
     return None, None
 
 
@@ -78,10 +80,11 @@ def loader_sampler(loader: object) -> Optional[Sampler]:
 
 def population_from(value: Union[int, DataLoader, None]) -> Optional[int]:
     """The meter's ``population``: an int as it is, or read off a DataLoader's sampler (:func:`population_of`;
-    a loader that does not shuffle is warned about)."""
+    a loader that does not shuffle is refused: ``ValueError``)."""
     if not isinstance(value, DataLoader):
         return value
     population, problem = population_of(loader_sampler(value))
     if problem is not None:
-        warnings.warn(f"gns_callback: {problem}.", stacklevel=3)
+        raise ValueError(f"population: {problem}. Pass shuffle=True to the DataLoader, or population=len(dataset) if "
+                         "the data set is in a random order already (shuffled or drawn beforehand).")
     return population

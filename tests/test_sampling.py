@@ -52,6 +52,9 @@ def test_samplers_say_how_they_draw():
     assert population_of(DistributedSampler(data, num_replicas=2, rank=0)) == (10, None)
     assert population_of(DistributedSampler(data, num_replicas=2, rank=0, shuffle=False)) == (None, NOT_SHUFFLED)
     assert population_of(SequentialSampler(data)) == (None, NOT_SHUFFLED)
+    assert population_of(SequentialSampler(data), in_random_order=True) == (len(data), None)
+    assert population_of(DistributedSampler(data, num_replicas=2, rank=0, shuffle=False), in_random_order=True) == (
+        len(data), None)
     assert population_of(WeightedRandomSampler([1.0] * 10, 10)) == (None, None)
     assert population_of(None) == (None, None)
     assert population_of(RandomSampler(data), ranks=2) == (None, None)  # each rank draws on its own
@@ -65,8 +68,8 @@ def test_the_meter_reads_the_population_off_a_loader():
     data = TensorDataset(torch.zeros(30, 2), torch.zeros(30))
     model = torch.nn.Linear(2, 1)
     assert GradientNoiseScaleMeter(model, population=DataLoader(data, batch_size=4, shuffle=True)).population == 30
-    with pytest.warns(UserWarning, match="does not shuffle"):
-        assert GradientNoiseScaleMeter(model, population=DataLoader(data, batch_size=4)).population is None
+    with pytest.raises(ValueError, match=r"population: the training DataLoader does not shuffle.*shuffle=True.*len"):
+        GradientNoiseScaleMeter(model, population=DataLoader(data, batch_size=4))
     assert GradientNoiseScaleMeter(model, population=DataLoader(data, batch_size=None)).population is None
     with pytest.raises(ValueError, match="population"):
         GradientNoiseScaleMeter(model, population="30")
