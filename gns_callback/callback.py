@@ -194,7 +194,8 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         self.resolved_method: Optional[str] = None
         self._restored: Optional[dict[str, Any]] = None
         self._history: list[dict[str, Any]] = []
-        self._sizes: list[Optional[int]] = []  # micro-batch sizes of the current optimizer step (None: unknown)
+        self._batch_size: Optional[int] = None  # the current micro-batch's size (None: unknown)
+        self._sizes: list[Optional[int]] = []  # sizes of the current optimizer step's backward passes
         self._losses: list[Any] = []  # and their losses (device tensors)
         self._stepping: Optional[int] = None  # the global step whose first closure evaluation was measured
         self._started = False  # the first training batch has been seen (or a checkpoint restored past it)
@@ -373,8 +374,9 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             self.sharpness_monitor.on_train_batch_start(trainer, pl_module, batch, batch_idx, quiet=self.meter.paused)
 
     def _next_micro_batch(self, size: Optional[int]) -> None:
-        """Its size (None: unknown) for the step's window, and for the per-example hooks before its forward pass."""
-        self._sizes.append(size)
+        """Its size (None: unknown), for the per-example hooks before its forward pass, and for the step's window
+        once its backward pass runs (``training_step`` may return None: then none does)."""
+        self._batch_size = size
         self.meter.expect_batch_size(size)
 
     def _start_measuring(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
@@ -383,7 +385,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         if problem is not None:
             raise misconfiguration(trainer, problem)
         self._settle_method(trainer, pl_module)
-        self._micro_batch_size = self._sizes[-1]
+        self._micro_batch_size = self._batch_size
         self._base_lr = facts.base_lr(trainer)
         if self._micro_batch_size is None:
             return self._say_size_unknown(trainer)
@@ -408,7 +410,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         self.meter = self._build_meter(trainer, pl_module, batch_norm=True)
         self.meter.population = population
         self.meter.attach()
-        self.meter.expect_batch_size(self._sizes[-1])
+        self.meter.expect_batch_size(self._batch_size)
 
     def _read_sampling(self, trainer: Any) -> None:
         """The examples each epoch's batches are drawn from without replacement, corrected for
@@ -456,6 +458,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             facts.say(trainer, f"GradientNoiseScaleCallback: {self.probe_result.summary()}")
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        self._sizes.append(self._batch_size)
         self._losses.append(loss.detach())  # the critical batch reads the noise scale against the loss
 
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
