@@ -219,6 +219,20 @@ def _unmeasured_reason(module: nn.Module, local_name: str) -> Optional[str]:
     return None
 
 
+def _own_parameter(module: nn.Module, local_name: str) -> Optional[nn.Parameter]:
+    """``module``'s parameter registered as ``local_name`` now (``"out_proj.weight"`` reaches into a submodule);
+    None if it has none by that name."""
+    owner_name, _, leaf = local_name.rpartition(".")
+    return (module.get_submodule(owner_name) if owner_name else module)._parameters.get(leaf)
+
+
+def _replaced_reason(param_name: str) -> str:
+    """Why a layer whose parameter was moved off it mid-run can't be measured per example."""
+    return (f"parameter '{param_name}' is no longer its layer's own: it was pruned or reparametrized during the run "
+            "(torch.nn.utils.prune, Lightning's ModelPruning, a parametrization such as weight_norm), so the layer's "
+            f"per-example gradients are no longer the parameter's; {MICRO_BATCH_HINT}")
+
+
 def _is_bag(module: nn.Module) -> bool:
     """Exactly ``nn.EmbeddingBag`` (:mod:`.embedding_bag`)."""
     return type(module) is nn.EmbeddingBag
@@ -440,7 +454,8 @@ class PerExampleNormTracker:
                 hooked.add(id(param))
                 owners = (module, self._tied[module]) if module in self._tied and local_name == "weight" else (module,)
                 qualified = _qualified(covered.name, local_name)
-                self._handles.append(param.register_hook(partial(self._on_param_grad, owners, qualified, id(param))))
+                self._handles.append(param.register_hook(
+                    partial(self._on_param_grad, owners, qualified, id(param), local_name)))
         self._passes.watch(self.covered_parameters())
         self._attached = True
         self._reset_state()
@@ -898,11 +913,14 @@ class PerExampleNormTracker:
             record.subset = self._last_subset
         return record.subset
 
-    def _on_param_grad(self, modules: tuple[nn.Module, ...], param_name: str, param_id: int, grad: Tensor) -> None:
+    def _on_param_grad(self, modules: tuple[nn.Module, ...], param_name: str, param_id: int, local_name: str,
+                       grad: Tensor) -> None:
         """``modules``: the parameter's module, or both modules of a tied table."""
         if not self._active() or not any(m in self._covered_modules for m in modules):
             return
         record = self._pass_record()
+        if id(_own_parameter(modules[0], local_name)) != param_id:
+            return self._fail_pass(record, _replaced_reason(param_name))
         for module in modules:
             self._measure_calls(record, module)
         if self.sum_check is not None:

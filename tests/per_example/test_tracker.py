@@ -348,6 +348,19 @@ def test_functional_use_of_covered_weight_is_reported_at_pop() -> None:
             tracker.pop()
 
 
+def test_a_weight_pruned_after_attach_is_reported_at_pop() -> None:
+    """``prune`` moves the Parameter to ``weight_orig`` and runs the layer on ``weight_orig * mask``: the layer's
+    per-example gradients are no longer the parameter's (which are masked)."""
+    import torch.nn.utils.prune as prune
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    with PerExampleNormTracker(model) as tracker:
+        prune.l1_unstructured(model[0], "weight", amount=0.5)
+        model(torch.randn(BATCH, 3, dtype=torch.float64)).sum().backward()
+        with pytest.raises(RuntimeError, match=r"'0\.weight' is no longer its layer's own.*pruned"):
+            tracker.pop()
+
+
 def test_non_reentrant_activation_checkpointing() -> None:
     class Checkpointed(nn.Module):
         def __init__(self) -> None:
