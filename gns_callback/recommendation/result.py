@@ -21,6 +21,9 @@ TOWARD_INTERVAL = "toward_interval"  # too wide or unbounded, but the whole inte
 NOT_CALIBRATED = "not_calibrated"  # a decrease on an optimizer the critical batch is not calibrated for: kept
 PARTIAL_COVERAGE = "partial_coverage"  # the estimate is that of too small a share of the parameters: kept
 TRUSTED = (OK, WITHIN_INTERVAL)
+#: What ``adapt=True`` acts on: a trusted estimate, or an interval wholly on one side of the current batch, whose near
+#: end it moves to (the smallest move every value of the interval agrees with).
+ACTIONABLE = (*TRUSTED, TOWARD_INTERVAL)
 STATUSES = (OK, WITHIN_INTERVAL, NO_ESTIMATE, TOO_FEW_STEPS, UNBOUNDED, TOO_WIDE, TOWARD_INTERVAL,
             NOT_CALIBRATED, PARTIAL_COVERAGE)
 
@@ -153,6 +156,11 @@ class Recommendation:
     def trusted(self) -> bool:
         """The estimate was good enough to act on (``status`` is ``"ok"`` or ``"within_interval"``)."""
         return self.status in TRUSTED
+
+    @property
+    def actionable(self) -> bool:
+        """Good enough to change a running fit by (:data:`ACTIONABLE`): trusted, or toward the interval's near end."""
+        return self.status in ACTIONABLE
 
     @property
     def changed(self) -> bool:

@@ -46,15 +46,24 @@ def test_no_oscillation_on_alternating_inputs():
     assert decide_all(AdaptPolicy(patience=2), [256, 64, 256, 256]) == [4, 4, 4, 16]
 
 
-def test_untrusted_recommendation_resets_and_never_changes():
-    est = synthetic_estimate(b=1000.0, lo=200.0, hi=None)
-    untrusted = recommend(est, current_batch_size=64, current_lr=0.1)
-    assert not untrusted.trusted
+def test_an_unresolved_recommendation_resets_and_never_changes():
+    est = synthetic_estimate(b=1000.0, lo=30.0, hi=None)  # unbounded, and its interval holds the current 64
+    unresolved = recommend(est, current_batch_size=64, current_lr=0.1)
+    assert not unresolved.actionable and unresolved.status == "unbounded"
     trusted = recommend(synthetic_estimate(b=256.0, lo=220.0, hi=300.0), current_batch_size=64, current_lr=0.1)
-    assert trusted.trusted and trusted.batch_size == 256
+    assert trusted.actionable and trusted.batch_size == 256
     policy = AdaptPolicy(patience=2)
-    seq = [trusted, untrusted, trusted, untrusted, trusted, trusted]
+    seq = [trusted, unresolved, trusted, unresolved, trusted, trusted]
     assert decide_all(policy, seq) == [4, 4, 4, 4, 4, 16]
+
+
+def test_an_interval_wholly_above_the_batch_moves_it_to_the_near_end():
+    """An unbounded interval whose lower end lies above the current batch: every value it holds says grow, so adapt
+    grows to that end (before, it waited for a narrow interval, which a run far below the knee never measured)."""
+    toward = recommend(synthetic_estimate(b=1000.0, lo=200.0, hi=None), current_batch_size=64, current_lr=0.1)
+    assert toward.status == "toward_interval" and not toward.trusted and toward.actionable
+    assert decide_all(AdaptPolicy(patience=2), [toward, toward]) == [4, round(toward.batch_size / 16)]
+    assert toward.batch_size == 200
 
 
 def test_cooldown_after_change_and_state_dict():

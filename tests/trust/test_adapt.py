@@ -16,7 +16,6 @@ from pytorch_lightning.callbacks import GradientAccumulationScheduler
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
 from gns_callback import GradientNoiseScaleCallback
-from gns_callback.meter import GradientNoiseScaleMeter
 from gns_callback.recommendation import warmup_lr
 from tests.helpers import Classifier, assert_matches_exact, mlp, with_replacement_loader
 from tests.trust.setups import fit, trains_without_callback
@@ -57,19 +56,13 @@ def shuffled_digits(digits, batch_size=8):
                                        shuffle=True, generator=torch.Generator().manual_seed(0))
 
 
-def test_one_cycle_lr_applies_exactly_the_reported_factor(digits, monkeypatch):
-    """The LR at every step is OneCycle's own value times the reported factor along its warmup ramp.
-
-    Adapt reads the run average here instead of the recent estimate. This test is about the LR the scheduler
-    applies, not about which estimate adapt reads. With the parameters barely moving, the recent estimate's
-    local-linear fit (``gns_callback.tracking``) has about a third of the run average's effective steps. At
-    B_simple/B ≈ 8 its interval stays wider than adapt trusts within these 4 epochs (``tests/test_tracking.py``
-    covers its accuracy).
-    """
-    monkeypatch.setattr(GradientNoiseScaleMeter, "estimate", property(lambda meter: meter.run_estimate))
+def test_one_cycle_lr_applies_exactly_the_reported_factor(digits):
+    """The LR at every step is OneCycle's own value times the reported factor along its warmup ramp."""
     trains_without_callback(lambda: Scheduled(mlp(), one_cycle), lambda: shuffled_digits(digits))
-    # The linear rule, uncapped (no sharpness): a large factor, so the test sees the scheduler follow it exactly.
-    callback = GradientNoiseScaleCallback(adapt=True, adapt_patience=1, verbose=False, lr_rule="linear", sharpness=False)
+    # The linear rule, uncapped (no sharpness): a large factor, so the test sees the scheduler follow it exactly; a
+    # band of ×2, so that the batch changes once.
+    callback = GradientNoiseScaleCallback(adapt=True, adapt_patience=1, adapt_factor=2.0, verbose=False,
+                                          lr_rule="linear", sharpness=False)
     recorded = LearningRates()
     fit(Scheduled(mlp(), one_cycle), shuffled_digits(digits), (callback,), max_epochs=4, callbacks=[recorded])
     (event,) = callback.adaptations  # B_simple ≈ 60 at batch 8: a larger batch, once
@@ -128,3 +121,14 @@ def test_micro_batch_on_one_device_keeps_two_micro_batches(digits, exact_gns):
     assert run.failure is None and run.skipped_steps == 0
     assert run.steps == 40 + 3 * 160  # every step measured: 40 at ×8, then 160 per epoch at ×2
     assert_matches_exact(run, exact_gns(small_noise_mlp(), F.cross_entropy, x, y)[0])
+
+
+def test_adapt_grows_a_batch_far_below_the_knee_toward_the_critical_batch(digits):
+    """From batch 8 (the digits MLP's knee is about 30), accumulation rises within 4 epochs, toward the run's critical
+    batch and no further than its interval. Before, adapt waited for a narrow interval of the recent noise scale and
+    changed nothing (``benchmarks/adapt_payoff.py``: no change from batch 8 on five of six problems)."""
+    callback = GradientNoiseScaleCallback(adapt=True, verbose=False)
+    trainer = fit(Classifier(mlp(), lr=0.5), shuffled_digits(digits), (callback,), max_epochs=4)
+    assert callback.adaptations and trainer.accumulate_grad_batches > 1
+    assert all(new > old for old, new in (e["accumulate_grad_batches"] for e in callback.adaptations))
+    assert callback.adaptations[-1]["batch_size"] <= callback.meter.critical_batch.ci_high
