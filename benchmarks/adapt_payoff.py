@@ -44,7 +44,6 @@ from benchmarks.bcrit.problems import PROBLEMS, Problem  # noqa: E402
 from benchmarks.bcrit.training import full_loss  # noqa: E402
 from benchmarks.results import publish_section  # noqa: E402
 from gns_callback import GradientNoiseScaleCallback  # noqa: E402
-from gns_callback.lightning import trainer_facts as facts  # noqa: E402
 from gns_callback.recommendation.result import Recommendation  # noqa: E402
 from tests.helpers import Classifier, quiet_trainer, with_replacement_loader  # noqa: E402
 
@@ -69,28 +68,20 @@ class StopAtTarget(pl.Callback):
             self.reached = trainer.should_stop = True
 
 
-def _aim_at_recent(callback: GradientNoiseScaleCallback, trainer: pl.Trainer) -> None:
-    """``_adapt`` as it was: the recommendation for the recent estimate."""
-    rec = callback._recommend(trainer, callback.meter.estimate)
-    event = None if rec is None else callback._adapter.consider(
-        trainer, rec, callback._micro_batch_size, facts.steps_per_epoch(trainer), callback.meter.method)
-    if event is not None:
-        callback._announce_adaptation(trainer, event)
-
-
 @contextmanager
 def old_policy(arm: str) -> Iterator[None]:
-    """The arms' earlier policies, patched in for the fit: aimed at the recent estimate, and (``before``) acting only
-    on a narrow (trusted) interval."""
-    actionable, adapt = Recommendation.actionable, GradientNoiseScaleCallback._adapt
+    """The arms' earlier policies, patched in for the fit: aimed at the recent estimate (what ``_adapt`` read before;
+    it now reads ``_batch_target``, whose dict also goes into the report), and (``before``) acting only on a narrow
+    (trusted) interval."""
+    actionable, target = Recommendation.actionable, GradientNoiseScaleCallback._batch_target
     if arm in ("adapt=True, before", "adapt=True, recent"):
-        GradientNoiseScaleCallback._adapt = _aim_at_recent
+        GradientNoiseScaleCallback._batch_target = lambda callback: callback.meter.estimate.to_dict()
     if arm == "adapt=True, before":
         Recommendation.actionable = property(lambda rec: rec.trusted)
     try:
         yield
     finally:
-        Recommendation.actionable, GradientNoiseScaleCallback._adapt = actionable, adapt
+        Recommendation.actionable, GradientNoiseScaleCallback._batch_target = actionable, target
 
 
 def fit(problem: Problem, data, lr: float, seed: int, arm: str) -> dict:

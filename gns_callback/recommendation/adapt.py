@@ -104,10 +104,10 @@ class AdaptPolicy:
             self.reset()
             return keep(f"cooling down after a change ({self._cooldown_left} checks left)")
         if isinstance(recommendation, (int, float)):
-            target, trusted = float(recommendation), True
+            target, actionable = float(recommendation), True
         else:
-            target, trusted = float(recommendation.batch_size), bool(recommendation.actionable)
-        if not trusted:
+            target, actionable = float(recommendation.batch_size), bool(recommendation.actionable)
+        if not actionable:
             self.reset()
             return keep("estimate not resolved enough to act on")
         if not (math.isfinite(target) and target > 0):
