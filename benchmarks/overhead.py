@@ -906,15 +906,15 @@ class _TimedCallback(GradientNoiseScaleCallback):
         super().__init__(*args, **kwargs)
         self.spent: dict[str, float] = defaultdict(float)
 
-    def _build_meter(self, trainer, pl_module):
-        meter = super()._build_meter(trainer, pl_module)
+    def _build_meter(self, trainer, pl_module, **kwargs):
+        meter = super()._build_meter(trainer, pl_module, **kwargs)
         if meter.method == "micro_batch":  # its hook goes on each parameter at attach (after this): time it there
             on_grad = meter.collector._on_grad
 
-            def timed_on_grad(grad):
+            def timed_on_grad(*args, **kwargs):
                 start = cpu_clock()
                 try:
-                    return on_grad(grad)
+                    return on_grad(*args, **kwargs)
                 finally:
                     self.spent["parameter hooks (micro_batch)"] += cpu_clock() - start
 

@@ -61,3 +61,9 @@ def test_section_replaced_and_other_sections_kept(overhead, quick_run, tmp_path)
     path.write_text(f"# Results\n\n{section}\n## Later\n\nalso kept\n")
     overhead.write_section(path, section)
     assert path.read_text().count(overhead.SECTION_HEADING) == 1 and "## Later\n\nalso kept" in path.read_text()
+
+
+def test_profile_mode_runs(overhead):
+    """``--profile`` wraps the callback's methods; it broke silently when their signatures changed."""
+    text = overhead.profile_per_example(quick=True, models=["MLP"], steps=3, warmup=1)
+    assert "Lightning `per_example`" in text and "Lightning `micro_batch`" in text
