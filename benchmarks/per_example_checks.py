@@ -7,7 +7,8 @@ For each model and loss, on a batch of 32 of scikit-learn's digits (pixels, or t
 what :mod:`gns_callback.per_example.checks` reads: a gradient part no example's norm carries ("extra gradient":
 its share of the parameter's gradient where it changes with the examples, or how much it moves ``tr Σ`` where it
 is the same for all, refused above 1%), or else the spread of the first half's per-example norm ratios between the
-two passes (above 0.1% reads as coupled); and the check's CPU time against one forward and backward of the same
+two passes (above 0.1% reads as coupled), the second pass on the batch with its second half's rows copied from the
+first, as the Lightning callback runs it; and the check's CPU time against one forward and backward of the same
 batch (medians of 7, one thread). Losses of per-example terms, whatever they draw at random, should read 0 or
 rounding; losses and layers over the batch should read well above 0.1%.
 """
@@ -32,6 +33,7 @@ from sklearn.datasets import load_digits  # noqa: E402
 
 from benchmarks.model_scan import MODELS  # noqa: E402
 from benchmarks.results import publish_section  # noqa: E402
+from gns_callback.batch_size import first_half_copied  # noqa: E402
 from gns_callback.per_example.checks import IMPACT, TOLERANCE, check_per_example  # noqa: E402
 from gns_callback.probe.state import preserved_state  # noqa: E402
 
@@ -110,7 +112,7 @@ CASES: list[tuple[str, Callable[[], nn.Module], Loss, bool, str]] = [  # name, m
     ("MLP + dropout 0.3, cross-entropy", lambda: mlp(0.3), cross_entropy, False, "independent"),
     ("MLP, RMSE of per-example losses", mlp,
      lambda m, x, y: F.cross_entropy(m(x), y, reduction="none").pow(2).mean().sqrt(), False, "independent"),
-    ("MLP, mixup in the step", mlp, mixup, False, "independent"),
+    ("MLP, mixup in the step", mlp, mixup, False, "coupled"),
     ("MLP, in-batch contrastive (InfoNCE)", mlp, contrastive, False, "coupled"),
     ("MLP, supervised contrastive", mlp, supervised_contrastive, False, "coupled"),
     ("MLP, batch-hard triplet", mlp, triplet_hardest, False, "coupled"),
@@ -139,12 +141,17 @@ def cpu_ms(work: Callable[[], object], repeats: int = 7) -> float:
 def measure(make: Callable[[], nn.Module], loss: Loss, x: torch.Tensor, y: torch.Tensor) -> tuple[object, float, float]:
     model = make()
 
+    (x_copied, y_copied), _ = first_half_copied((x, y), BATCH)
+
     def run_pass() -> None:
         loss(model, x, y).backward()
 
+    def run_replaced_pass() -> None:  # rows copied in the batch, as the Lightning callback does
+        loss(model, x_copied, y_copied).backward()
+
     def check():
         with preserved_state(model, []) as state:
-            return check_per_example(model, run_pass, BATCH, reset=state.restore)
+            return check_per_example(model, run_pass, BATCH, reset=state.restore, run_replaced_pass=run_replaced_pass)
 
     def step() -> None:
         with preserved_state(model, []):

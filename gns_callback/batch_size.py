@@ -38,3 +38,34 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         for field in dataclasses.fields(value):
             yield from _tensors(getattr(value, field.name))
+
+
+def first_half_copied(batch: Any, batch_size: int) -> tuple[Any, bool]:
+    """``batch`` with rows ``h..2h`` of every tensor whose dim 0 holds ``batch_size`` replaced by rows ``0..h``
+    (``h = batch_size // 2``), as a new batch of the same nesting (the input is not changed); and whether any
+    tensor was. The per-example check (:mod:`gns_callback.per_example.checks`) runs the training step on it: mixing
+    the examples before the model (mixup, CutMix in ``training_step``) then changes the first half's gradients."""
+    half = batch_size // 2
+    changed: list[bool] = []
+
+    def copy(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            if value.ndim == 0 or value.shape[0] != batch_size or half < 1:
+                return value
+            changed.append(True)
+            index = torch.arange(batch_size, device=value.device)
+            index[half: 2 * half] = torch.arange(half, device=value.device)
+            return value.index_select(0, index)
+        if isinstance(value, Mapping):
+            return type(value)({key: copy(item) for key, item in value.items()}) if isinstance(value, dict) else value
+        if isinstance(value, tuple):
+            items = [copy(item) for item in value]
+            return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+        if isinstance(value, list):
+            return [copy(item) for item in value]
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return dataclasses.replace(value, **{f.name: copy(getattr(value, f.name)) for f in dataclasses.fields(value)
+                                                 if f.init})
+        return value
+
+    return copy(batch), bool(changed)

@@ -278,7 +278,8 @@ class GradientNoiseScaleMeter:
             self.enabled = was
             self.discard_pending()
 
-    def check_per_example(self, run_pass: Callable[[], None], batch_size: int, **preserve: Any) -> PerExampleCheck:
+    def check_per_example(self, run_pass: Callable[[], None], batch_size: int,
+                          run_replaced_pass: Optional[Callable[[], None]] = None, **preserve: Any) -> PerExampleCheck:
         """Whether ``per_example`` can measure this model and loss (:mod:`gns_callback.per_example.checks`): each
         parameter's gradient is the sum of its layers' per-example gradients (an L2 term in the loss breaks that),
         and the examples of a batch reach the loss independently (an in-batch contrastive loss breaks that).
@@ -288,12 +289,18 @@ class GradientNoiseScaleMeter:
         (``preserve``: what :func:`~gns_callback.probe.state.preserved_state` takes besides the model). A failed
         check makes the next :meth:`step` switch to ``fallback_method`` or stop measuring, with the reason, as any
         step the hooks can't measure does. Call it once before the first step (the Lightning callback does, on the
-        first batch). It never raises: a check that fails to run is "not checked", with the error."""
+        first batch). It never raises: a check that fails to run is "not checked", with the error.
+
+        ``run_replaced_pass``, if given, runs the same pass on the batch with its second half's rows copied from the
+        first (:func:`gns_callback.batch_size.first_half_copied`), e.g. ``lambda: loss_fn(model(xc), yc).backward()``
+        with ``(xc, yc), _ = first_half_copied((x, y), len(x))``: then mixing the examples in the loop before the
+        model (mixup) is caught too. Without it, rows are copied at the model's first measured layer."""
         if self.method != "per_example" or self.failure is not None:
             return PerExampleCheck("not checked", detail=f"method={self.method!r}")
         try:
             with self.paused(), preserved_state(self.model, [], **preserve) as state:
-                self.per_example_check = check_per_example(self.model, run_pass, batch_size, reset=state.restore)
+                self.per_example_check = check_per_example(self.model, run_pass, batch_size, reset=state.restore,
+                                                           run_replaced_pass=run_replaced_pass)
         except Exception as error:  # noqa: BLE001 - a check must never end the user's run
             self.per_example_check = PerExampleCheck("not checked",
                                                      detail=f"the check failed: {type(error).__name__}: {error}")

@@ -1,10 +1,11 @@
-"""batch_size_of: the leading dim most tensors share, None when it can't be told (never a guess)."""
+"""batch_size_of: the leading dim most tensors share, None when it can't be told (never a guess); first_half_copied."""
 
+import collections
 from dataclasses import dataclass
 
 import torch
 
-from gns_callback.batch_size import batch_size_of
+from gns_callback.batch_size import batch_size_of, first_half_copied
 
 
 @dataclass
@@ -27,3 +28,22 @@ def test_unknown_instead_of_a_guess():
     assert batch_size_of((torch.zeros(3), torch.zeros(16, 64))) is None  # one tensor each: a tie
     tokens, flat_labels = torch.zeros(8, 32, dtype=torch.long), torch.zeros(8 * 32, dtype=torch.long)
     assert batch_size_of((tokens, flat_labels)) is None
+
+
+def test_first_half_copied_copies_rows_of_every_batch_tensor_and_keeps_the_rest():
+    x, y, meta = torch.arange(12.0).reshape(6, 2), torch.arange(6), torch.ones(3)
+    Named = collections.namedtuple("Named", "x y")
+    batch = {"meta": meta, "inputs": [x, Named(x, y)], "name": "digits"}
+    copied, changed = first_half_copied(batch, 6)
+    assert changed
+    assert torch.equal(copied["inputs"][0][3:], x[:3]) and torch.equal(copied["inputs"][0][:3], x[:3])
+    assert isinstance(copied["inputs"][1], Named) and torch.equal(copied["inputs"][1].y, torch.tensor([0, 1, 2] * 2))
+    assert copied["meta"] is meta and copied["name"] == "digits"
+    assert torch.equal(x, torch.arange(12.0).reshape(6, 2))  # the batch itself is not changed
+
+
+def test_first_half_copied_with_an_odd_batch_keeps_the_last_row_and_says_when_nothing_matched():
+    y = torch.arange(5)
+    copied, changed = first_half_copied(Pair(y, y), 5)
+    assert changed and torch.equal(copied.x, torch.tensor([0, 1, 0, 1, 4]))
+    assert not first_half_copied((torch.ones(3),), 5)[1]

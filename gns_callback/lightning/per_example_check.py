@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from gns_callback.batch_size import first_half_copied
 from gns_callback.meter import GradientNoiseScaleMeter
 from gns_callback.per_example.checks import PerExampleCheck
 from gns_callback.probe.lightning import ddp_no_sync, lightning_step, module_internals, silenced_logging
@@ -19,10 +20,14 @@ def check_first_batch(meter: GradientNoiseScaleMeter, trainer: Any, pl_module: A
                       batch_size: int) -> PerExampleCheck:
     """Run the check on ``batch`` (on every rank: each checks its own batch, and the meter's next step agrees)."""
     step = lightning_step(pl_module, None, batch_idx)
+    copied, any_copied = first_half_copied(batch, batch_size)
 
     def run_pass() -> None:
         step(batch).backward()
 
+    def run_replaced_pass() -> None:  # rows copied before training_step: mixup there is seen
+        step(copied).backward()
+
     with silenced_logging(pl_module), local_batch_norm(pl_module), ddp_no_sync(trainer), torch.enable_grad():
-        return meter.check_per_example(run_pass, batch_size, keep=[trainer, *trainer.optimizers],
-                                       skip=module_internals())
+        return meter.check_per_example(run_pass, batch_size, run_replaced_pass if any_copied else None,
+                                       keep=[trainer, *trainer.optimizers], skip=module_internals())

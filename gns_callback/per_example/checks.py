@@ -15,16 +15,20 @@ Per-example norms read example ``i``'s gradient as what flows through its own ro
    negatives of a contrastive loss, a statistic over the batch in the loss or between layers, in-batch mining) makes
    each row's gradient depend on the other examples, and the interval is as narrow as ever: on a digits MLP with an
    in-batch contrastive loss the meter read B_simple = 6.9 [6.8, 6.9], while no per-example gradient exists to
-   compare it with. The batch's forward and backward run twice from the same state; the second time, at the first
-   measured layer whose input holds the batch, the first half's rows are copied over the second half's. Independent
+   compare it with. The batch's forward and backward run twice from the same state; the second time the first half's
+   rows are copied over the second half's: in the batch itself where the caller can run the step on such a batch
+   (the Lightning callback does), else at the first measured layer whose input holds the batch. Independent
    examples keep the first half's per-example norms, up to one common factor; a spread of more than ``tolerance``
    (0.1%) among the ratios says they are coupled. Two passes of the same computation give the same rows to the bit
    (the same shapes, kernels and random draws; 1.5e-7 where a common factor such as RMSE's is recomputed), so the
    tolerance only needs to exceed rounding. An in-batch contrastive loss spreads them by 16%, BatchNorm in training
    mode by 19%, logits centred on the batch mean by 0.33% (a digits MLP, batch 32;
-   ``benchmarks/per_example_checks.py``). Rows are changed after the data is loaded and after anything
-   ``training_step`` does before the first layer, so mixing inputs there (mixup) is not coupling: each mixed example
-   then has its own gradient.
+   ``benchmarks/per_example_checks.py``). Mixing the batch's examples before the model (mixup in ``training_step``:
+   each row a blend of two examples of the batch, with one weight for the batch) couples them too: the rows share
+   examples and the weight, so the batch gradient varies more than rows drawn apart would. On the digits MLP at fixed
+   parameters the meter read B_simple = 44.1 [38.6, 51.1] with mixup (α = 0.4), where the mixup batch gradient's
+   own noise, by brute force over 6,000 batches, gives 89.8; copying rows in the batch catches it. Mixing done
+   in the data loader (a collate function) happens before any check can copy rows, and is not seen.
 
 Torch only, no Lightning.
 """
@@ -82,10 +86,15 @@ class PerExampleCheck:
 
 
 def check_per_example(model: nn.Module, run_pass: Callable[[], None], batch_size: int, reset: Callable[[], None],
-                      tolerance: float = TOLERANCE) -> PerExampleCheck:
+                      tolerance: float = TOLERANCE,
+                      run_replaced_pass: Optional[Callable[[], None]] = None) -> PerExampleCheck:
     """Run ``run_pass`` (one forward and backward of the same batch of ``batch_size`` examples) twice: the first
     time comparing each parameter's gradient with its layers' summed per-example gradients, the second with rows
     replaced, to compare the first half's per-example norms (module docstring).
+
+    ``run_replaced_pass``, where the caller has the batch: the same pass on the batch with its second half's rows
+    copied from the first (:func:`gns_callback.batch_size.first_half_copied`), so that examples mixed before the
+    model (mixup) are seen too. Without it the rows are copied at the first measured layer's input.
 
     ``reset()`` runs between the passes and must put back everything the first one changed that the second would
     read: the random states (so both draw the same dropout masks), and buffers and attributes a step updates (a
@@ -104,8 +113,7 @@ def check_per_example(model: nn.Module, run_pass: Callable[[], None], batch_size
             before = _norms(model, tracker, run_pass)
             tracker.sum_check = second = SumCheck()
             reset()
-            with _rows_replaced(model, tracker, batch_size) as replaced:
-                after = _norms(model, tracker, run_pass)
+            after, replaced = _replaced_norms(model, tracker, batch_size, run_pass, run_replaced_pass)
     except RuntimeError as error:  # the hooks can't measure this model; the meter says so at its first step
         return PerExampleCheck("not checked", detail=str(error))
     finally:
@@ -176,6 +184,17 @@ def _norms(model: nn.Module, tracker: PerExampleNormTracker, run_pass: Callable[
     return tracker.pop()
 
 
+def _replaced_norms(model: nn.Module, tracker: PerExampleNormTracker, batch_size: int, run_pass: Callable[[], None],
+                    run_replaced_pass: Optional[Callable[[], None]]) -> tuple[Optional[Tensor], bool]:
+    """The second pass's norms, its rows copied in the batch (``run_replaced_pass``) or else at the first measured
+    layer; and whether any rows were."""
+    if run_replaced_pass is not None:
+        return _norms(model, tracker, run_replaced_pass), True
+    with _rows_replaced(model, tracker, batch_size) as replaced:
+        after = _norms(model, tracker, run_pass)
+    return after, bool(replaced)
+
+
 def _compare(before: Optional[Tensor], after: Optional[Tensor], half: int, tolerance: float) -> PerExampleCheck:
     """The spread of ``after / before`` over the first half's examples with a nonzero gradient."""
     if before is None or after is None:
@@ -193,10 +212,10 @@ def _compare(before: Optional[Tensor], after: Optional[Tensor], half: int, toler
 
 
 def _coupled_reason(spread: float) -> str:
-    return (f"the examples of a batch are coupled: copying the second half's rows from the first half at the first "
-            f"measured layer changed the first half's per-example gradient norms by up to {spread:.0%} (a "
-            "contrastive loss with in-batch negatives, a statistic over the batch in the loss or between layers, or "
-            "in-batch mining does this; so does a layer fed a sequence-first (T, B, ...) tensor whose sequence length "
+    return (f"the examples of a batch are coupled: copying the second half's rows from the first half changed the "
+            f"first half's per-example gradient norms by up to {spread:.0%} (mixing the examples of the batch, as "
+            "mixup or CutMix do, a contrastive loss with in-batch negatives, a statistic over the batch in the loss "
+            "or between layers, or in-batch mining does this; so does a layer fed a sequence-first (T, B, ...) tensor whose sequence length "
             "equals the batch size, which reads dim 0 as the batch: then use a batch size other than the sequence "
             "length). Per-example gradients are then not samples of one distribution, and the noise scale read from "
             f"them would be wrong. Instead, {MICRO_BATCH_HINT}: it compares the gradients of whole micro-batches, each "
