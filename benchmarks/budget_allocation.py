@@ -34,7 +34,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +45,7 @@ if str(REPO) not in sys.path:
 
 from benchmarks.accuracy_peers import CASES, PEERS, _digits, frozen_model, run_peers  # noqa: E402
 from benchmarks.results import replace_section  # noqa: E402
+from benchmarks.subset_estimators import pair_grad_sq  # noqa: E402
 from gns_callback.blend import PairBlend  # noqa: E402
 from gns_callback.exact import exact_noise_scale, per_example_gradients  # noqa: E402
 from tests.helpers import token_model  # noqa: E402
@@ -68,18 +69,24 @@ def cases() -> list[tuple[str, str, torch.Tensor]]:
     return out
 
 
-def step_values(rows: torch.Tensor, batches: torch.Tensor, measured: int) -> dict[str, torch.Tensor]:
-    """Per step: ``big`` = |G_B|², ``every`` = mean squared norm of all B examples, ``subset`` = that of the first
-    ``measured``, ``unmeasured`` = |Σ of the others' gradients|² (for the pair estimate)."""
-    parts: dict[str, list[torch.Tensor]] = {"big": [], "every": [], "subset": [], "unmeasured": []}
+def step_values(rows: torch.Tensor, batches: torch.Tensor, subsets: Sequence[int]) -> dict[str, Any]:
+    """Per step, from one gathering of the batches' rows: ``big`` = |G_B|², ``every`` = mean squared norm of all B
+    examples, and for each ``k`` in ``subsets``: ``subset[k]`` = that of the first ``k``, ``unmeasured[k]`` =
+    |Σ of the others' gradients|² (for the pair estimate)."""
+    big, every = [], []
+    subset: dict[int, list[torch.Tensor]] = {k: [] for k in subsets}
+    unmeasured: dict[int, list[torch.Tensor]] = {k: [] for k in subsets}
     for chunk in batches.split(CHUNK):
         g = rows[chunk]  # (steps, B, P)
         sq = g.square().sum(-1)
-        parts["big"].append(g.mean(1).square().sum(-1))
-        parts["every"].append(sq.mean(1))
-        parts["subset"].append(sq[:, :measured].mean(1))
-        parts["unmeasured"].append(g[:, measured:].sum(1).square().sum(-1))
-    return {key: torch.cat(values) for key, values in parts.items()}
+        big.append(g.mean(1).square().sum(-1))
+        every.append(sq.mean(1))
+        for k in subsets:
+            subset[k].append(sq[:, :k].mean(1))
+            unmeasured[k].append(g[:, k:].sum(1).square().sum(-1))
+    return {"big": torch.cat(big), "every": torch.cat(every),
+            "subset": {k: torch.cat(v) for k, v in subset.items()},
+            "unmeasured": {k: torch.cat(v) for k, v in unmeasured.items()}}
 
 
 def ratio(trace: torch.Tensor, grad_sq: torch.Tensor) -> float:
@@ -99,12 +106,11 @@ def mixed(big: torch.Tensor, mean_sq: torch.Tensor, batch: int, every: int) -> f
     return float(trace.mean() / (big.mean() - trace.mean() / batch))
 
 
-def subset_blend(v: dict[str, torch.Tensor], batch: int, measured: int) -> float:
+def subset_blend(v: dict[str, Any], batch: int, measured: int) -> float:
     """``measured`` examples per step: |G|² blended from the pair and two-batch-size estimates, as the meter does."""
-    m, big = v["subset"], v["big"]
+    m, big = v["subset"][measured], v["big"]
     two_batch = (batch * big - m) / (batch - 1)
-    w2 = 1.0 / batch**2
-    pairs = (big - w2 * (m * measured + v["unmeasured"])) / (1.0 - w2 * (measured + (batch - measured) ** 2))
+    pairs = pair_grad_sq(big, m * measured, v["unmeasured"][measured], batch, measured)
     blend = PairBlend()
     valid = torch.tensor(True)
     grad_sq = torch.stack([torch.as_tensor(blend.blend(m[t], pairs[t], two_batch[t], valid))
@@ -116,8 +122,9 @@ def stream_readings(rows: torch.Tensor, batches: torch.Tensor, exact_sq: float, 
                     fractions: list[int]) -> dict[str, float]:
     batch = batches.shape[1]
     out: dict[str, float] = {}
-    base = step_values(rows, batches, batch)
-    big, every = base["big"], base["every"]
+    subsets = {n: max(2, round(batch / n)) for n in fractions}
+    values = step_values(rows, batches, sorted(set(subsets.values())))
+    big, every = values["big"], values["every"]
     out["every example, every step"] = full(big, every, batch)
     mean_sq, mean_big = exact_sq + exact_trace, exact_sq + exact_trace / batch  # E m, E |G_B|²
     out["|G_B|² noise alone"] = full(big, torch.full_like(every, mean_sq), batch)
@@ -126,9 +133,7 @@ def stream_readings(rows: torch.Tensor, batches: torch.Tensor, exact_sq: float, 
         pick = slice(None, None, n)
         out[f"1/{n}: every example, 1 step in {n}"] = full(big[pick], every[pick], batch)
         out[f"1/{n}: |G_B|² every step, examples 1 step in {n}"] = mixed(big, every, batch, n)
-        measured = max(2, round(batch / n))
-        out[f"1/{n}: {measured} of {batch} examples every step"] = subset_blend(
-            step_values(rows, batches, measured), batch, measured)
+        out[f"1/{n}: {subsets[n]} of {batch} examples every step"] = subset_blend(values, batch, subsets[n])
     out[ADAPTDL] = run_peers(rows, batches)[ADAPTDL].estimate
     return out
 
@@ -188,8 +193,7 @@ def main(argv: Optional[list[str]] = None) -> str:
     torch.set_num_threads(1)
     start = time.perf_counter()
     results = run(args.streams, args.steps, args.batch, args.fractions)
-    command = "python benchmarks/budget_allocation.py" + ("" if argv is None and len(sys.argv) == 1
-                                                          else " " + " ".join(sys.argv[1:] if argv is None else argv))
+    command = " ".join(["python benchmarks/budget_allocation.py", *(sys.argv[1:] if argv is None else argv)])
     text = to_markdown(results, command, args.streams, args.steps, args.batch, time.perf_counter() - start)
     if args.out is not None:
         replace_section(args.out, HEADING, text)

@@ -42,6 +42,14 @@ def cases() -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def pair_grad_sq(big: torch.Tensor, measured_sq_sum: torch.Tensor, unmeasured: torch.Tensor, batch: int,
+                 k: int) -> torch.Tensor:
+    """The pair estimate of |G|² (every pair with a measured example): |G_B|² less the terms no pair of distinct
+    examples with a measured one gives, ``(Σ_measured |g_i|² + |Σ_unmeasured g_i|²)/B²``, rescaled."""
+    w2 = 1.0 / batch**2
+    return (big - w2 * (measured_sq_sum + unmeasured)) / (1.0 - w2 * (k + (batch - k) ** 2))
+
+
 def step_estimates(g: torch.Tensor, k: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Per step (rows of ``g``: steps × B × P): ``(m, |G|²)`` of each estimator, ``m`` its mean square."""
     batch = g.shape[1]
@@ -50,8 +58,7 @@ def step_estimates(g: torch.Tensor, k: int) -> dict[str, tuple[torch.Tensor, tor
     every = sq.mean(1)
     measured = sq[:, :k].mean(1)
     unmeasured = g[:, k:].sum(1).square().sum(-1)
-    w2 = 1.0 / batch**2
-    pairs = (big - w2 * (sq[:, :k].sum(1) + unmeasured)) / (1.0 - w2 * (k + (batch - k) ** 2))
+    pairs = pair_grad_sq(big, sq[:, :k].sum(1), unmeasured, batch, k)
     return {"every example": (every, (batch * big - every) / (batch - 1)),
             "two-batch": (measured, (batch * big - measured) / (batch - 1)),
             "pairs": (measured, pairs)}

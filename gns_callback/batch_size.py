@@ -40,22 +40,28 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(getattr(value, field.name))
 
 
+def first_half_rows(batch_size: int, device: torch.device) -> torch.Tensor:
+    """The row index ``0, 1, …, h−1, 0, 1, …, h−1`` (then ``2h`` where ``batch_size`` is odd), ``h = batch_size // 2``:
+    the second half's rows replaced by the first half's."""
+    half = batch_size // 2
+    index = torch.arange(batch_size, device=device)
+    index[half: 2 * half] = torch.arange(half, device=device)
+    return index
+
+
 def first_half_copied(batch: Any, batch_size: int) -> tuple[Any, bool]:
     """``batch`` with rows ``h..2h`` of every tensor whose dim 0 holds ``batch_size`` replaced by rows ``0..h``
     (``h = batch_size // 2``), as a new batch of the same nesting (the input is not changed); and whether any
     tensor was. The per-example check (:mod:`gns_callback.per_example.checks`) runs the training step on it: mixing
     the examples before the model (mixup, CutMix in ``training_step``) then changes the first half's gradients."""
-    half = batch_size // 2
     changed: list[bool] = []
 
     def copy(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            if value.ndim == 0 or value.shape[0] != batch_size or half < 1:
+            if value.ndim == 0 or value.shape[0] != batch_size or batch_size < 2:
                 return value
             changed.append(True)
-            index = torch.arange(batch_size, device=value.device)
-            index[half: 2 * half] = torch.arange(half, device=value.device)
-            return value.index_select(0, index)
+            return value.index_select(0, first_half_rows(batch_size, value.device))
         if isinstance(value, Mapping):
             return type(value)({key: copy(item) for key, item in value.items()}) if isinstance(value, dict) else value
         if isinstance(value, tuple):

@@ -20,7 +20,8 @@ def check_first_batch(meter: GradientNoiseScaleMeter, trainer: Any, pl_module: A
                       batch_size: int) -> PerExampleCheck:
     """Run the check on ``batch`` (on every rank: each checks its own batch, and the meter's next step agrees)."""
     step = lightning_step(pl_module, None, batch_idx)
-    copied, any_copied = first_half_copied(batch, batch_size)
+    # A copy of the batch on its device, only where per-example norms are checked at all.
+    copied, any_copied = first_half_copied(batch, batch_size) if meter.method == "per_example" else (None, False)
 
     def run_pass() -> None:
         step(batch).backward()

@@ -27,8 +27,8 @@ Per-example norms read example ``i``'s gradient as what flows through its own ro
    each row a blend of two examples of the batch, with one weight for the batch) couples them too: the rows share
    examples and the weight, so the batch gradient varies more than rows drawn apart would. On the digits MLP at fixed
    parameters the meter read B_simple = 49.5 [45.0, 54.9] with mixup (α = 0.4, batch 32), where the mixup batch
-   gradient's own noise, by brute force over 40,000 batches, gives 92.6; copying rows in the batch catches it. Mixing done
-   in the data loader (a collate function) happens before any check can copy rows, and is not seen.
+   gradient's own noise, by brute force over 40,000 batches, gives 92.6; copying rows in the batch catches it.
+   Mixing done in the data loader (a collate function) happens before any check can copy rows, and is not seen.
 
 Torch only, no Lightning.
 """
@@ -43,6 +43,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
+
+from gns_callback.batch_size import first_half_rows
 
 from .layout import LayoutError, batch_dim, is_sequence_first, position_dims
 from .sketch import restart_probes
@@ -215,9 +217,9 @@ def _coupled_reason(spread: float) -> str:
     return (f"the examples of a batch are coupled: copying the second half's rows from the first half changed the "
             f"first half's per-example gradient norms by up to {spread:.0%} (mixing the examples of the batch, as "
             "mixup or CutMix do, a contrastive loss with in-batch negatives, a statistic over the batch in the loss "
-            "or between layers, or in-batch mining does this; so does a layer fed a sequence-first (T, B, ...) tensor whose sequence length "
-            "equals the batch size, which reads dim 0 as the batch: then use a batch size other than the sequence "
-            "length). Per-example gradients are then not samples of one distribution, and the noise scale read from "
+            "or between layers, or in-batch mining does this; so does a layer fed a sequence-first (T, B, ...) "
+            "tensor whose sequence length equals the batch size, which reads dim 0 as the batch: then use a batch "
+            "size other than the sequence length). Per-example gradients are then not samples of one distribution, and the noise scale read from "
             f"them would be wrong. Instead, {MICRO_BATCH_HINT}: it compares the gradients of whole micro-batches, each "
             "with its own in-batch terms")
 
@@ -259,11 +261,8 @@ def _batch_dim(module: nn.Module, inp: Tensor, batch_size: int, sequence_first: 
 
 
 def _second_half_from_first(inp: Tensor, dim: int, batch_size: int) -> Tensor:
-    half = batch_size // 2
-    index = torch.arange(batch_size, device=inp.device)
-    index[half: 2 * half] = torch.arange(half, device=inp.device)
     with torch.no_grad():
-        rows = inp.detach().index_select(dim, index)
+        rows = inp.detach().index_select(dim, first_half_rows(batch_size, inp.device))
     if not inp.requires_grad:
         return rows
     # Keep the graph to the layers before (their per-example norms are part of the comparison): the input plus a

@@ -19,7 +19,7 @@ def stream():
 
 def test_every_step_and_every_example_give_the_full_estimate(budget, stream):
     rows, batches = stream
-    values = budget.step_values(rows, batches, measured=8)
+    values = budget.step_values(rows, batches, subsets=[8])
     full = budget.full(values["big"], values["every"], 8)
     assert budget.mixed(values["big"], values["every"], 8, every=1) == pytest.approx(full, rel=1e-12)
     assert budget.subset_blend(values, 8, 8) == pytest.approx(full, rel=1e-9)
@@ -32,7 +32,7 @@ def test_full_estimate_is_the_ratio_of_unbiased_sums(budget, stream):
     big = g.mean(1).square().sum(-1)
     trace = 8 * (m - big) / 7
     expected = float(trace.sum() / (big - trace / 8).sum())
-    values = budget.step_values(rows, batches, measured=8)
+    values = budget.step_values(rows, batches, subsets=[8])
     assert budget.full(values["big"], values["every"], 8) == pytest.approx(expected, rel=1e-12)
 
 

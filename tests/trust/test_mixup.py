@@ -35,7 +35,8 @@ class Mixup(Classifier):
 
 
 def exact_mixup_noise_scale(net, x, y, batch: int, draws: int = 40_000, seed: int = 0) -> float:
-    """``B·E|G_B − G|²/|G|²`` of the mixup batch gradient, from ``draws`` batches of ``batch`` (|G|² bias-corrected)."""
+    """``B·E|G_B − G|²/|G|²`` of the mixup batch gradient over ``draws`` batches of ``batch``; ``|G|²`` is
+    corrected for the Monte-Carlo mean's own noise."""
     generator = torch.Generator().manual_seed(seed)
     params = {k: v.detach() for k, v in net.named_parameters()}
 
