@@ -11,8 +11,7 @@ each incoming gradient, and ``torch._foreach_norm`` squares and sums them a buck
 :data:`BUCKET_BYTES` held, or at the end of the backward pass): a few multi-tensor kernels per pass instead of a
 kernel per parameter, which on a GPU is host time the device waits for (benchmarks/RESULTS.md, "GPU: overhead of
 the callback"). Into an empty ``.grad`` autograd adopts the gradient tensor itself, unless something else holds
-it, in which case it copies it: those gradients are squared at once instead. So are large gradients on the CPU
-(:data:`CPU_SQUARE_NOW_BYTES`), where holding them costs more in memory traffic than a call each saves.
+it, in which case it copies it: those gradients are squared at once instead.
 """
 
 from __future__ import annotations
@@ -32,11 +31,6 @@ from gns_callback.backward_passes import PassLedger, hooks_inert
 
 #: Gradient bytes the hooks hold before squaring them in one multi-tensor kernel (the extra memory, at most).
 BUCKET_BYTES = 32 * 2**20
-#: On the CPU, a gradient this large or larger is squared in its hook, while it is still in cache. Held until the
-#: end of the pass, it outlives its accumulation into ``.grad``, so the allocator hands the next layers' gradients
-#: fresh memory (glibc maps blocks over 128 KiB anew, page faults and all): on the MLP 784-512-512-10 at 4 passes
-#: of 128, holding cost 3.4–3.8 ms a step against 1.1–1.8 ms squared at once (21.7 ms step; benchmarks/RESULTS.md).
-CPU_SQUARE_NOW_BYTES = 128 * 2**10
 
 
 @dataclass
@@ -130,8 +124,8 @@ class MicroBatchCollector:
         pass_id = self._passes.current()
         record = self._passes.record(pass_id)
         record.saw(param)
-        if param.grad is None or grad.layout != torch.strided or _hot_on_cpu(grad):
-            record.parts.append(squared_norm(grad))  # adopted by .grad, sparse, or large on the CPU: square it now
+        if param.grad is None or grad.layout != torch.strided:  # to be adopted by .grad, or sparse: square it now
+            record.parts.append(squared_norm(grad))
             return
         held = self._held.get(pass_id)
         if held is None:
@@ -187,12 +181,6 @@ class MicroBatchCollector:
             factor = (divisor if loss_reduction == "mean" else divisor / b) ** 2
             window.add_micro_batch(sq, float(b), 1.0, b, weight=b * factor)
         return len(passes)
-
-
-def _hot_on_cpu(grad: torch.Tensor) -> bool:
-    """Whether ``grad`` is squared at once rather than held: a CPU gradient of :data:`CPU_SQUARE_NOW_BYTES` or more
-    (small ones are cheaper squared together: one multi-tensor call instead of a Python call each)."""
-    return grad.device.type == "cpu" and grad.numel() * grad.element_size() >= CPU_SQUARE_NOW_BYTES
 
 
 def _sizes_for(passes: Sequence[object], batch_sizes: Optional[Sequence[Optional[int]]]) -> list[int]:

@@ -90,27 +90,3 @@ def test_held_gradients_are_squared_in_buckets_and_adopted_ones_at_once(monkeypa
         own = sum((p.grad - g0).pow(2).sum() for p, g0 in zip(net.parameters(), before))
         (got,) = collector.pop()
         assert got.item() == pytest.approx(own.item(), rel=1e-5)
-
-
-def test_large_cpu_gradients_are_squared_in_their_hook_and_small_ones_held(monkeypatch):
-    """On the CPU a gradient of ``CPU_SQUARE_NOW_BYTES`` or more is squared at once, never held past its accumulation
-    (which would make the allocator hand out fresh memory); smaller ones are still held and squared together. Either
-    way each pass's value is its own gradient's."""
-    import gns_callback.collectors.micro_batch as micro_batch
-
-    held_sizes = []
-    original_add = micro_batch._Held.add
-    monkeypatch.setattr(micro_batch._Held, "add", lambda self, g: (held_sizes.append(g.numel()), original_add(self, g)))
-    torch.manual_seed(0)
-    big = micro_batch.CPU_SQUARE_NOW_BYTES // 4  # float32 elements
-    net = torch.nn.Sequential(torch.nn.Linear(big // 8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
-    collector = MicroBatchCollector(net)
-    collector.attach()
-    for _ in range(3):
-        before = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in net.parameters()]
-        net(torch.randn(6, big // 8)).pow(2).mean().backward()
-        own = sum((p.grad - g0).pow(2).sum() for p, g0 in zip(net.parameters(), before))
-        (got,) = collector.pop()
-        assert got.item() == pytest.approx(own.item(), rel=1e-5)
-    assert net[0].weight.numel() == big and big not in held_sizes
-    assert sorted(set(held_sizes)) == [2, 8, 16]  # the small ones, on the second and third passes
