@@ -10,10 +10,11 @@ different sizes (``(meta_3vec, x)``; so is ``(tokens (B, T), labels (B·T,))``).
 
 from __future__ import annotations
 
+import copy as _copy
 import dataclasses
 from collections import Counter
 from collections.abc import Mapping
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -63,7 +64,7 @@ def first_half_copied(batch: Any, batch_size: int) -> tuple[Any, bool]:
             changed.append(True)
             return value.index_select(0, first_half_rows(batch_size, value.device))
         if isinstance(value, Mapping):
-            return type(value)({key: copy(item) for key, item in value.items()}) if isinstance(value, dict) else value
+            return _mapping_copied(value, copy, changed)
         if isinstance(value, tuple):
             items = [copy(item) for item in value]
             return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
@@ -75,3 +76,35 @@ def first_half_copied(batch: Any, batch_size: int) -> tuple[Any, bool]:
         return value
 
     return copy(batch), bool(changed)
+
+
+def _mapping_copied(value: Mapping, copy: Callable[[Any], Any], changed: list[bool]) -> Mapping:
+    """``value`` with each item passed through ``copy``: a plain ``dict`` rebuilt, any other mapping (``OrderedDict``,
+    ``defaultdict``, Hugging Face's ``BatchEncoding`` and ``BatchFeature``, a ``UserDict``) shallow-copied with
+    ``copy.copy`` and its items set on the copy. Where that fails, or the copy shares its items with ``value`` (setting
+    them would change the user's batch), ``value`` is put back as it was and returned unchanged, its tensors not
+    counted in ``changed``."""
+    marked = len(changed)
+    items = {key: copy(item) for key, item in value.items()}
+    if type(value) is dict:
+        return items
+    originals = dict(value.items())
+    try:
+        rebuilt = _copy.copy(value)
+        for key, item in items.items():
+            rebuilt[key] = item
+    except Exception:  # an immutable or unusual mapping: not rebuilt
+        rebuilt = None
+    if rebuilt is None or any(value[key] is not original for key, original in originals.items()):
+        _put_back(value, originals)
+        del changed[marked:]
+        return value
+    return rebuilt
+
+
+def _put_back(value: Mapping, originals: dict) -> None:
+    """Undo item assignments that reached ``value`` through a copy sharing its storage."""
+    for key, original in originals.items():
+        if value[key] is not original:
+            value[key] = original  # type: ignore[index]
+

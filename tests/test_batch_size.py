@@ -47,3 +47,56 @@ def test_first_half_copied_with_an_odd_batch_keeps_the_last_row_and_says_when_no
     copied, changed = first_half_copied(Pair(y, y), 5)
     assert changed and torch.equal(copied.x, torch.tensor([0, 1, 0, 1, 4]))
     assert not first_half_copied((torch.ones(3),), 5)[1]
+
+
+class Encoding(collections.UserDict):
+    """Like Hugging Face's ``BatchEncoding``/``BatchFeature``: a ``UserDict`` with attributes of its own."""
+
+    def __init__(self, data=None, n_sequences=1):
+        super().__init__(data)
+        self.n_sequences = n_sequences
+
+
+class SharedStorage(collections.abc.MutableMapping):
+    """A mapping whose shallow copy shares its storage: setting an item on the copy would change the original."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def __getitem__(self, key):
+        return self.data[key]
+
+    def __setitem__(self, key, item):
+        self.data[key] = item
+
+    def __delitem__(self, key):
+        del self.data[key]
+
+    def __iter__(self):
+        return iter(self.data)
+
+    def __len__(self):
+        return len(self.data)
+
+
+def test_first_half_copied_rebuilds_every_kind_of_mapping_without_touching_the_batch():
+    x = torch.arange(6.0)
+    for batch in (Encoding({"pixel_values": x, "name": "a"}, n_sequences=2),
+                  collections.defaultdict(list, {"pixel_values": x}), collections.OrderedDict(pixel_values=x)):
+        copied, changed = first_half_copied(batch, 6)
+        assert changed and type(copied) is type(batch) and copied is not batch
+        assert torch.equal(copied["pixel_values"], torch.tensor([0.0, 1, 2, 0, 1, 2]))
+        assert batch["pixel_values"] is x  # the batch itself is not changed
+    assert first_half_copied(collections.defaultdict(list, {"x": x}), 6)[0].default_factory is list
+    assert first_half_copied(Encoding({"pixel_values": x}, n_sequences=2), 6)[0].n_sequences == 2
+
+
+def test_a_mapping_that_cannot_be_rebuilt_is_left_as_it_was():
+    import types
+
+    x = torch.arange(6.0)
+    shared = SharedStorage({"pixel_values": x})
+    for batch in (shared, types.MappingProxyType({"pixel_values": x})):
+        copied, changed = first_half_copied(batch, 6)
+        assert copied is batch and not changed and batch["pixel_values"] is x
+    assert shared.data == {"pixel_values": x}

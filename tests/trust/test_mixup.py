@@ -10,6 +10,8 @@ The exact value here is the mixup objective's: ``B·E|G_B − G|² / |G|²`` ove
 and its weight, by brute force (``torch.func`` over 40,000 draws; the Monte-Carlo error of ``|G|²`` is about 2%).
 """
 
+import collections
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -106,3 +108,27 @@ def test_the_meter_sees_mixup_in_a_plain_loop_given_the_copied_batch_and_passes_
         assert _check(meter, x, y, mix=True).status == "coupled"
     with GradientNoiseScaleMeter(mlp(), method="per_example") as meter:
         assert _check(meter, x, y, mix=False).status == "independent"
+
+
+class Encoding(collections.UserDict):
+    """A batch held in a ``UserDict``, as Hugging Face's ``BatchFeature`` from an image processor is."""
+
+
+class MixupOnEncodings(Classifier):
+    def training_step(self, batch, batch_idx):
+        lam = float(torch.distributions.Beta(ALPHA, ALPHA).sample())
+        return mixup_loss(self.net, batch["pixel_values"], batch["labels"], lam, torch.randperm(len(batch["labels"])))
+
+
+def test_mixup_on_a_batch_held_in_a_user_dict_is_seen_too(digits):
+    """Before, a mapping other than a ``dict`` was not rebuilt; the check then copied rows at the first layer, after
+    the mixing, and read mixup as independent: 400 steps at batch 32 read 46.3 [42.2, 51.0] against the mixup
+    objective's 92.6."""
+    x, y = digits
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=True,
+                                         collate_fn=lambda rows: Encoding(pixel_values=torch.stack([r[0] for r in rows]),
+                                                                          labels=torch.stack([r[1] for r in rows])))
+    callback = GradientNoiseScaleCallback(verbose=False, recommend=False)
+    with pytest.warns(UserWarning, match="mixup"):
+        quiet_trainer(max_steps=30, callbacks=[callback]).fit(MixupOnEncodings(mlp()), loader)
+    assert callback.meter.per_example_check.status == "coupled"
