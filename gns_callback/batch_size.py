@@ -54,7 +54,8 @@ def first_half_copied(batch: Any, batch_size: int) -> tuple[Any, bool]:
     """``batch`` with rows ``h..2h`` of every tensor whose dim 0 holds ``batch_size`` replaced by rows ``0..h``
     (``h = batch_size // 2``), as a new batch of the same nesting (the input is not changed); and whether any
     tensor was. The per-example check (:mod:`gns_callback.per_example.checks`) runs the training step on it: mixing
-    the examples before the model (mixup, CutMix in ``training_step``) then changes the first half's gradients."""
+    the examples before the model (mixup, CutMix in ``training_step``) then changes the first half's gradients. A
+    batch that can't be rebuilt comes back as it is, with ``False``: the check must never stop the user's fit."""
     changed: list[bool] = []
 
     def copy(value: Any) -> Any:
@@ -75,7 +76,10 @@ def first_half_copied(batch: Any, batch_size: int) -> tuple[Any, bool]:
                                                  if f.init})
         return value
 
-    return copy(batch), bool(changed)
+    try:
+        return copy(batch), bool(changed)
+    except Exception:  # a container that can't be rebuilt (a tuple type with another constructor, say): none copied,
+        return batch, False  # and the check copies rows at the first measured layer instead
 
 
 def _mapping_copied(value: Mapping, copy: Callable[[Any], Any], changed: list[bool]) -> Mapping:

@@ -100,3 +100,18 @@ def test_a_mapping_that_cannot_be_rebuilt_is_left_as_it_was():
         copied, changed = first_half_copied(batch, 6)
         assert copied is batch and not changed and batch["pixel_values"] is x
     assert shared.data == {"pixel_values": x}
+
+
+class Spans(tuple):
+    """A tuple type with named fields whose constructor takes one argument, not one per field."""
+
+    _fields = ("x", "y")
+
+    def __new__(cls, pair):
+        return super().__new__(cls, pair)
+
+
+def test_a_batch_that_cannot_be_rebuilt_comes_back_whole_instead_of_raising():
+    batch = Spans((torch.arange(6.0), torch.arange(6)))
+    copied, changed = first_half_copied(batch, 6)
+    assert copied is batch and not changed
