@@ -47,21 +47,11 @@ def reports(root: str) -> list[str]:
     return sorted(glob.glob(f"{root}/**/gns_report.json", recursive=True))
 
 
-def write_result(root: str, trainer) -> None:
-    callback = next((cb for cb in trainer.callbacks if isinstance(cb, GradientNoiseScaleCallback)), None)
-    with open(f"{root}/result.json", "w") as f:
-        json.dump({"global_step": trainer.global_step, "reports": reports(root),
-                   "report_file": callback.report_file if callback else None}, f)
-
-
 if __name__ == "__main__":
     root, model, logger, with_callback, steps = sys.argv[1:6]
-    try:
-        trainer = ddp_fit(root, "ddp", model, logger == "1", with_callback == "1", int(steps))
-        if trainer.is_global_zero:
-            write_result(root, trainer)
-    finally:
-        # Lightning leaves the gloo group up; left to the interpreter's exit, its threads can outlive it and abort
-        # the process ("terminate called without an active exception", rc -6), with or without the callback.
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    trainer = ddp_fit(root, "ddp", model, logger == "1", with_callback == "1", int(steps))
+    if trainer.is_global_zero:
+        callback = next((cb for cb in trainer.callbacks if isinstance(cb, GradientNoiseScaleCallback)), None)
+        with open(f"{root}/result.json", "w") as f:
+            json.dump({"global_step": trainer.global_step, "reports": reports(root),
+                       "report_file": callback.report_file if callback else None}, f)
