@@ -7,11 +7,13 @@ it comes and with its mmap and trim thresholds pinned high (``MALLOC_MMAP_THRESH
 freed memory then stays in the process instead of going back to the kernel and faulting in again):
 
 * each process: ``Trainer.fit`` without the callback and with it (``sharpness=False``): ``method="micro_batch"`` at
-  ``accumulate_grad_batches=4`` or ``"per_example"`` at 1, on one of ``overhead.py``'s models, interleaved over ``--rounds`` rounds (order
-  reversed on odd rounds); CPU time per optimizer step after warm-up, medians pooled over rounds;
+  ``accumulate_grad_batches=4`` or ``"per_example"`` at 1, on one of ``overhead.py``'s models, interleaved over
+  ``--rounds`` rounds (order reversed on odd rounds); CPU time per optimizer step after warm-up, medians pooled over
+  rounds;
 * the parent: ``--processes`` processes per model and allocator setting, alternating the settings.
 
-    python benchmarks/micro_batch_allocator.py [--processes 4] [--rounds 4] [--models MLP Transformer] [--methods micro_batch per_example]
+    python benchmarks/micro_batch_allocator.py [--processes 4] [--rounds 4] [--models MLP Transformer]
+        [--methods micro_batch per_example]
 """
 
 from __future__ import annotations

@@ -111,4 +111,3 @@ def _put_back(value: Mapping, originals: dict) -> None:
     for key, original in originals.items():
         if value[key] is not original:
             value[key] = original  # type: ignore[index]
-

@@ -219,9 +219,9 @@ def _coupled_reason(spread: float) -> str:
             "mixup or CutMix do, a contrastive loss with in-batch negatives, a statistic over the batch in the loss "
             "or between layers, or in-batch mining does this; so does a layer fed a sequence-first (T, B, ...) "
             "tensor whose sequence length equals the batch size, which reads dim 0 as the batch: then use a batch "
-            "size other than the sequence length). Per-example gradients are then not samples of one distribution, and the noise scale read from "
-            f"them would be wrong. Instead, {MICRO_BATCH_HINT}: it compares the gradients of whole micro-batches, each "
-            "with its own in-batch terms")
+            "size other than the sequence length). Per-example gradients are then not samples of one distribution, "
+            f"and the noise scale read from them would be wrong. Instead, {MICRO_BATCH_HINT}: it compares the "
+            "gradients of whole micro-batches, each with its own in-batch terms")
 
 
 @contextmanager

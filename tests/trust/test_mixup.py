@@ -31,9 +31,12 @@ def mixup_loss(net, xb, yb, lam, perm):
 
 class Mixup(Classifier):
     def training_step(self, batch, batch_idx):
-        xb, yb = batch
+        xb, yb = self.examples(batch)
         lam = float(torch.distributions.Beta(ALPHA, ALPHA).sample())
         return mixup_loss(self.net, xb, yb, lam, torch.randperm(xb.shape[0]))
+
+    def examples(self, batch):
+        return batch
 
 
 def exact_mixup_noise_scale(net, x, y, batch: int, draws: int = 40_000, seed: int = 0) -> float:
@@ -110,14 +113,15 @@ def test_the_meter_sees_mixup_in_a_plain_loop_given_the_copied_batch_and_passes_
         assert _check(meter, x, y, mix=False).status == "independent"
 
 
-class Encoding(collections.UserDict):
+def user_dict_batch(rows):
     """A batch held in a ``UserDict``, as Hugging Face's ``BatchFeature`` from an image processor is."""
+    images, labels = zip(*rows)
+    return collections.UserDict(pixel_values=torch.stack(images), labels=torch.stack(labels))
 
 
-class MixupOnEncodings(Classifier):
-    def training_step(self, batch, batch_idx):
-        lam = float(torch.distributions.Beta(ALPHA, ALPHA).sample())
-        return mixup_loss(self.net, batch["pixel_values"], batch["labels"], lam, torch.randperm(len(batch["labels"])))
+class MixupOnUserDicts(Mixup):
+    def examples(self, batch):
+        return batch["pixel_values"], batch["labels"]
 
 
 def test_mixup_on_a_batch_held_in_a_user_dict_is_seen_too(digits):
@@ -126,9 +130,8 @@ def test_mixup_on_a_batch_held_in_a_user_dict_is_seen_too(digits):
     objective's 92.6."""
     x, y = digits
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=True,
-                                         collate_fn=lambda rows: Encoding(pixel_values=torch.stack([r[0] for r in rows]),
-                                                                          labels=torch.stack([r[1] for r in rows])))
+                                         collate_fn=user_dict_batch)
     callback = GradientNoiseScaleCallback(verbose=False, recommend=False)
     with pytest.warns(UserWarning, match="mixup"):
-        quiet_trainer(max_steps=30, callbacks=[callback]).fit(MixupOnEncodings(mlp()), loader)
+        quiet_trainer(max_steps=30, callbacks=[callback]).fit(MixupOnUserDicts(mlp()), loader)
     assert callback.meter.per_example_check.status == "coupled"
