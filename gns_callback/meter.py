@@ -38,11 +38,12 @@ from gns_callback.accumulation import (PACKED_FIELDS, SCALE_MARGIN, Accumulation
                                       step_estimates)
 from gns_callback.backward_passes import measurement_paused
 from gns_callback.blend import PairBlend
-from gns_callback.collectors import COLLECTORS, Collector
+from gns_callback.collectors import COLLECTORS, MIN_COVERAGE, Collector
 from gns_callback.critical_batch import CriticalBatchAccumulator, CriticalBatchEstimate
 from gns_callback.deferred import DeferredReads
 from gns_callback.estimate import GNSEstimate
 from gns_callback.grad_watch import PROBLEM as GRADIENTS_CHANGED, GradientWatch, StaleGradients
+from gns_callback.left_out import LeftOutShare
 from gns_callback.norms import squared_norm_sum
 from gns_callback.per_example.checks import PerExampleCheck, check_per_example
 from gns_callback.per_example.sketch import reseed_probes
@@ -191,6 +192,7 @@ class GradientNoiseScaleMeter:
         #: Set when the measured parameters changed: run :meth:`check_per_example` again before the next step.
         self.needs_check = False
         self._attached = False
+        self._widens_for_left_out = False  # set by attach()
         self._enabled = True
         self.steps_offered = 0  # every call to step(), measured or resting: the duty cycle's phase
         self.per_example_check: Optional[PerExampleCheck] = None  # :meth:`check_per_example`'s outcome
@@ -206,6 +208,9 @@ class GradientNoiseScaleMeter:
             self._stale.remove()
         self._stale = StaleGradients(self._watch.params[0]) if self._watch.params else None  # the smallest
         self._trainable = _trainable_ids(self.model)
+        # Below MIN_COVERAGE the estimate is said to be the covered parameters' (a warning says so); above it, the
+        # whole model's, so its interval makes room for the parameters left out (:mod:`gns_callback.left_out`).
+        self._widens_for_left_out = self.collector.coverage().fraction >= MIN_COVERAGE
         self._attached = True
         return self
 
@@ -320,6 +325,7 @@ class GradientNoiseScaleMeter:
         self.recent_from = 0  # measured steps before the recent estimate started (a version-2 state's)
         self.critical = CriticalBatchAccumulator()
         self.blend = PairBlend()  # per_example with a subset measured: weights of its two |G|² estimates
+        self.left_out = LeftOutShare(self.ema_decay)  # the parameters left out's share of the step gradient
         self._reads: DeferredReads[Union[_ReducedRow, _LocalRow]] = DeferredReads()  # steps on their way
         self.losses_given = False
         self.steps_seen = 0  # optimizer steps offered for measurement
@@ -340,6 +346,7 @@ class GradientNoiseScaleMeter:
             "run": self.run.state_dict(),
             "critical": self.critical.state_dict(),
             "blend": self.blend.state_dict(),
+            "left_out": self.left_out.state_dict(),
             "losses_given": self.losses_given,
             "steps_seen": self.steps_seen,
             "steps_offered": self.steps_offered,
@@ -361,6 +368,8 @@ class GradientNoiseScaleMeter:
             self.recent_from = round(float(self.run.sums[0]))
         if state.get("blend"):  # absent before this key existed: the blend restarts from an even weight
             self.blend.load_state_dict(state["blend"])
+        if state.get("left_out"):  # absent before this key existed: nothing was left out, or it restarts
+            self.left_out.load_state_dict(state["left_out"])
         if state.get("critical"):
             self.critical.load_state_dict(state["critical"])
             self.losses_given = bool(state.get("losses_given"))
@@ -517,12 +526,14 @@ class GradientNoiseScaleMeter:
         """The step's numbers, summed across ranks with ``reduce``, then used on the host: read at once on the
         CPU; from an accelerator copied without a sync and used a step later (:mod:`gns_callback.deferred`)."""
         grads = [p.grad for p in self.collector.measured_parameters() if p.grad is not None]
+        left_out = squared_norm_sum(self._left_out_grads())
         subset = self._may_measure_a_subset(window)
         if self.reduce is None and _on_host(grads, loss_scale):
-            values = [*window.packed_values(loss_scale), float(squared_norm_sum(grads)), _host_loss(loss), 0.0]
+            values = [*window.packed_values(loss_scale), float(squared_norm_sum(grads)), _host_loss(loss), 0.0,
+                      float(left_out)]
             return self._apply(values, subset, loss is not None)
         if self.reduce is None:
-            return self._measure_later(window, grads, loss_scale, loss, subset)
+            return self._measure_later(window, grads, left_out, loss_scale, loss, subset)
         device = grads[0].device if grads else None
         packed = window.packed(device, loss_scale)
         step_loss = _loss_tensor(loss, packed)
@@ -531,18 +542,20 @@ class GradientNoiseScaleMeter:
         if not grads:
             return
         failed = torch.zeros(()) if self._any_rank_failed is None else self._any_rank_failed
-        parts = [packed, squared_norm_sum(grads), step_loss, failed.to(device=packed.device)]
+        parts = [packed, squared_norm_sum(grads), step_loss, failed.to(device=packed.device),
+                 left_out.to(device=packed.device)]
         self._reads.push(torch.cat([part.to(torch.float64).reshape(-1) for part in parts]),
                          _ReducedRow(subset, loss is not None))
         self._apply_read(keep=1)
 
-    def _measure_later(self, window: AccumulationWindow, grads: list[torch.Tensor],
+    def _measure_later(self, window: AccumulationWindow, grads: list[torch.Tensor], left_out: torch.Tensor,
                        loss_scale: Union[torch.Tensor, float, None], loss: Union[torch.Tensor, float, None],
                        subset: bool) -> None:
-        """One process on an accelerator: the window's device scalars, the step's |G_B|², and the loss and loss
-        scale where they are device tensors, go to the host in one copy; the window's host sums wait with them."""
+        """One process on an accelerator: the window's device scalars, the step's |G_B|² over the measured and over
+        the left-out parameters, and the loss and loss scale where they are device tensors, go to the host in one
+        copy; the window's host sums wait with them."""
         row = _LocalRow(window, subset, loss, loss_scale)
-        self._reads.push(row.to_send(squared_norm_sum(grads)), row)
+        self._reads.push(row.to_send(squared_norm_sum(grads), left_out), row)
         self._apply_read(keep=1)
 
     def _apply_read(self, keep: int = 0) -> None:
@@ -551,11 +564,12 @@ class GradientNoiseScaleMeter:
             self._apply(row.values(values), row.subset, row.loss_given)
 
     def _apply(self, values: list[float], subset: bool, loss_given: bool) -> None:
-        """One step on host floats (``PACKED_FIELDS``, then the step's |G_B|², its loss, and whether any rank
-        failed since the last agreement): step estimates (blended when a subset was measured), then the recent
-        estimate, the run average and the critical-batch sums (:mod:`gns_callback.scalar_ops`)."""
+        """One step on host floats (``PACKED_FIELDS``, then the step's |G_B|², its loss, whether any rank failed
+        since the last agreement, and |G_B|² over the parameters left out): step estimates (blended when a subset
+        was measured), then the recent estimate, the run average, the critical-batch sums
+        (:mod:`gns_callback.scalar_ops`) and the left-out share (:mod:`gns_callback.left_out`)."""
         fields = len(PACKED_FIELDS)
-        packed, (step_grad_sq, loss, failed) = values[:fields], values[fields:]
+        packed, (step_grad_sq, loss, failed, left_out_sq) = values[:fields], values[fields:]
         if self.failure is not None:
             return
         problem = self._read_problem(packed, step_grad_sq)
@@ -570,6 +584,7 @@ class GradientNoiseScaleMeter:
         self.ema.update_values(float(trace), float(grad_sq), valid)
         self.run.update_values(step, valid)
         self.critical.update_values(step, loss, valid)
+        self.left_out.update(left_out_sq, step_grad_sq, packed[PACKED_FIELDS.index("micro_size_sum")], valid)
         self.losses_given = self.losses_given or loss_given
 
     def _read_problem(self, packed: list[float], step_grad_sq: float) -> Optional[str]:
@@ -582,6 +597,13 @@ class GradientNoiseScaleMeter:
         if math.isfinite(mismatch) and mismatch > SCALE_MARGIN:
             return SCALES_DIFFER.format(ratio=mismatch)
         return None
+
+    def _left_out_grads(self) -> list[torch.Tensor]:
+        """The step gradient's part over the trainable parameters the collector leaves out, where the estimate is
+        the whole model's (:meth:`attach`); else none."""
+        if not self._widens_for_left_out:
+            return []
+        return [p.grad for p in self.collector.left_out_parameters() if p.grad is not None]
 
     def _may_measure_a_subset(self, window: AccumulationWindow) -> bool:
         """Whether this step's |G|² may need the blend: ``per_example`` with fewer examples measured than seen here,
@@ -661,7 +683,9 @@ class GradientNoiseScaleMeter:
             method=self.method,
             averaging=averaging,
         )
-        return estimate if self.failure is None else estimate.not_measured(self.failure)
+        if self.failure is not None:
+            return estimate.not_measured(self.failure)
+        return self.left_out.widened(estimate, self.population)
 
     @property
     def critical_batch(self) -> CriticalBatchEstimate:
@@ -678,8 +702,10 @@ class GradientNoiseScaleMeter:
 
     @property
     def coverage(self) -> dict[str, Any]:
-        """Measured vs trainable parameter counts and why the rest is left out."""
-        return self.collector.coverage().to_dict()
+        """Measured vs trainable parameter counts, why the rest is left out, and the left-out parameters' share of
+        the step gradient's squared norm against the measured ones' over the run (``r`` of
+        :mod:`gns_callback.left_out`: the estimates' intervals make room for it)."""
+        return {**self.collector.coverage().to_dict(), "left_out_gradient_share": self.left_out.share()}
 
 
 def _host_loss(loss: Union[torch.Tensor, float, None]) -> float:
@@ -721,10 +747,11 @@ class _LocalRow:
     def loss_given(self) -> bool:
         return self.loss is not None
 
-    def to_send(self, grad_sq: torch.Tensor) -> torch.Tensor:
-        """The window's device scalars, ``|G_B|²``, then the loss and the scale where they are tensors, as one
-        float32 vector on the gradients' device (a loss or scale on another device joins it there)."""
-        tensors = [*self.window.device_squares(), grad_sq]
+    def to_send(self, grad_sq: torch.Tensor, left_out_sq: torch.Tensor) -> torch.Tensor:
+        """The window's device scalars, ``|G_B|²`` over the measured and over the left-out parameters, then the loss
+        and the scale where they are tensors, as one float32 vector on the gradients' device (a loss or scale on
+        another device joins it there)."""
+        tensors = [*self.window.device_squares(), grad_sq, left_out_sq]
         tensors += [value for value in (self.loss, self.scale) if isinstance(value, torch.Tensor)]
         device = tensors[0].device
         return torch.stack([v.detach().reshape(()).to(device, torch.float32) for v in tensors])
@@ -733,10 +760,10 @@ class _LocalRow:
         """The row for :meth:`GradientNoiseScaleMeter._apply` from :meth:`to_send`'s values on the host."""
         squares = len(self.window.device_squares())
         rest = iter(copied[squares:])
-        grad_sq = next(rest)
+        grad_sq, left_out_sq = next(rest), next(rest)
         loss = next(rest) if isinstance(self.loss, torch.Tensor) else _host_loss(self.loss)
         scale = next(rest) if isinstance(self.scale, torch.Tensor) else self.scale
-        return [*self.window.packed_values(scale, copied[:squares]), grad_sq, loss, 0.0]
+        return [*self.window.packed_values(scale, copied[:squares]), grad_sq, loss, 0.0, left_out_sq]
 
 
 def _on_host(grads: list[torch.Tensor], loss_scale: Union[torch.Tensor, float, None]) -> bool:

@@ -114,6 +114,9 @@ class MicroBatchCollector:
     def measured_parameters(self) -> list[nn.Parameter]:
         return list(self._params)
 
+    def left_out_parameters(self) -> list[nn.Parameter]:
+        return []  # every trainable parameter is measured
+
     def coverage(self) -> Coverage:
         total = sum(p.numel() for p in self._params)
         return Coverage(measured_parameters=total, trainable_parameters=total)

@@ -52,6 +52,9 @@ class PerExampleCollector:
     def measured_parameters(self) -> list[nn.Parameter]:
         return self.tracker.covered_parameters()
 
+    def left_out_parameters(self) -> list[nn.Parameter]:
+        return [param for _, param in self.tracker.uncovered_parameters()]
+
     def coverage(self) -> Coverage:
         measured = sum(p.numel() for p in self.tracker.covered_parameters())
         unmeasured = sum(p.numel() for _, p in self.tracker.uncovered_parameters())

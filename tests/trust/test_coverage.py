@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from gns_callback import GradientNoiseScaleCallback
 from gns_callback.collectors import MIN_COVERAGE
 from tests.helpers import Classifier, assert_matches_exact, with_replacement_loader
-from tests.trust.models import ProjectedLstmClassifier
+from tests.trust.models import ProjectedLstmClassifier, ScaledLogits
 from tests.trust.setups import messages, single, with_and_without
 
 STEPS = 150
@@ -58,3 +58,21 @@ def test_one_micro_batch_measures_the_covered_share_and_says_so(digits, exact_gn
     # ... which is not the model's: no batch size is recommended from it (the current one is kept, with the fix)
     assert callback.recommendation.status == "partial_coverage" and not callback.recommendation.changed
     assert "4.2% of the trainable parameters" in callback.recommendation.reason
+
+
+def test_a_temperature_left_out_widens_the_intervals_to_hold_the_whole_models_value(digits, exact_gns, tmp_path):
+    """A learned logit scale is one parameter of 2,411, so ``auto`` measures the rest with per-example norms and says
+    nothing; but that one parameter doubles the whole model's noise scale (171 against 82). Before, both estimates
+    read about 83 with intervals of about [74, 96] and [75, 152]: confidently wrong. Now their intervals make room for
+    what the left-out parameter's share of the step gradient allows (``gns_callback/left_out.py``)."""
+    x, y = digits
+    callback = GradientNoiseScaleCallback(verbose=False, report_path=str(tmp_path / "report.json"))
+    _, caught = with_and_without(lambda: Classifier(ScaledLogits()),
+                                 lambda: with_replacement_loader(x, y, 32, 32 * 300, seed=0), callback)
+    assert not messages(caught, "cover only")
+    exact = exact_gns(ScaledLogits(), F.cross_entropy, *digits)[0]
+    assert exact > 2 * callback.run_estimate.b_simple  # the measured parameters' value is far from the model's ...
+    for estimate in (callback.run_estimate, callback.estimate):
+        assert estimate.method == "per_example" and estimate.ci_low <= exact <= estimate.ci_high  # ... and now held
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["coverage"]["fraction"] > 0.999 and report["coverage"]["left_out_gradient_share"] > 0.1
