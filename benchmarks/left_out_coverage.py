@@ -93,9 +93,9 @@ def exact_values(model: nn.Module) -> tuple[float, float]:
     return exact_noise_scale(g)[0], exact_noise_scale(g[:, columns])[0]
 
 
-def stream(model: nn.Module, seed: int, steps: int) -> dict[str, tuple[float, float]]:
-    """One meter's intervals, ``{"run now": (low, high), "run before": ..., "recent now": ..., "recent before": ...}``."""
-    x, y = digits()
+def measured(model: nn.Module, x: torch.Tensor, y: torch.Tensor, seed: int, steps: int) -> GradientNoiseScaleMeter:
+    """The framework-free meter at its defaults after ``steps`` batches of :data:`BATCH` drawn with replacement
+    (seeded), the parameters held fixed (no optimizer)."""
     meter = GradientNoiseScaleMeter(model).attach()
     generator = torch.Generator().manual_seed(seed)
     for _ in range(steps):
@@ -105,6 +105,13 @@ def stream(model: nn.Module, seed: int, steps: int) -> dict[str, tuple[float, fl
         loss.backward()
         meter.step(micro_batch_size=BATCH, loss=loss.detach())
     meter.detach()
+    return meter
+
+
+def stream(model: nn.Module, seed: int, steps: int) -> dict[str, tuple[float, float]]:
+    """One meter's intervals: ``{"run now": (low, high), "run before": ..., "recent now": ..., "recent before": ...}``
+    ("before": the same sums read without the widening)."""
+    meter = measured(model, *digits(), seed, steps)
     recent, run = meter.read()
     recent_before = meter.ema.summary_of(meter.ema.packed().tolist(), meter.confidence)
     run_before = summarize_ratio(meter.run.sums.tolist(), meter.confidence)

@@ -9,7 +9,7 @@ type) still have their part of every step's gradient, whose squared norm over th
 for ``B`` examples per step (``φ = (N − B)/(N − 1)`` for batches drawn without replacement from ``N`` examples,
 :mod:`gns_callback.sampling`; else 1). However ``U`` splits into signal and noise, the whole model's
 
-    B_simple = (tr Σ_c + tr Σ_u) / (|G_c|² + |G_u|²)   lies in   [B_c / (1 + u),  B_c + (B/φ)·u],   u = U / |G_c|²:
+    B_simple = (tr Σ_c + tr Σ_u) / (|G_c|² + |G_u|²)  lies in  [B_c / (1 + u), B_c + (B/φ)·u],  u = U / |G_c|²:
 
 it falls monotonically as ``|G_u|²`` goes from 0 (``U`` all noise: the upper end) to ``U`` (all signal: the lower
 end). The step reads ``U`` against the covered part of the same gradient, ``r = U / E|g_{B,c}|²`` with

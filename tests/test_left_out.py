@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gns_callback import GradientNoiseScaleMeter
+from benchmarks.left_out_coverage import BATCH, measured
 from gns_callback.estimate import GNSEstimate
 from gns_callback.exact import exact_noise_scale, per_example_gradients
 from gns_callback.left_out import LeftOutShare, whole_model_interval
@@ -19,7 +19,6 @@ from gns_callback.per_example import PerExampleNormTracker
 from gns_callback.smoothing import summarize_ratio
 from tests.trust.models import ScaledLogits
 
-BATCH = 32
 
 
 def parts(g: torch.Tensor, covered: torch.Tensor) -> tuple[float, float, float]:
@@ -98,25 +97,11 @@ def test_the_share_is_a_ratio_of_sums_over_valid_steps_and_survives_a_checkpoint
     assert (share.widened(estimate()).ci_low, share.widened(estimate()).ci_high) == (low, high)
 
 
-def plain_loop_meter(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int = 300) -> GradientNoiseScaleMeter:
-    """The framework-free meter at its defaults over ``steps`` batches of :data:`BATCH` drawn with replacement, the
-    parameters held fixed."""
-    meter = GradientNoiseScaleMeter(model).attach()
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        model.zero_grad()
-        index = torch.randint(len(x), (BATCH,), generator=generator)
-        loss = F.cross_entropy(model(x[index]), y[index])
-        loss.backward()
-        meter.step(micro_batch_size=BATCH, loss=loss.detach())
-    return meter
-
-
 def test_a_meter_makes_room_for_a_temperature_left_out(digits):
     """Before, the run average read 82 [73, 95] here, for the other parameters, against the whole model's 171."""
     model = ScaledLogits(0.05)
     exact = exact_noise_scale(per_example_gradients(model, F.cross_entropy, *digits))[0]
-    meter = plain_loop_meter(model, *digits)
+    meter = measured(model, *digits, seed=0, steps=300)
     assert meter.coverage["fraction"] > 0.999 and meter.coverage["left_out_gradient_share"] > 0
     for est in meter.read():
         assert est.ci_low <= exact <= est.ci_high, (est, exact)
@@ -124,7 +109,7 @@ def test_a_meter_makes_room_for_a_temperature_left_out(digits):
 
 def test_nothing_left_out_leaves_the_intervals_as_they_were(digits):
     model = nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 10))
-    meter = plain_loop_meter(model, *digits, steps=50)
+    meter = measured(model, *digits, seed=0, steps=50)
     assert meter.coverage["left_out_gradient_share"] == 0.0
     as_summed = summarize_ratio(meter.run.sums.tolist(), meter.confidence)
     assert (meter.run_estimate.ci_low, meter.run_estimate.ci_high) == (as_summed.ci_low, as_summed.ci_high)

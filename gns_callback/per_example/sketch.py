@@ -60,9 +60,10 @@ def sketched_sq_norms(activations: Tensor, grad_outputs: Tensor, probes: int = P
         activations, grad_outputs = grad_outputs, activations
     batch, _, narrow = activations.shape
     signs = probe_signs((batch, narrow, probes), activations.device, activations.dtype)
-    # (sᵀaᵀ)δ, not (a s)ᵀδ: the same numbers, but a product with k rows, not k columns, is 2-4× faster on the CPU
-    # (benchmarks/RESULTS.md, "The sketch's products, turned round").
-    projected = torch.bmm(torch.bmm(signs.transpose(1, 2), activations.transpose(1, 2)), grad_outputs)  # (N, k, wide)
+    # (sᵀaᵀ)δ, not (a s)ᵀδ: the same numbers, but a product with k rows, not k columns, is 2-4× faster on the
+    # CPU (benchmarks/RESULTS.md, "The sketch's products, turned round").
+    probed = torch.bmm(signs.transpose(1, 2), activations.transpose(1, 2))  # (N, k, T)
+    projected = torch.bmm(probed, grad_outputs)  # (N, k, wide)
     return projected.square_().sum(dim=(1, 2)).div_(probes)
 
 
