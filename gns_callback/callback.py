@@ -552,6 +552,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             dataset_size=facts.dataset_size(trainer),
             steps_per_epoch=facts.steps_per_epoch(trainer),
             coverage=self.meter.coverage.get("fraction", 1.0),
+            left_out_share=self.meter.coverage.get("left_out_gradient_share", 0.0),
             **self.recommend_options,
         )
 

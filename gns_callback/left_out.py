@@ -87,14 +87,23 @@ class LeftOutShare:
 
     def widened(self, estimate: GNSEstimate, population: Optional[int] = None) -> GNSEstimate:
         """``estimate`` (of the measured parameters) with its interval widened to hold the whole model's value."""
-        sums = self.recent if estimate.averaging == "ema" else self.run
-        share = sums.share()
-        if share == 0.0 or not estimate.measured:
+        if not estimate.measured:
             return estimate
+        low, high = self.interval(estimate.ci_low, estimate.ci_high, population, recent=estimate.averaging == "ema")
+        return replace(estimate, ci_low=low, ci_high=high)
+
+    def interval(self, low: float, high: float, population: Optional[int] = None,
+                 recent: bool = False) -> tuple[float, float]:
+        """:func:`whole_model_interval` of ``[low, high]`` with ``r`` and the examples per step over the run (or the
+        recent window), and the finite-population factor of ``population`` (None: batches drawn with replacement).
+        Unchanged when nothing is left out."""
+        sums = self.recent if recent else self.run
+        share = sums.share()
+        if share == 0.0:
+            return low, high
         batch = sums.batch()
         phi = 1.0 if population is None else (population - batch) / max(population - 1, 1)
-        low, high = whole_model_interval(estimate.ci_low, estimate.ci_high, share, batch, phi)
-        return replace(estimate, ci_low=low, ci_high=high)
+        return whole_model_interval(low, high, share, batch, phi)
 
     def state_dict(self) -> dict[str, Any]:
         return {"run": vars(self.run).copy(), "recent": vars(self.recent).copy()}

@@ -696,9 +696,13 @@ class GradientNoiseScaleMeter:
         if not self.losses_given:
             estimate = dataclasses.replace(estimate, method="run average (no training loss was passed to step())")
         if self.failure is not None:
-            estimate = dataclasses.replace(estimate, b_crit=math.nan, ci_low=math.nan, ci_high=math.nan,
-                                           method=f"not measured ({self.failure})")
-        return estimate
+            return dataclasses.replace(estimate, b_crit=math.nan, ci_low=math.nan, ci_high=math.nan,
+                                       method=f"not measured ({self.failure})")
+        # The parameters left out, with the run's share: the critical batch's blocks are the run's steps, weighted
+        # by the loss windows it draws, so this is the run average's bound applied to them (gns_callback/left_out.py).
+        low, high = self.left_out.interval(estimate.ci_low, estimate.ci_high, self.population)
+        early_low = self.left_out.interval(estimate.early_noise_scale_low, math.inf, self.population)[0]
+        return dataclasses.replace(estimate, ci_low=low, ci_high=high, early_noise_scale_low=early_low)
 
     @property
     def coverage(self) -> dict[str, Any]:

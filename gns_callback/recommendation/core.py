@@ -59,6 +59,10 @@ from gns_callback.recommendation.trust import (
 
 __all__ = ["DEFAULT_MAX_CI_RATIO", "DEFAULT_MIN_STEPS", "assess", "recommend"]
 
+#: From this share of the step gradient (the parameters left out against the measured ones) a too-wide interval's
+#: reason names ``micro_batch`` as the fix.
+LEFT_OUT_HINT_SHARE = 0.01
+
 
 def recommend(
     estimate: Any,
@@ -90,6 +94,7 @@ def recommend(
     objective: str = BALANCED,
     max_devices: Optional[int] = None,
     coverage: float = 1.0,
+    left_out_share: float = 0.0,
 ) -> Recommendation:
     """Recommend a global batch size ≈ ``B_simple``, its ``micro × accumulate × devices`` split, LR and warmup.
 
@@ -135,6 +140,9 @@ def recommend(
         coverage: the share of the trainable parameters the estimate measured (the meter's ``coverage``). Below
             ``MIN_COVERAGE`` (90%) it is another quantity than the model's noise scale (an LSTM with per-example
             norms of its Linear head alone: 6%), so the batch is kept (status ``partial_coverage``).
+        left_out_share: the parameters left out's share of the step gradient (the meter's ``coverage``
+            ``left_out_gradient_share``, :mod:`gns_callback.left_out`): where the interval is too wide or unbounded
+            and it is 1% or more, the reason says that part of the width is theirs, which more steps don't remove.
     """
     _check_arguments(current_batch_size, num_devices, multiple_of)
     check_objective(objective, max_devices)
@@ -145,6 +153,7 @@ def recommend(
                              keep_within_interval=keep_within_interval)
     status, reason = _calibrated(status, reason, est, current_batch_size, optimizer)
     status, reason = _covered(status, reason, coverage)
+    reason = _left_out_hint(status, reason, left_out_share)
     hardware = read_hardware(probe, max_micro_batch, throughput, current)
     bounds = batch_bounds(min_batch_size, max_batch_size, dataset_size)
     grid = Grid(multiple_of, power_of_two)
@@ -267,6 +276,15 @@ def _covered(status: str, reason: str, coverage: float) -> tuple[str, str]:
         "per-example norms don't support): keeping the current batch size; measure the whole model with "
         "method='micro_batch' (accumulate_grad_batches ≥ 2, or several devices)"
     )
+
+
+def _left_out_hint(status: str, reason: str, share: float) -> str:
+    """The reason, with the fix where the parameters left out widen an interval too wide to act on."""
+    if status not in (R.TOO_WIDE, R.UNBOUNDED) or not share >= LEFT_OUT_HINT_SHARE:
+        return reason
+    return (f"{reason}. Part of the width is the parameters per-example norms leave out (their gradient is "
+            f"{share:.1%} of the measured parameters'), which more steps don't remove: method='micro_batch' "
+            "(accumulate_grad_batches ≥ 2, or several devices) measures them")
 
 
 def _finite_or_none(value: Optional[float]) -> Optional[float]:

@@ -174,6 +174,19 @@ def test_an_estimate_of_too_few_parameters_keeps_the_batch_and_says_how_to_measu
         assert r.batch_size == 200
 
 
+@pytest.mark.parametrize("kw, share, named", [(dict(lo=50.0, hi=800.0), 0.3, True), (dict(hi=math.inf), 0.02, True),
+                                              (dict(lo=50.0, hi=800.0), 0.005, False), (dict(), 0.3, False)])
+def test_a_width_that_is_the_left_out_parameters_names_the_fix(kw, share, named):
+    """Where the parameters per-example norms leave out widen the interval (``gns_callback/left_out.py``), measuring
+    longer does not help: the reason says so and names ``micro_batch``; a resolved estimate is left as it was."""
+    r = rec_for(200.0, current_batch_size=400, current_lr=0.05, left_out_share=share, **kw)
+    assert ("which more steps don't remove: method='micro_batch'" in r.reason) == named
+    if kw:  # too wide or unbounded: the batch is kept, whatever the reason says
+        assert not r.changed and r.batch_size == 400
+    else:
+        assert r.status == "ok"
+
+
 @pytest.mark.parametrize(
     "current, lo, hi, expected",
     [

@@ -63,8 +63,9 @@ def test_one_micro_batch_measures_the_covered_share_and_says_so(digits, exact_gn
 def test_a_temperature_left_out_widens_the_intervals_to_hold_the_whole_models_value(digits, exact_gns, tmp_path):
     """A learned logit scale is one parameter of 2,411, so ``auto`` measures the rest with per-example norms and says
     nothing; but that one parameter doubles the whole model's noise scale (171 against 82). Before, both estimates
-    read about 83 with intervals of about [74, 96] and [75, 152]: confidently wrong. Now their intervals make room for
-    what the left-out parameter's share of the step gradient allows (``gns_callback/left_out.py``)."""
+    read about 83 with intervals of about [74, 96] and [75, 152], and so did the critical batch the recommendation
+    aims at: confidently wrong. Now their intervals make room for what the left-out parameter's share of the step
+    gradient allows (``gns_callback/left_out.py``)."""
     x, y = digits
     callback = GradientNoiseScaleCallback(verbose=False, report_path=str(tmp_path / "report.json"))
     _, caught = with_and_without(lambda: Classifier(ScaledLogits()),
@@ -76,3 +77,8 @@ def test_a_temperature_left_out_widens_the_intervals_to_hold_the_whole_models_va
         assert estimate.method == "per_example" and estimate.ci_low <= exact <= estimate.ci_high  # ... and now held
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["coverage"]["fraction"] > 0.999 and report["coverage"]["left_out_gradient_share"] > 0.1
+    critical = report["critical_batch"]  # what the recommendation aims at: the run average here (a flat loss)
+    assert critical["ci_low"] <= exact <= critical["ci_high"]
+    # Before, B = 80 was recommended from the measured parameters' 83 [74, 96]; now the batch is kept, with the fix
+    assert callback.recommendation.status == "too_wide" and not callback.recommendation.changed
+    assert "which more steps don't remove: method='micro_batch'" in callback.recommendation.reason
