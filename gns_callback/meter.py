@@ -146,7 +146,9 @@ class GradientNoiseScaleMeter:
 
     Read :attr:`estimate` (recent: a local-linear fit of the ratio that follows a moving run,
     :mod:`gns_callback.tracking`) and :attr:`run_estimate` (every measured step weighted equally); each read copies
-    the sums to the host once. If the hooks find the model unmeasurable mid-run (a module applied
+    the sums to the host once. Where per-example norms leave some trainable parameters out but measure at least
+    ``MIN_COVERAGE`` of them, the intervals (and the critical batch's) widen to hold the whole model's value
+    (:mod:`gns_callback.left_out`). If the hooks find the model unmeasurable mid-run (a module applied
     twice, a batch dim that can't be told, a gradient penalty reaching per-example hooks, a forward compiled by
     ``torch.compile``, which per-example hooks can't see, ...), the meter switches
     to ``fallback_method`` (warning once; the estimate restarts) or stops measuring: it warns once, and both
