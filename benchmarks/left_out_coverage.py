@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.results import replace_section  # noqa: E402
+from benchmarks.results import publish_section  # noqa: E402
 from benchmarks.sketch_accuracy import digits  # noqa: E402
 from gns_callback import GradientNoiseScaleMeter  # noqa: E402
 from gns_callback.exact import exact_noise_scale, per_example_gradients  # noqa: E402
@@ -159,9 +159,7 @@ def main(argv: Optional[list[str]] = None) -> str:
     rows = run(args.streams, args.steps)
     command = " ".join(["python benchmarks/left_out_coverage.py", *(sys.argv[1:] if argv is None else argv)])
     text = to_markdown(rows, command, args.streams, args.steps, time.perf_counter() - start)
-    if args.out is not None:
-        replace_section(args.out, HEADING, text)
-    print(HEADING + "\n\n" + text)
+    publish_section(text, args.out, HEADING)
     return text
 
 
