@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from gns_callback.meter import TRAINABLE_CHECK_EVERY, GradientNoiseScaleMeter
 from gns_callback.smoothing import RatioAccumulator
 from tests.helpers import mlp
+from tests.trust.models import ScaledLogits
 
 PLAIN_LOOP = textwrap.dedent(
     """
@@ -520,7 +521,8 @@ class SmallConv(torch.nn.Module):
 
 
 @pytest.mark.parametrize("method, passes, model", [("per_example", 1, SmallConv), ("per_example", 1, mlp),
-                                                    ("micro_batch", 3, mlp), ("per_example", 2, mlp)])
+                                                    ("micro_batch", 3, mlp), ("per_example", 2, mlp),
+                                                    ("per_example", 1, ScaledLogits)])
 def test_the_cpu_fast_path_keeps_the_tensor_paths_numbers(digits, method, passes, model):
     """One process on the CPU reads the step's sums straight off the window as host floats; with ``reduce``
     (here the identity: one rank) they are packed into a tensor, summed across ranks and read a step late
@@ -556,11 +558,14 @@ def test_the_cpu_fast_path_keeps_the_tensor_paths_numbers(digits, method, passes
         assert host.blend.sums[0].item() == 150  # every step blended: a subset was measured
 
 
+@pytest.mark.parametrize("make", [SmallConv, ScaledLogits], ids=["conv", "a parameter left out"])
 @pytest.mark.parametrize("loss, scale", [(None, None), (torch.tensor(2.5), torch.tensor(8.0)), (2.5, 8.0)])
-def test_one_process_on_an_accelerator_reads_a_step_late_with_the_same_numbers(digits, monkeypatch, loss, scale):
-    """Off the CPU, one process copies the window's device scalars, |G_B|² and (if tensors) the loss and loss
-    scale to the host in one copy and finishes the row from the window's host sums a step later; forced here on
-    the CPU, it must give the CPU path's numbers (bit for bit with one backward pass per step)."""
+def test_one_process_on_an_accelerator_reads_a_step_late_with_the_same_numbers(digits, monkeypatch, loss, scale,
+                                                                               make):
+    """Off the CPU, one process copies the window's device scalars, |G_B|² (over the measured and the left-out
+    parameters) and (if tensors) the loss and loss scale to the host in one copy and finishes the row from the
+    window's host sums a step later; forced here on the CPU, it must give the CPU path's numbers (bit for bit with
+    one backward pass per step)."""
     import gns_callback.meter as meter_module
 
     x, y = digits
@@ -569,7 +574,7 @@ def test_one_process_on_an_accelerator_reads_a_step_late_with_the_same_numbers(d
         if later:
             monkeypatch.setattr(meter_module, "_on_host", lambda grads, loss_scale: False)
         torch.manual_seed(0)
-        net = SmallConv()
+        net = make()
         g = torch.Generator().manual_seed(0)
         with GradientNoiseScaleMeter(net, method="per_example", per_example_max_examples=4) as meter:
             for _ in range(60):
@@ -586,7 +591,10 @@ def test_one_process_on_an_accelerator_reads_a_step_late_with_the_same_numbers(d
     host, later = meters
     assert host.state_dict() == later.state_dict()
     assert host.read() == later.read() and host.critical_batch == later.critical_batch
-    assert host.blend.sums[0].item() == 60  # a subset was measured: the excluded squares travelled too
+    if make is SmallConv:
+        assert host.blend.sums[0].item() == 60  # a subset was measured: the excluded squares travelled too
+    else:
+        assert host.left_out.share() > 0.1  # the left-out parameter's |g_B|² travelled too
 
 
 def _batches(x, steps, seed, batch=16):
