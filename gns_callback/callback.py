@@ -539,6 +539,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             return None
         accumulate, world = trainer.accumulate_grad_batches, trainer.world_size
         multiplier = self._adapter.lr_multiplier if self._adapter is not None else 1.0
+        coverage = self.meter.coverage  # one read: it sums the parameters' sizes
         return recommend(
             estimate,
             current_batch_size=self._micro_batch_size * accumulate * world,
@@ -551,8 +552,8 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             sharpness=None if self.sharpness_monitor is None else self.sharpness_monitor.largest,
             dataset_size=facts.dataset_size(trainer),
             steps_per_epoch=facts.steps_per_epoch(trainer),
-            coverage=self.meter.coverage.get("fraction", 1.0),
-            left_out_share=self.meter.coverage.get("left_out_gradient_share", 0.0),
+            coverage=coverage.get("fraction", 1.0),
+            left_out_share=coverage.get("left_out_gradient_share", 0.0),
             **self.recommend_options,
         )
 
