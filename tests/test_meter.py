@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from gns_callback.meter import TRAINABLE_CHECK_EVERY, GradientNoiseScaleMeter
 from gns_callback.smoothing import RatioAccumulator
@@ -306,6 +307,39 @@ def test_recent_estimate_follows_a_moving_run(digits):
     assert sum(held) >= len(held) - 1, (held, exact, recent)
     log_gm = lambda values: sum(math.log(v / e) for v, e in zip(values, exact)) / len(exact)  # noqa: E731
     assert abs(log_gm([r.b_simple for r in recent])) < 0.5 * abs(log_gm(run)), (exact, recent, run)
+
+
+def test_a_window_that_cannot_resolve_the_gradient_does_not_read_an_older_ones_confident_value():
+    """Breast cancer, a 30-32-2 MLP under AdamW: the exact B_simple rises from 1,200 to 2,200 over steps 550–600, and
+    the base window can no longer tell |G|² from zero. The reading fell back to the 4× window's level fit, which
+    still weighs the early steps (B_simple near 100): 110 [80, 170] from step 556 on, a confident, wrong number.
+    Now a longer window is read only where the shorter ones are consistent with it, with the base trend fit's
+    interval; here none is, and the reading says |G|² is not resolved. Every interval holds the exact value."""
+    from sklearn.datasets import load_breast_cancer
+
+    from gns_callback.exact import exact_b_simple
+
+    data = load_breast_cancer()
+    x = torch.tensor(data.data, dtype=torch.float32)
+    x, y = (x - x.mean(0)) / x.std(0), torch.tensor(data.target)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(30, 32), nn.Tanh(), nn.Linear(32, 2))
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.1)
+    g = torch.Generator().manual_seed(0)
+    readings = []
+    with GradientNoiseScaleMeter(net) as meter:
+        for step in range(1, 601):
+            i = torch.randint(0, len(x), (32,), generator=g)
+            optimizer.zero_grad()
+            F.cross_entropy(net(x[i]), y[i]).backward()
+            meter.step()
+            if step >= 550 and step % 5 == 0:
+                with meter.paused():
+                    readings.append((step, exact_b_simple(net, F.cross_entropy, x, y)[0], meter.estimate))
+            optimizer.step()
+    assert readings[0][1] > 1000 and readings[-1][1] > 1.5 * readings[0][1]  # a moving run, far above the batch
+    missed = [(s, e, r) for s, e, r in readings if not r.ci_low <= e <= r.ci_high]
+    assert not missed, missed
 
 
 def test_loss_scale_is_removed(digits):

@@ -233,12 +233,16 @@ def test_weight_sums_of_a_long_run_are_the_infinite_series():
     assert steps_of([1.0 / (1.0 - 0.5)] + [0.0] * 13, 0.5) == math.inf
 
 
-def test_choose_fit_takes_the_first_candidate_with_a_positive_finite_ratio():
-    def fit(ratio):
-        return TrendFit(RatioSummary(1.0, 1.0, ratio, 0.0, math.inf, 5.0))
+def test_without_a_window_test_the_reading_stays_in_the_base_window():
+    """The base trend fit while its ratio is finite and positive, else the base level fit; a longer window is never
+    read unchecked (its interval covers its own, older mean), so else the base trend fit: ``|G|²`` not resolved."""
+    def fit(ratio, trend):
+        return TrendFit(RatioSummary(1.0, 1.0, ratio, 0.0, math.inf, 5.0), trend=trend)
 
-    assert choose_fit([fit(math.inf), fit(0.0), fit(2.0), fit(3.0)]).ratio == 2.0
-    assert math.isinf(choose_fit([fit(math.inf), fit(math.nan)]).ratio)
+    assert choose_fit([fit(4.0, True), fit(2.0, False), fit(3.0, True), fit(5.0, False)]).ratio == 4.0
+    assert choose_fit([fit(math.inf, True), fit(2.0, False), fit(3.0, True), fit(5.0, False)]).ratio == 2.0
+    assert math.isinf(choose_fit([fit(math.inf, True), fit(0.0, False), fit(3.0, True), fit(5.0, False)]).ratio)
+    assert math.isinf(choose_fit([fit(math.inf, True), fit(math.nan, False)]).ratio)
 
 
 def test_the_interval_is_the_base_trend_fits_whichever_window_is_read():
@@ -259,7 +263,9 @@ def test_the_interval_is_the_base_trend_fits_whichever_window_is_read():
 
 def test_the_level_answers_while_the_trend_fit_reads_a_negative_grad_norm():
     """|G|² is buried in noise at n_eff ≈ 5: the trend fit's |G|² comes out negative, the level's does not. The
-    base trend fit cannot vouch for longer windows then: the reading is the first level fit that resolves it."""
+    base trend fit cannot vouch for longer windows then: the reading is the first level fit that resolves it and that
+    the shorter candidates are consistent with, with the base trend fit's interval (a longer window's own interval
+    covers its older mean, not the current value)."""
     rng = np.random.default_rng(4)
     y = 0.1 + 0.1 * rng.standard_normal(300)
     y[-3:] = -0.2  # the last steps pull the trend fit's |G|² below zero
@@ -268,7 +274,8 @@ def test_the_level_answers_while_the_trend_fit_reads_a_negative_grad_norm():
     trend, *others = tracker.fits()[0]
     assert not trend.usable
     chosen = tracker.summary()
-    assert chosen == next(f.summary for f in others if f.usable and not f.trend)
+    assert chosen.ratio == next(f.summary.ratio for f in others if f.usable and not f.trend)
+    assert (chosen.ci_low, chosen.ci_high) == (trend.summary.ci_low, trend.summary.ci_high)
     assert chosen.ci_low <= 50.0 <= chosen.ci_high
 
 
