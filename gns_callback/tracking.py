@@ -59,14 +59,14 @@ only from a base trend fit that resolves ``|G|²`` (a bounded interval). Without
 noise, and a choice from an unresolved base read 0.5× on the logistic regression of the trajectory benchmark (the
 meter's default stream, 16 of 32 examples). There, and with too few steps for the test, the reading is the base
 trend fit while its ratio is finite and positive, else the base level fit, else the first longer level fit that
-every shorter candidate is consistent with, read with the base trend fit's interval, else the base trend fit (``inf``)
-(:func:`fallback_fit`). A longer window's own interval covers that window's mean, which lags a moving run: read with
-it, the 4× window gave 110 [80, 170] against an exact 1,200–2,200 on a breast-cancer MLP under AdamW. Starting the walk instead from the shortest
-window whose trend fit resolves ``|G|²`` (the 4× window's, where the base's does not) was measured and not taken: at
-fixed parameters it halved the recent value's error on the digits CNN of ``benchmarks/accuracy_peers.py`` (mean
-|rel err| 0.220 → 0.110 over 200 streams of 400 steps, 21 unresolved at the base window), but on a steep rise
-(``B_simple`` 40 → 600 in 400 steps, B = 32) the rebased streams read the 4× and 16× trend fits, which lag there
-(0.85× and 0.78×), and the reading's geometric mean fell from 1.0× to 0.71×.
+every shorter candidate is consistent with, read with the base trend fit's interval, else the base trend fit
+(``inf``; :func:`fallback_fit`). A longer window's own interval covers that window's mean, which lags a moving run:
+read with it, the 4× window gave 110 [80, 170] against an exact 1,200–2,200 on a breast-cancer MLP under AdamW.
+Starting the walk instead from the shortest window whose trend fit resolves ``|G|²`` (the 4× window's, where the
+base's does not) was measured and not taken: at fixed parameters it halved the recent value's error on the digits
+CNN of ``benchmarks/accuracy_peers.py`` (mean |rel err| 0.220 → 0.110 over 200 streams of 400 steps, 21 unresolved
+at the base window), but on a steep rise (``B_simple`` 40 → 600 in 400 steps, B = 32) the rebased streams read the
+4× and 16× trend fits, which lag there (0.85× and 0.78×), and the reading's geometric mean fell from 1.0× to 0.71×.
 
 Measured along SGD runs against the exact ``B_simple`` at every step: ``benchmarks/trajectory_tracking.py``.
 """
@@ -375,9 +375,14 @@ def lepski_choice(fits: Sequence[TrendFit], test: WindowTest) -> Optional[TrendF
     but its steps still check the longer ones."""
     chosen = None
     for k, fit in enumerate(fits):
-        if fit.usable and all(consistent(earlier, fit, test) for earlier in fits[:k]):
+        if fit.usable and consistent_with_shorter(fits, k, test):
             chosen = fit
     return chosen
+
+
+def consistent_with_shorter(fits: Sequence[TrendFit], k: int, test: WindowTest) -> bool:
+    """Whether every candidate before ``fits[k]`` (less smoothed) is :func:`consistent` with its ratio."""
+    return all(consistent(earlier, fits[k], test) for earlier in fits[:k])
 
 
 def fallback_fit(fits: Sequence[TrendFit], test: Optional[WindowTest] = None) -> RatioSummary:
@@ -386,17 +391,17 @@ def fallback_fit(fits: Sequence[TrendFit], test: Optional[WindowTest] = None) ->
     it (with ``test``; Lepski's check), read with the base trend fit's interval; else the base trend fit (``inf``:
     ``|G|²`` not resolved).
 
-    A longer window's own interval covers its own weighted mean, which lags a moving run: on breast-cancer
-    logistic-MLP steps under AdamW (exact ``B_simple`` 1,200 → 2,200) the 4× level fit read 110 [80, 170] while the
-    base window could not resolve ``|G|²``; read with its own interval it was a confident, wrong number."""
+    A longer window's own interval covers its own weighted mean, which lags a moving run: on a breast-cancer MLP
+    under AdamW (exact ``B_simple`` 1,200 → 2,200) the 4× level fit read 110 [80, 170] while the base window could
+    not resolve ``|G|²``; read with its own interval it was a confident, wrong number."""
     base_trend, base_level = fits[0], fits[1]
     for fit in (base_trend, base_level):
         if fit.usable:
             return fit.summary
-    for k, fit in enumerate(fits):
-        if k > 1 and not fit.trend and fit.usable and test is not None \
-                and all(consistent(earlier, fit, test) for earlier in fits[:k]):
-            return with_base_interval(base_trend, fit)
+    longer_levels = [k for k in range(2, len(fits)) if not fits[k].trend and fits[k].usable]
+    for k in longer_levels if test is not None else ():
+        if consistent_with_shorter(fits, k, test):
+            return with_base_interval(base_trend, fits[k])
     return base_trend.summary
 
 
