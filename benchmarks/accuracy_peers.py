@@ -55,13 +55,13 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 warnings.filterwarnings("ignore")
 
-from sklearn.datasets import load_breast_cancer, load_digits, load_wine  # noqa: E402
+from sklearn.datasets import load_breast_cancer, load_digits, load_iris, load_wine  # noqa: E402
 
 from benchmarks.peers_gns import AdaptDLGNS, GptNeoxGNS, NanoGNS  # noqa: E402
 from benchmarks.results import replace_section  # noqa: E402
 from gns_callback import GradientNoiseScaleMeter  # noqa: E402
 from gns_callback.exact import exact_noise_scale, per_example_gradients  # noqa: E402
-from tests.helpers import small_cnn  # noqa: E402
+from tests.helpers import mlp, small_cnn  # noqa: E402
 
 HEADING = "## Accuracy against public peers (issue 14)"
 BATCH, MICRO = 32, 8
@@ -109,6 +109,24 @@ CASES = [
     Case("cnn", "digits CNN, Conv + GroupNorm", _digits, small_cnn, 100),
     Case("cnn64", "digits CNN 16-32 channels + GroupNorm, batch 64", _digits, _wide_cnn, 100, batch=64),
 ]
+
+
+def _deep_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 64), nn.LayerNorm(64),
+                         nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 10))
+
+
+#: ``--held-out``: cases no default was chosen on (other data, depths, activations, norms and a batch of 64).
+HELD_OUT = [
+    Case("iris", "iris MLP 4-16-3 (tanh)", lambda: _standardised(load_iris),
+         lambda: nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3)), 50),
+    Case("digmlp", "digits MLP 64-32-10 (tanh)", _digits, mlp, 100),
+    Case("bcmlp", "breast-cancer MLP 30-32-2 (ReLU)", lambda: _standardised(load_breast_cancer),
+         lambda: nn.Sequential(nn.Linear(30, 32), nn.ReLU(), nn.Linear(32, 2)), 30),
+    Case("deep", "digits MLP 64-64-64-64-10, LayerNorm, GELU", _digits, _deep_mlp, 200),
+    Case("wine64", "wine MLP 13-16-3 at batch 64", lambda: _standardised(load_wine), _wine_mlp, 100, batch=64),
+]
+HELD_OUT_HEADING = "## Accuracy against public peers: cases held out from every choice (written by the script)"
 
 
 def frozen_model(case: Case, x: torch.Tensor, y: torch.Tensor, steps: Optional[int] = None) -> nn.Module:
@@ -300,8 +318,10 @@ def to_markdown(results: list[dict], command: str, seeds: int, steps: int, secon
         f"trained with plain SGD (lr {TRAIN_LR}, batch {BATCH} with replacement, seed 0) for the steps below, then "
         "frozen; "
         f"{seeds} streams × {steps} steps of the case's batch drawn i.i.d. with replacement, the same streams for every "
-        "estimator; our default (`per_example_max_examples=16`) measures every example where that is cheaper, as "
-        "for the first three cases, and 16 examples plus their summed gradient otherwise (the wide CNN at batch 64); exact = brute force over every example (`gns_callback.exact`). Ours through "
+        "estimator; our default (`per_example_max_examples=16`) measures every example where its cost model finds "
+        "that cheaper, else 16 examples plus their summed gradient (where the rows of the default and of "
+        "`per_example_max_examples=None` coincide, every example was measured); exact = brute force over every "
+        "example (`gns_callback.exact`). Ours through "
         "`GradientNoiseScaleMeter` only (the package's current defaults, read after the last step); peers as in "
         "`benchmarks/peers_gns.py` (nanoGNS `exact/gnstracking.py` + `exact/gns-analysis.py` @ b3b0c9c; gpt-neox "
         "`megatron/gradient_noise_scale/gradient_noise_scale.py` @ ea7aefd; AdaptDL "
@@ -336,18 +356,21 @@ def main(argv: Optional[list[str]] = None) -> str:
     parser.add_argument("--steps", type=int, default=400, help="steps per stream (default 400)")
     parser.add_argument("--quick", action="store_true", help="2 seeds × 60 steps: a smoke test, not a measurement")
     parser.add_argument("--out", default=None, help="write the tables into this RESULTS.md")
+    parser.add_argument("--held-out", action="store_true",
+                        help="the HELD_OUT cases instead (their own section), to see the defaults generalise")
     args = parser.parse_args(argv)
     seeds, steps = (2, 60) if args.quick else (args.seeds, args.steps)
     torch.set_num_threads(1)
     start = time.perf_counter()
-    results = run(seeds, steps)
-    command = "python benchmarks/accuracy_peers.py" + (" --quick" if args.quick else "") + "".join(
+    results = run(seeds, steps, HELD_OUT if args.held_out else CASES)
+    command = "python benchmarks/accuracy_peers.py" + (" --held-out" if args.held_out else "") + (
+        " --quick" if args.quick else "") + "".join(
         f" --{k} {v}" for k, v, d in (("seeds", args.seeds, 20), ("steps", args.steps, 400)) if v != d and not args.quick)
     table = to_markdown(results, command + (f" --out {args.out}" if args.out else ""), seeds, steps,
                         time.perf_counter() - start)
     print(table)
     if args.out:
-        replace_section(args.out, HEADING, table)
+        replace_section(args.out, HELD_OUT_HEADING if args.held_out else HEADING, table)
     return table
 
 

@@ -71,3 +71,15 @@ def test_quick_run_end_to_end(bench, one_thread, tmp_path):
     exact_values = [float(line.split("|")[5]) for line in table.splitlines() if line.startswith(("| bc:", "| wine:",
                                                                                                  "| cnn:"))]
     assert len(exact_values) == 3 and all(v > 0 for v in exact_values)
+
+
+def test_held_out_cases_write_their_own_section(bench, one_thread, tmp_path, monkeypatch):
+    """``--held-out`` scores the HELD_OUT cases (two of them here, to stay quick) under their own heading, leaving
+    the main section alone."""
+    monkeypatch.setattr(bench, "HELD_OUT", bench.HELD_OUT[:2])
+    out = tmp_path / "RESULTS.md"
+    out.write_text(f"# Benchmark results\n\n{bench.HEADING}\n\nkept\n")
+    table = bench.main(["--held-out", "--quick", "--out", str(out)])
+    assert all(f"| {case.key}: {case.name} |" in table for case in bench.HELD_OUT)
+    text = out.read_text()
+    assert bench.HELD_OUT_HEADING in text and "kept" in text and "--held-out" in text
