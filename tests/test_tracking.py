@@ -284,11 +284,12 @@ def test_a_base_trend_fit_that_does_not_resolve_the_gradient_chooses_no_window()
     power to see a longer window lag then, and the reading is the one before the window choice."""
     x, y = _per_example_steps(np.random.default_rng(15), 60, np.full((300, 24), math.sqrt(0.04 / 24)), np.ones(300),
                               32)
-    tracker, fits, _ = _candidates_and_tests(x, y, 0.99)
-    unresolved = [(f, s) for f, s in zip(fits, tracker.summaries()) if not math.isfinite(f[0].summary.ci_high)]
+    tracker, fits, tests = _candidates_and_tests(x, y, 0.99)
+    unresolved = [(f, t, s) for f, t, s in zip(fits, tests, tracker.summaries())
+                  if not math.isfinite(f[0].summary.ci_high)]
     assert len(unresolved) > 10
-    for f, chosen in unresolved:
-        assert chosen == fallback_fit(f)
+    for f, t, chosen in unresolved:
+        assert chosen == fallback_fit(f, t)
 
 
 @pytest.mark.parametrize("split", [50, 128, 200])
