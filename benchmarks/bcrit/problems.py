@@ -67,6 +67,19 @@ def diabetes() -> tuple[torch.Tensor, torch.Tensor]:
     return _standardised(x), _standardised(torch.tensor(data.target, dtype=torch.float32)[:, None])
 
 
+def wine() -> tuple[torch.Tensor, torch.Tensor]:
+    """scikit-learn's wine data (178 examples, 13 features standardised, 3 classes), all of it."""
+    from sklearn.datasets import load_wine
+
+    data = load_wine()
+    return _standardised(torch.tensor(data.data, dtype=torch.float32)), torch.tensor(data.target)
+
+
+def wine_mlp(hidden: int = 32, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(13, hidden), nn.Tanh(), nn.Linear(hidden, 3))
+
+
 def diabetes_mlp(hidden: int = 64, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(10, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 1))
@@ -115,6 +128,8 @@ PROBLEMS = {
     "bc_mlp_momentum": Problem("bc_mlp_momentum",
                                "breast-cancer MLP 30-32-2 (tanh), SGD momentum 0.9, target full-data cross-entropy 0.02",
                                bc_mlp, breast_cancer, 0.02, lr_grid(0.02, 1.6), optimizer="momentum"),
+    "wine_mlp": Problem("wine_mlp", "wine MLP 13-32-3 (tanh), SGD, target full-data cross-entropy 0.02",
+                        wine_mlp, wine, 0.02, lr_grid(0.2, 9.1)),
     "diabetes_mlp": Problem("diabetes_mlp", "diabetes MLP 10-64-64-1 (tanh), regression, SGD, target full-data MSE 0.25 "
                             "(standardised target)", diabetes_mlp, diabetes, 0.25, lr_grid(0.01, 0.32), loss=F.mse_loss),
     "cnn": Problem("cnn", "digits CNN (2 conv + GroupNorm + linear, ReLU), SGD, target full-data cross-entropy 0.03",

@@ -19,7 +19,7 @@ def problems(load_benchmark):
     return problems
 
 
-@pytest.mark.parametrize("name", ["mlp", "cnn", "bc_mlp", "diabetes_mlp"])
+@pytest.mark.parametrize("name", ["mlp", "cnn", "bc_mlp", "wine_mlp", "diabetes_mlp"])
 def test_exact_sums_match_per_example_gradients(problems, name):
     """What the critical-batch study records as exact is the brute-force ``|G|²`` and ``tr Σ`` over the whole data
     set, and the gradients the training loop left in ``.grad`` are put back."""
