@@ -130,6 +130,11 @@ PROBLEMS = {
                                bc_mlp, breast_cancer, 0.02, lr_grid(0.02, 1.6), optimizer="momentum"),
     "wine_mlp": Problem("wine_mlp", "wine MLP 13-32-3 (tanh), SGD, target full-data cross-entropy 0.02",
                         wine_mlp, wine, 0.02, lr_grid(0.2, 9.1)),
+    "wine_mlp_adam": Problem("wine_mlp_adam", "wine MLP 13-32-3 (tanh), Adam, target full-data cross-entropy 0.02",
+                             wine_mlp, wine, 0.02, lr_grid(0.002, 0.2), optimizer="adam"),
+    "wine_mlp_momentum": Problem("wine_mlp_momentum",
+                                 "wine MLP 13-32-3 (tanh), SGD momentum 0.9, target full-data cross-entropy 0.02",
+                                 wine_mlp, wine, 0.02, lr_grid(0.02, 1.6), optimizer="momentum"),
     "diabetes_mlp": Problem("diabetes_mlp", "diabetes MLP 10-64-64-1 (tanh), regression, SGD, target full-data MSE 0.25 "
                             "(standardised target)", diabetes_mlp, diabetes, 0.25, lr_grid(0.01, 0.32), loss=F.mse_loss),
     "cnn": Problem("cnn", "digits CNN (2 conv + GroupNorm + linear, ReLU), SGD, target full-data cross-entropy 0.03",
