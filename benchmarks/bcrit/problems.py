@@ -50,12 +50,17 @@ def _standardised(values: torch.Tensor) -> torch.Tensor:
     return ((values - values.mean(0)) / values.std(0)).contiguous()
 
 
+def _classification(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """scikit-learn's bundled classification data set ``load_<name>``, all of it, features standardised."""
+    import sklearn.datasets
+
+    data = getattr(sklearn.datasets, f"load_{name}")()
+    return _standardised(torch.tensor(data.data, dtype=torch.float32)), torch.tensor(data.target)
+
+
 def breast_cancer() -> tuple[torch.Tensor, torch.Tensor]:
     """scikit-learn's breast-cancer data (569 examples, 30 features standardised, 2 classes), all of it."""
-    from sklearn.datasets import load_breast_cancer
-
-    data = load_breast_cancer()
-    return _standardised(torch.tensor(data.data, dtype=torch.float32)), torch.tensor(data.target)
+    return _classification("breast_cancer")
 
 
 def diabetes() -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,25 +74,21 @@ def diabetes() -> tuple[torch.Tensor, torch.Tensor]:
 
 def wine() -> tuple[torch.Tensor, torch.Tensor]:
     """scikit-learn's wine data (178 examples, 13 features standardised, 3 classes), all of it."""
-    from sklearn.datasets import load_wine
-
-    data = load_wine()
-    return _standardised(torch.tensor(data.data, dtype=torch.float32)), torch.tensor(data.target)
+    return _classification("wine")
 
 
-def wine_mlp(hidden: int = 32, seed: int = 0) -> nn.Module:
+def _tanh_mlp(inputs: int, classes: int, hidden: int = 32, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(13, hidden), nn.Tanh(), nn.Linear(hidden, 3))
+    return nn.Sequential(nn.Linear(inputs, hidden), nn.Tanh(), nn.Linear(hidden, classes))
+
+
+bc_mlp = partial(_tanh_mlp, 30, 2)
+wine_mlp = partial(_tanh_mlp, 13, 3)
 
 
 def diabetes_mlp(hidden: int = 64, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(10, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 1))
-
-
-def bc_mlp(hidden: int = 32, seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(30, hidden), nn.Tanh(), nn.Linear(hidden, 2))
 
 
 def mlp(hidden: int = 64, seed: int = 0) -> nn.Module:
@@ -109,6 +110,17 @@ def lr_grid(low: float, high: float) -> tuple[float, ...]:
     return tuple(out)
 
 
+def _held_out(key: str, network: str, make_net: Callable[[], nn.Module],
+              data: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Problem]:
+    """A held-out classification problem (target full-data cross-entropy 0.02) under SGD, Adam and SGD with
+    momentum 0.9: keys ``key``, ``key_adam``, ``key_momentum``, each with its optimizer's LR grid."""
+    runs = (("", "SGD", "sgd", lr_grid(0.2, 9.1)), ("_adam", "Adam", "adam", lr_grid(0.002, 0.2)),
+            ("_momentum", "SGD momentum 0.9", "momentum", lr_grid(0.02, 1.6)))
+    return {key + suffix: Problem(key + suffix, f"{network}, {label}, target full-data cross-entropy 0.02", make_net,
+                                  data, 0.02, lrs, optimizer=optimizer)
+            for suffix, label, optimizer, lrs in runs}
+
+
 PROBLEMS = {
     "mlp_momentum": Problem("mlp_momentum",
                             "digits MLP 64-64-10 (tanh), SGD momentum 0.9, target full-data cross-entropy 0.05",
@@ -121,20 +133,8 @@ PROBLEMS = {
                         "digits CNN (2 conv + GroupNorm + linear, ReLU), Adam, target full-data cross-entropy 0.03",
                         cnn, digits, 0.03, lr_grid(0.001, 0.1), optimizer="adam"),
     # held out: a data set and a network the summary was not chosen on
-    "bc_mlp": Problem("bc_mlp", "breast-cancer MLP 30-32-2 (tanh), SGD, target full-data cross-entropy 0.02",
-                      bc_mlp, breast_cancer, 0.02, lr_grid(0.2, 9.1)),
-    "bc_mlp_adam": Problem("bc_mlp_adam", "breast-cancer MLP 30-32-2 (tanh), Adam, target full-data cross-entropy 0.02",
-                           bc_mlp, breast_cancer, 0.02, lr_grid(0.002, 0.2), optimizer="adam"),
-    "bc_mlp_momentum": Problem("bc_mlp_momentum",
-                               "breast-cancer MLP 30-32-2 (tanh), SGD momentum 0.9, target full-data cross-entropy 0.02",
-                               bc_mlp, breast_cancer, 0.02, lr_grid(0.02, 1.6), optimizer="momentum"),
-    "wine_mlp": Problem("wine_mlp", "wine MLP 13-32-3 (tanh), SGD, target full-data cross-entropy 0.02",
-                        wine_mlp, wine, 0.02, lr_grid(0.2, 9.1)),
-    "wine_mlp_adam": Problem("wine_mlp_adam", "wine MLP 13-32-3 (tanh), Adam, target full-data cross-entropy 0.02",
-                             wine_mlp, wine, 0.02, lr_grid(0.002, 0.2), optimizer="adam"),
-    "wine_mlp_momentum": Problem("wine_mlp_momentum",
-                                 "wine MLP 13-32-3 (tanh), SGD momentum 0.9, target full-data cross-entropy 0.02",
-                                 wine_mlp, wine, 0.02, lr_grid(0.02, 1.6), optimizer="momentum"),
+    **_held_out("bc_mlp", "breast-cancer MLP 30-32-2 (tanh)", bc_mlp, breast_cancer),
+    **_held_out("wine_mlp", "wine MLP 13-32-3 (tanh)", wine_mlp, wine),
     "diabetes_mlp": Problem("diabetes_mlp", "diabetes MLP 10-64-64-1 (tanh), regression, SGD, target full-data MSE 0.25 "
                             "(standardised target)", diabetes_mlp, diabetes, 0.25, lr_grid(0.01, 0.32), loss=F.mse_loss),
     "cnn": Problem("cnn", "digits CNN (2 conv + GroupNorm + linear, ReLU), SGD, target full-data cross-entropy 0.03",
