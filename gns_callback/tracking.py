@@ -398,9 +398,10 @@ def fallback_fit(fits: Sequence[TrendFit], test: Optional[WindowTest] = None) ->
     for fit in (base_trend, base_level):
         if fit.usable:
             return fit.summary
-    longer_levels = [k for k in range(2, len(fits)) if not fits[k].trend and fits[k].usable]
-    for k in longer_levels if test is not None else ():
-        if consistent_with_shorter(fits, k, test):
+    if test is None:
+        return base_trend.summary
+    for k in range(2, len(fits)):
+        if not fits[k].trend and fits[k].usable and consistent_with_shorter(fits, k, test):
             return with_base_interval(base_trend, fits[k])
     return base_trend.summary
 
