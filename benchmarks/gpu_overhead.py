@@ -146,8 +146,10 @@ def measure_model(spec: ModelSpec, configs, rounds: int, steps: int, warmup: int
     return list(rows.values())
 
 
-def run(rounds: int, steps: int, warmup: int, keys: list[str] | None = None, save=None, log=print) -> dict[str, Any]:
-    """Every model's configurations (``keys``: only these), ``save(result so far)`` after each model."""
+def run(rounds: int, steps: int, warmup: int, keys: list[str] | None = None, save=None, log=print,
+        models: list[str] | None = None) -> dict[str, Any]:
+    """Every model's configurations (``keys``: only these; ``models``: only these model names), ``save(result so
+    far)`` after each model."""
     _quiet()
     configs = [c for c in lightning_configs() if keys is None or c[0] in keys]
     out: dict[str, Any] = {**environment(), "settings": {"rounds": rounds, "steps": steps, "warmup": warmup},
@@ -155,6 +157,8 @@ def run(rounds: int, steps: int, warmup: int, keys: list[str] | None = None, sav
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="gns_gpu_overhead_") as workdir:
         for spec in model_specs(quick=False) + [efficientnet_spec(), gpt_spec()]:
+            if models is not None and spec.name not in models:
+                continue
             chosen = [c for c in configs if spec.name not in CONFIGS or c[0] in CONFIGS[spec.name]]
             spec_steps = max(15, steps // SLOW_MODELS.get(spec.name, 1))
             out["models"][spec.name] = spec.description
@@ -193,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--configs", nargs="+", help="only these configuration keys (e.g. base_acc1 per_example "
                         "base_acc4 micro_batch)")
+    parser.add_argument("--models", nargs="+", help="only these models, by name (e.g. MLP CNN transformer "
+                        "EfficientNet-B0)")
     parser.add_argument("--json", type=Path, help="write the measurements here (after each model)")
     parser.add_argument("--from-json", type=Path, help="no measuring: render a saved --json file")
     parser.add_argument("--out", type=Path, help="write/replace this benchmark's section of this markdown file")
@@ -205,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("needs a CUDA GPU (use --from-json to render saved measurements)")
         save = (lambda partial: args.json.write_text(json.dumps({**partial, "command": command}, indent=1))) \
             if args.json else None
-        result = {**run(args.rounds, args.steps, args.warmup, args.configs, save), "command": command}
+        result = {**run(args.rounds, args.steps, args.warmup, args.configs, save, models=args.models),
+                  "command": command}
     section = render(result, result.get("command", "python benchmarks/gpu_overhead.py --json gpu_overhead.json"))
     publish_section(section, args.out, SECTION_HEADING)
     return 0
