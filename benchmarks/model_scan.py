@@ -116,6 +116,19 @@ class Conv1dNet(nn.Module):
         return self.head(F.relu(self.norm(self.conv(x.unsqueeze(1)))).flatten(1))
 
 
+class Conv3dNet(nn.Module):
+    """The image as a 4×4×4 volume: Conv3d + GroupNorm, a strided Conv3d, and a Linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.norm = nn.Conv3d(1, 8, 3, padding=1), nn.GroupNorm(2, 8)
+        self.conv2, self.head = nn.Conv3d(8, 16, 3, stride=2, padding=1), nn.Linear(16 * 8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.norm(self.conv1(x.reshape(-1, 1, 4, 4, 4))))
+        return self.head(F.relu(self.conv2(h)).flatten(1))
+
+
 class HuggingFaceGpt2(nn.Module):
     """``transformers``' ``GPT2LMHeadModel`` (2 layers, width 32, vocabulary 17, dropout off), its logits mean-pooled
     over positions; the first 10 vocabulary entries are the class logits. Only where ``transformers`` is installed."""
@@ -138,6 +151,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], bool]] = {  # name → (model, 
     "nn.TransformerEncoderLayer": (EncoderNet, True),
     "nn.TransformerDecoderLayer (sequence-first)": (DecoderNet, True),
     "GPT-style (arange positions, tied head)": (GptStyle, True), "Conv1d + GroupNorm": (Conv1dNet, False),
+    "Conv3d + GroupNorm (volumes)": (Conv3dNet, False),
 }
 try:
     import transformers  # noqa: F401  (optional: not a dependency of the package)

@@ -1,4 +1,4 @@
-"""Per-example squared gradient norms for ``nn.Conv1d`` / ``nn.Conv2d`` via im2col.
+"""Per-example squared gradient norms for ``nn.Conv1d`` / ``nn.Conv2d`` / ``nn.Conv3d`` via im2col.
 
 After unfolding, a convolution is a linear map applied at every output position, so example ``i``
 contributes ``Σ_p u_{i,p}ᵀ δ_{i,p}`` per group (Rochette et al. 2019, "Efficient per-example gradient
@@ -7,7 +7,9 @@ computations in convolutional neural networks"; BackPACK ``batch_l2_grad``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
+from typing import Union
 
 import torch
 import torch.nn.functional as F
@@ -16,10 +18,21 @@ from torch import Tensor, nn
 from .linear import includes_param, sequence_norm_method, sequence_sq_norms, upcast
 from .sketch import PROBES, probe_signs
 
-__all__ = ["conv_summed_grads", "conv_sq_norms", "conv_weight_sq_norms", "per_example_weight_grads", "unfold_input"]
+__all__ = ["ConvNd", "conv_summed_grads", "conv_sq_norms", "conv_weight_sq_norms", "per_example_weight_grads",
+           "unfold_input"]
+
+ConvNd = Union[nn.Conv1d, nn.Conv2d, nn.Conv3d]
+
+#: Each convolution's weight-gradient function, by its number of spatial dims.
+_WEIGHT_GRADS = {1: torch.nn.grad.conv1d_weight, 2: torch.nn.grad.conv2d_weight, 3: torch.nn.grad.conv3d_weight}
 
 
-def unfold_input(module: nn.Conv1d | nn.Conv2d, inp: Tensor) -> Tensor:
+def spatial_dims(module: ConvNd) -> int:
+    """1, 2 or 3: the convolution's spatial dims (its weight is ``(out, in/groups, *kernel)``)."""
+    return module.weight.dim() - 2
+
+
+def unfold_input(module: ConvNd, inp: Tensor) -> Tensor:
     """im2col of ``inp`` as the module sees it: (B, C_in·kernel_numel, output_positions).
 
     Padding is applied explicitly with the module's own (possibly asymmetric, for ``'same'``) amounts
@@ -29,38 +42,33 @@ def unfold_input(module: nn.Conv1d | nn.Conv2d, inp: Tensor) -> Tensor:
     if any(padding):
         mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
         inp = F.pad(inp, padding, mode=mode)
-    kernel_size, dilation, stride = module.kernel_size, module.dilation, module.stride
-    if isinstance(module, nn.Conv1d):
-        inp = inp.unsqueeze(2)  # (B, C, 1, L): a 2-D convolution of height 1
-        kernel_size, dilation, stride = (1, *kernel_size), (1, *dilation), (1, *stride)
-    return _im2col(inp, kernel_size, dilation, stride)
+    return _im2col(inp, module.kernel_size, module.dilation, module.stride)
 
 
 def _im2col(inp: Tensor, kernel_size: tuple, dilation: tuple, stride: tuple) -> Tensor:
-    """``F.unfold(inp, kernel_size, dilation, padding=0, stride)`` as a strided view plus one copy.
+    """``F.unfold(inp, kernel_size, dilation, padding=0, stride)`` as a strided view plus one copy, for any number
+    of spatial dims (``F.unfold`` takes two).
 
-    The view ``(B, C, kh, kw, H_out, W_out)`` over the (already padded) input, reshaped, is exactly
-    ``F.unfold``'s ``(B, C·kh·kw, H_out·W_out)``, about 3× faster on CPU (Opacus ``unfold2d`` does the same).
+    The view ``(B, C, *kernel, *out)`` over the (already padded) input, reshaped, is exactly ``F.unfold``'s
+    ``(B, C·kernel_numel, out_positions)`` in 2-D, about 3× faster on CPU (Opacus ``unfold2d`` does the same).
     """
-    batch, channels, height, width = inp.shape
-    (kh, kw), (dh, dw), (sh, sw) = kernel_size, dilation, stride
-    out_h = (height - dh * (kh - 1) - 1) // sh + 1
-    out_w = (width - dw * (kw - 1) - 1) // sw + 1
-    s_b, s_c, s_h, s_w = inp.stride()
-    windows = inp.as_strided(
-        (batch, channels, kh, kw, out_h, out_w), (s_b, s_c, s_h * dh, s_w * dw, s_h * sh, s_w * sw)
-    )
-    return windows.reshape(batch, channels * kh * kw, out_h * out_w)
+    batch, channels, *extent = inp.shape
+    out = [(n - d * (k - 1) - 1) // s + 1 for n, k, d, s in zip(extent, kernel_size, dilation, stride)]
+    s_b, s_c, *steps = inp.stride()
+    windows = inp.as_strided((batch, channels, *kernel_size, *out),
+                             (s_b, s_c, *(a * d for a, d in zip(steps, dilation)),
+                              *(a * s for a, s in zip(steps, stride))))
+    return windows.reshape(batch, channels * math.prod(kernel_size), math.prod(out))
 
 
 def conv_sq_norms(
-    module: nn.Conv1d | nn.Conv2d,
+    module: ConvNd,
     inp: Tensor,
     grad_output: Tensor,
     *,
     param_names: Collection[str] | None = None,
 ) -> Tensor:
-    """Per-example squared gradient norm of a ``Conv1d``/``Conv2d``'s trainable weight and bias.
+    """Per-example squared gradient norm of a ``Conv1d``/``Conv2d``/``Conv3d``'s trainable weight and bias.
 
     Weight: ``Σ_g |Σ_p u_{i,g,p}ᵀ δ_{i,g,p}|²`` over groups ``g`` and output positions ``p`` with the
     unfolded input ``u`` (Rochette et al. 2019): materialised by :func:`per_example_weight_grads`, from im2col
@@ -68,10 +76,9 @@ def conv_sq_norms(
     :func:`conv_weight_sq_norms` picks. Bias: ``|Σ_p δ_{i,p}|²``.
     Shape (B,), float32 (float64 for float64 inputs), for exactly the loss that was backpropagated.
     """
-    if not isinstance(module, (nn.Conv1d, nn.Conv2d)):
-        raise TypeError(f"expected nn.Conv1d or nn.Conv2d, got {type(module).__name__}")
-    spatial_dims = 1 if isinstance(module, nn.Conv1d) else 2
-    if inp.dim() != spatial_dims + 2:
+    if not isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        raise TypeError(f"expected nn.Conv1d, nn.Conv2d or nn.Conv3d, got {type(module).__name__}")
+    if inp.dim() != spatial_dims(module) + 2:
         raise ValueError(
             f"{type(module).__name__} input needs a leading batch dimension, got shape {tuple(inp.shape)}"
         )
@@ -91,7 +98,7 @@ def conv_sq_norms(
 _GROUPED_CONV_MIN_CHANNELS = 8
 
 
-def conv_weight_sq_norms(module: nn.Conv1d | nn.Conv2d, inp: Tensor, grad_output: Tensor) -> Tensor:
+def conv_weight_sq_norms(module: ConvNd, inp: Tensor, grad_output: Tensor) -> Tensor:
     """``Σ_g |∇W_{i,g}|²`` per example, by the method :func:`~.linear.sequence_norm_method` picks for one group's
     ``positions × (in·kernel) × out`` shape: materialised by one grouped convolution
     (:func:`per_example_weight_grads`), or sketched by one with ``PROBES`` output channels
@@ -111,7 +118,7 @@ def conv_weight_sq_norms(module: nn.Conv1d | nn.Conv2d, inp: Tensor, grad_output
     return sequence_sq_norms(columns, group_grads).reshape(batch_size, groups).sum(dim=1)
 
 
-def _sketched_weight_sq_norms(module: nn.Conv1d | nn.Conv2d, inp: Tensor, grad_output: Tensor) -> Tensor:
+def _sketched_weight_sq_norms(module: ConvNd, inp: Tensor, grad_output: Tensor) -> Tensor:
     """Unbiased sketch of ``Σ_g |∇W_{i,g}|²`` (:mod:`.sketch`): per example and group, ``k = PROBES`` Rademacher
     combinations of the output channels, ``δ·s``, are a ``k``-channel output gradient whose weight gradient is
     ``∇W_{i,g}·s``; one grouped convolution gives them all, ``(1/k)·Σ_j |∇W_{i,g}·s_j|²``."""
@@ -124,7 +131,7 @@ def _sketched_weight_sq_norms(module: nn.Conv1d | nn.Conv2d, inp: Tensor, grad_o
     return sketches.reshape(batch_size, -1).square_().sum(dim=1).div_(PROBES)
 
 
-def per_example_weight_grads(module: nn.Conv1d | nn.Conv2d, inp: Tensor, grad_output: Tensor,
+def per_example_weight_grads(module: ConvNd, inp: Tensor, grad_output: Tensor,
                              out_channels: int | None = None) -> Tensor:
     """Per-example weight gradients (B·out_channels, in_channels/groups, *kernel) of ``module``.
 
@@ -142,25 +149,24 @@ def per_example_weight_grads(module: nn.Conv1d | nn.Conv2d, inp: Tensor, grad_ou
     batch_size, groups = inp.shape[0], module.groups
     out_channels = module.out_channels if out_channels is None else out_channels
     weight_shape = (batch_size * out_channels, module.in_channels // groups, *kernel_size)
-    return torch.nn.grad.conv2d_weight(
+    return _WEIGHT_GRADS[len(kernel_size)](
         inp.reshape(1, -1, *inp.shape[2:]), weight_shape, grad_output.reshape(1, -1, *grad_output.shape[2:]),
         stride=stride, padding=padding, dilation=dilation, groups=batch_size * groups,
     )
 
 
-def _padded(module: nn.Conv1d | nn.Conv2d, inp: Tensor) -> tuple[Tensor, tuple[int, ...]]:
+def _padded(module: ConvNd, inp: Tensor) -> tuple[Tensor, tuple[int, ...]]:
     """``inp`` and the padding left for the convolution: symmetric zero padding is left to it (no copy); any
     other (``'same'``'s possibly asymmetric amounts, non-zero modes) is applied here, as ``_ConvNd`` does."""
     if module.padding_mode == "zeros" and not isinstance(module.padding, str):
         return inp, tuple(module.padding)
     padding = module._reversed_padding_repeated_twice
     mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-    spatial = 1 if isinstance(module, nn.Conv1d) else 2
-    return (F.pad(inp, padding, mode=mode) if any(padding) else inp), (0,) * spatial
+    return (F.pad(inp, padding, mode=mode) if any(padding) else inp), (0,) * spatial_dims(module)
 
 
 def conv_summed_grads(
-    module: nn.Conv1d | nn.Conv2d,
+    module: ConvNd,
     inp: Tensor,
     grad_output: Tensor,
     *,
@@ -172,8 +178,7 @@ def conv_summed_grads(
     summed = {}
     if includes_param(module, "weight", param_names):
         padded, padding = _padded(module, inp)
-        weight_grad = torch.nn.grad.conv1d_weight if isinstance(module, nn.Conv1d) else torch.nn.grad.conv2d_weight
-        summed["weight"] = weight_grad(padded, module.weight.shape, grad_output, stride=module.stride,
+        summed["weight"] = _WEIGHT_GRADS[spatial_dims(module)](padded, module.weight.shape, grad_output, stride=module.stride,
                                        padding=padding, dilation=module.dilation, groups=module.groups)
     if includes_param(module, "bias", param_names):
         summed["bias"] = grad_output.transpose(0, 1).reshape(module.out_channels, -1).sum(dim=1)

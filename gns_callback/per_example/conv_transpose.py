@@ -1,4 +1,4 @@
-"""Per-example squared gradient norms for ``nn.ConvTranspose1d`` / ``nn.ConvTranspose2d``, as a convolution's.
+"""Per-example squared gradient norms for ``nn.ConvTranspose1d`` / ``2d`` / ``3d``, as a convolution's.
 
 A transposed convolution is the input gradient of a convolution: with ``B(u, W, v) = ⟨v, conv(u; W)⟩``, which is
 linear in each argument, ``conv_transpose(x; W) = ∇_u B(·, W, x)`` for the convolution ``conv`` with the same
@@ -20,29 +20,29 @@ from typing import Union
 
 from torch import Tensor, nn
 
-from .conv import conv_summed_grads, conv_weight_sq_norms
+from .conv import ConvNd, conv_summed_grads, conv_weight_sq_norms
 from .linear import includes_param, upcast
 
 __all__ = ["conv_transpose_sq_norms", "conv_transpose_summed_grads", "shadow_convolution"]
 
-ConvTranspose = Union[nn.ConvTranspose1d, nn.ConvTranspose2d]
+ConvTranspose = Union[nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d]
+_CONVOLUTIONS = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}  # by spatial dims
 
 
-def shadow_convolution(module: ConvTranspose) -> nn.Conv1d | nn.Conv2d:
+def shadow_convolution(module: ConvTranspose) -> ConvNd:
     """The convolution whose input gradient ``module`` computes, on the meta device (no memory): ``out_channels``
     → ``in_channels``, the same kernel, stride, padding, dilation and groups, no bias. One per shape, built once
     (building a module takes about 0.1 ms, and this runs at every step)."""
-    return _shadow(isinstance(module, nn.ConvTranspose1d), module.out_channels, module.in_channels,
+    return _shadow(module.weight.dim() - 2, module.out_channels, module.in_channels,
                    tuple(module.kernel_size), tuple(module.stride), tuple(module.padding), tuple(module.dilation),
                    module.groups)
 
 
 @lru_cache(maxsize=64)
-def _shadow(one_dim: bool, in_channels: int, out_channels: int, kernel_size: tuple, stride: tuple, padding: tuple,
-            dilation: tuple, groups: int) -> nn.Conv1d | nn.Conv2d:
-    conv = nn.Conv1d if one_dim else nn.Conv2d
-    return conv(in_channels, out_channels, kernel_size, stride=stride, padding=padding, dilation=dilation,
-                groups=groups, bias=False, device="meta")
+def _shadow(spatial_dims: int, in_channels: int, out_channels: int, kernel_size: tuple, stride: tuple,
+            padding: tuple, dilation: tuple, groups: int) -> ConvNd:
+    return _CONVOLUTIONS[spatial_dims](in_channels, out_channels, kernel_size, stride=stride, padding=padding,
+                                       dilation=dilation, groups=groups, bias=False, device="meta")
 
 
 def conv_transpose_sq_norms(module: ConvTranspose, inp: Tensor, grad_output: Tensor, *,

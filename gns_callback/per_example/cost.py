@@ -48,7 +48,7 @@ def transposed_linear_costs(module: nn.Module, inp: Tensor, output: Tensor, batc
     return sequence_costs(positions, module.nx, module.nf)
 
 
-def conv_costs(module: nn.Conv1d | nn.Conv2d, inp: Tensor, output: Tensor, batch: int) -> tuple[float, float]:
+def conv_costs(module: nn.Module, inp: Tensor, output: Tensor, batch: int) -> tuple[float, float]:
     positions = output.numel() / (batch * module.out_channels)
     norm, summed = sequence_costs(positions, module.weight[0].numel(), module.out_channels // module.groups)
     return module.groups * norm, module.groups * summed
@@ -88,8 +88,10 @@ COSTS: dict[type, CostFunction] = {
     TransposedLinear: transposed_linear_costs,
     nn.Conv1d: conv_costs,
     nn.Conv2d: conv_costs,
+    nn.Conv3d: conv_costs,
     nn.ConvTranspose1d: conv_transpose_costs,
     nn.ConvTranspose2d: conv_transpose_costs,
+    nn.ConvTranspose3d: conv_transpose_costs,
     nn.Embedding: elementwise_costs,
     nn.LayerNorm: elementwise_costs,
     nn.GroupNorm: elementwise_costs,

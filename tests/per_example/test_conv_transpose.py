@@ -1,4 +1,4 @@
-"""``nn.ConvTranspose1d`` / ``nn.ConvTranspose2d`` (a convolution's input gradient) against ``torch.func``."""
+"""``nn.ConvTranspose1d`` / ``2d`` / ``3d`` (a convolution's input gradient) against ``torch.func``."""
 
 from __future__ import annotations
 
@@ -20,24 +20,34 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("dims", [1, 2])
+@pytest.mark.parametrize("dims", [1, 2, 3])
 def test_matches_per_example_gradients(name: str, dims: int, reference_sq_norms) -> None:
     options = dict(CONFIGS[name])
     channels_in, channels_out = options.pop("channels", (4, 6))
-    layer = (nn.ConvTranspose1d if dims == 1 else nn.ConvTranspose2d)(channels_in, channels_out, **options).double()
-    inputs = torch.randn(5, channels_in, *([7] * dims), dtype=torch.float64)
+    layer = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}[dims](channels_in, channels_out,
+                                                                                       **options).double()
+    inputs = torch.randn(5, channels_in, *([7, 6, 5][:dims]), dtype=torch.float64)
     weights = torch.randn_like(layer(inputs))
     got = conv_transpose_sq_norms(layer, inputs, weights)
     torch.testing.assert_close(got, reference_sq_norms(layer, inputs, weights), rtol=1e-9, atol=0)
 
 
-def test_a_decoder_is_covered_whole_by_the_tracker(reference_sq_norms) -> None:
-    """A digits-sized convolutional autoencoder: Conv2d down, ConvTranspose2d up (before, its decoder was left
-    out of both norms)."""
-    model = nn.Sequential(nn.Conv2d(1, 8, 3, stride=2, padding=1), nn.Tanh(),
-                          nn.ConvTranspose2d(8, 4, 3, stride=2, padding=1, output_padding=1), nn.Tanh(),
-                          nn.ConvTranspose2d(4, 1, 3, padding=1)).double()
-    inputs = torch.randn(6, 1, 8, 8, dtype=torch.float64)
+AUTOENCODERS = {  # before, their decoders were left out of both norms
+    "2-D, digits-sized": (lambda: nn.Sequential(nn.Conv2d(1, 8, 3, stride=2, padding=1), nn.Tanh(),
+                                                nn.ConvTranspose2d(8, 4, 3, stride=2, padding=1, output_padding=1),
+                                                nn.Tanh(), nn.ConvTranspose2d(4, 1, 3, padding=1)), (6, 1, 8, 8)),
+    "3-D": (lambda: nn.Sequential(nn.Conv3d(1, 4, 3, stride=2, padding=1), nn.Tanh(),
+                                  nn.ConvTranspose3d(4, 2, 3, stride=2, padding=1, output_padding=1), nn.Tanh(),
+                                  nn.ConvTranspose3d(2, 1, 3, padding=1)), (4, 1, 6, 4, 6)),
+}
+
+
+@pytest.mark.parametrize("name", list(AUTOENCODERS))
+def test_a_convolutional_autoencoder_is_covered_whole_by_the_tracker(name: str, reference_sq_norms) -> None:
+    """Convolutions down, transposed convolutions up: every parameter measured, each example's norm its own."""
+    build, shape = AUTOENCODERS[name]
+    model = build().double()
+    inputs = torch.randn(shape, dtype=torch.float64)
     weights = torch.randn_like(model(inputs))
     with PerExampleNormTracker(model) as tracker:
         assert tracker.coverage_fraction() == 1.0

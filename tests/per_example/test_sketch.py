@@ -64,7 +64,8 @@ def test_a_wide_side_larger_than_the_narrow_one_is_probed_on_the_narrow_side():
 @pytest.mark.parametrize("conv, size", [(nn.Conv2d(16, 48, 3, padding=1), (20, 20)),
                                         (nn.Conv2d(32, 48, 3, stride=2, groups=2), (40, 40)),
                                         (nn.Conv1d(16, 48, 5), (200,)),
-                                        (nn.Conv1d(4, 64, 9), (400,))])  # few input channels: im2col, then sketched
+                                        (nn.Conv1d(4, 64, 9), (400,)),
+                                        (nn.Conv3d(16, 48, 3, padding=1), (8, 8, 8))])  # few input channels: im2col, then sketched
 def test_the_convolution_sketch_is_unbiased(conv, size):
     torch.manual_seed(2)
     conv = conv.double()
