@@ -38,7 +38,8 @@ from torch.nn.utils.rnn import PackedSequence
 from .linear import linear_part_sq_norms
 
 __all__ = ["RECURRENT_MODULES", "is_recurrent", "recurrent_param_names", "recurrent_unsupported_reason",
-           "input_reason", "recurrent_batch_size", "recompute", "recurrent_sq_norms"]
+           "input_reason", "recurrent_batch_size", "recompute", "recurrent_sq_norms", "lstm_terms", "gru_terms",
+           "rnn_slope", "lstm_step", "gru_step"]
 
 RECURRENT_MODULES = (nn.RNN, nn.LSTM, nn.GRU)
 
@@ -131,13 +132,13 @@ def _initial_states(module: nn.RNNBase, hx: Any, batch: int, like: Tensor) -> tu
     return (zeros if hx is None else hx.detach().to(like.dtype)), None
 
 
-def _lstm_step(gi: Tensor, gh: Tensor, h: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+def lstm_step(gi: Tensor, gh: Tensor, h: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
     i, f, g, o = (gi + gh).chunk(4, -1)
     c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
     return torch.sigmoid(o) * torch.tanh(c), c
 
 
-def _gru_step(gi: Tensor, gh: Tensor, h: Tensor) -> Tensor:
+def gru_step(gi: Tensor, gh: Tensor, h: Tensor) -> Tensor:
     (ir, iz, i_n), (hr, hz, h_n) = gi.chunk(3, -1), gh.chunk(3, -1)
     r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
     return torch.lerp(torch.tanh(i_n + r * h_n), h, z)  # (1 − z)·n + z·h
@@ -152,10 +153,10 @@ def _forward_direction(module: nn.RNNBase, direction: Direction, h: Tensor, c: O
         previous.append(h)
         gh.append(F.linear(h, w_hh, b_hh))
         if isinstance(module, nn.LSTM):
-            h, c = _lstm_step(gi[t], gh[t], h, c)
+            h, c = lstm_step(gi[t], gh[t], h, c)
             cells.append(c)
         elif isinstance(module, nn.GRU):
-            h = _gru_step(gi[t], gh[t], h)
+            h = gru_step(gi[t], gh[t], h)
         else:
             pre = gi[t] + gh[t]
             h = torch.tanh(pre) if module.nonlinearity == "tanh" else torch.relu(pre)
@@ -220,15 +221,39 @@ def _in_time_order(tensor: Tensor, direction: Direction) -> Tensor:
     return tensor.flip(0) if direction.suffix else tensor
 
 
-def _lstm_backward(module: nn.RNNBase, direction: Direction, grad_out: Tensor, grad_h: Tensor,
-                   grad_c: Tensor) -> Tensor:
-    """δgates of one LSTM direction: ``c = f·c' + i·g``, ``h = o·tanh(c)``; all but the recurrence vectorised."""
-    i, f, g, o = (direction.gi + direction.gh).chunk(4, -1)
+def lstm_terms(gi: Tensor, gh: Tensor, before: Tensor, cells: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(local, through_c, f)`` of LSTM steps (any leading dims) with gate pre-activations ``gi + gh``, the cell
+    states they started from (``before``) and made (``cells``): ``c = f·c' + i·g``, ``h = o·tanh(c)``. A step's
+    gates' gradient is ``(dc, dc, dc, dh)·local`` for ``dh`` its output's and ``dc = dh·through_c + δc`` its cell
+    state's; ``f`` carries ``dc`` one step back."""
+    i, f, g, o = (gi + gh).chunk(4, -1)
     i, f, g, o = torch.sigmoid(i), torch.sigmoid(f), torch.tanh(g), torch.sigmoid(o)
-    tanh_c = torch.tanh(direction.cells)
-    before = torch.cat([direction.cell0.unsqueeze(0), direction.cells[:-1]])
+    tanh_c = torch.tanh(cells)
     through_c = o * (1 - tanh_c * tanh_c)  # ∂h/∂c
     local = torch.cat([g * i * (1 - i), before * f * (1 - f), i * (1 - g * g), tanh_c * o * (1 - o)], -1)
+    return local, through_c, f
+
+
+def gru_terms(gi: Tensor, gh: Tensor, previous: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(to_n, to_z, to_r, r, z)`` of GRU steps (any leading dims) started from ``previous``: ``h = (1 − z)·n +
+    z·h'``, ``n = tanh(gi_n + r·gh_n)``. For ``dh`` a step's output gradient, ``dn = dh·to_n``, ``dz = dh·to_z``,
+    ``dr = dn·to_r``; ``δgi = (dr, dz, dn)`` and ``δgh = (dr, dz, r·dn)``."""
+    (ir, iz, i_n), (hr, hz, h_n) = gi.chunk(3, -1), gh.chunk(3, -1)
+    r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
+    n = torch.tanh(i_n + r * h_n)
+    return (1 - z) * (1 - n * n), (previous - n) * z * (1 - z), h_n * r * (1 - r), r, z
+
+
+def rnn_slope(outputs: Tensor, nonlinearity: str) -> Tensor:
+    """``∂h/∂pre`` of Elman RNN steps from their outputs: ``1 − h²`` for tanh, ``h > 0`` for relu."""
+    return 1 - outputs * outputs if nonlinearity == "tanh" else (outputs > 0).to(outputs.dtype)
+
+
+def _lstm_backward(module: nn.RNNBase, direction: Direction, grad_out: Tensor, grad_h: Tensor,
+                   grad_c: Tensor) -> Tensor:
+    """δgates of one LSTM direction (:func:`lstm_terms`); all but the recurrence vectorised."""
+    before = torch.cat([direction.cell0.unsqueeze(0), direction.cells[:-1]])
+    local, through_c, f = lstm_terms(direction.gi, direction.gh, before, direction.cells)
     w_hh, grads = direction.weight(module, "weight_hh"), torch.empty_like(local)
     for t in range(local.shape[0] - 1, -1, -1):
         dh = grad_out[t] + grad_h
@@ -239,11 +264,8 @@ def _lstm_backward(module: nn.RNNBase, direction: Direction, grad_out: Tensor, g
 
 
 def _gru_backward(module: nn.RNNBase, direction: Direction, grad_out: Tensor, grad_h: Tensor) -> tuple[Tensor, Tensor]:
-    """``(δgi, δgh)`` of one GRU direction: ``h = (1 − z)·n + z·h'``, ``n = tanh(gi_n + r·gh_n)``."""
-    (ir, iz, i_n), (hr, hz, h_n) = direction.gi.chunk(3, -1), direction.gh.chunk(3, -1)
-    r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
-    n = torch.tanh(i_n + r * h_n)
-    to_n, to_z, to_r = (1 - z) * (1 - n * n), (direction.previous - n) * z * (1 - z), h_n * r * (1 - r)
+    """``(δgi, δgh)`` of one GRU direction (:func:`gru_terms`)."""
+    to_n, to_z, to_r, r, z = gru_terms(direction.gi, direction.gh, direction.previous)
     w_hh = direction.weight(module, "weight_hh")
     gi_grad, gh_grad = torch.empty_like(direction.gi), torch.empty_like(direction.gh)
     for t in range(r.shape[0] - 1, -1, -1):
@@ -259,7 +281,7 @@ def _gru_backward(module: nn.RNNBase, direction: Direction, grad_out: Tensor, gr
 def _rnn_backward(module: nn.RNNBase, direction: Direction, grad_out: Tensor, grad_h: Tensor) -> Tensor:
     """δpre of one Elman RNN direction, ``h = tanh(pre)`` or ``relu(pre)``."""
     h = direction.outputs
-    slope = 1 - h * h if module.nonlinearity == "tanh" else (h > 0).to(h.dtype)
+    slope = rnn_slope(h, module.nonlinearity)
     w_hh, grads = direction.weight(module, "weight_hh"), torch.empty_like(h)
     for t in range(h.shape[0] - 1, -1, -1):
         torch.mul(grad_out[t] + grad_h, slope[t], out=grads[t])

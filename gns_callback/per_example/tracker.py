@@ -31,6 +31,16 @@ from .attention import (
     is_attention,
     projection_sq_norms,
 )
+from .cells import (
+    CELL_MODULES,
+    CELL_PARAM_NAMES,
+    cell_call,
+    cell_input_reason,
+    cell_outputs,
+    cell_sq_norms,
+    is_cell,
+    state_feeds_output,
+)
 from .conv import conv_sq_norms, conv_summed_grads
 from .conv_transpose import conv_transpose_sq_norms, conv_transpose_summed_grads
 from .cost import ACCELERATOR_LAUNCH_COST, COSTS, CostFunction, subset_is_cheaper
@@ -101,9 +111,9 @@ SUMMED_GRADIENTS: dict[type, SummedGradFunction] = {
 }
 
 #: Modules measured by hooks of their own rather than a layer function (:mod:`.embedding_bag`, :mod:`.attention`,
-#: :mod:`.recurrent`); matched exactly, as :data:`SUPPORTED_MODULES`. None of them assembles a subset's summed
+#: :mod:`.recurrent`, :mod:`.cells`); matched exactly, as :data:`SUPPORTED_MODULES`. None of them assembles a subset's summed
 #: gradient, so with any of them every example is measured.
-HANDLED_APART: tuple[type, ...] = (nn.EmbeddingBag, nn.MultiheadAttention, *RECURRENT_MODULES)
+HANDLED_APART: tuple[type, ...] = (nn.EmbeddingBag, nn.MultiheadAttention, *RECURRENT_MODULES, *CELL_MODULES)
 
 
 def supported_layer_names() -> str:
@@ -210,6 +220,9 @@ def _unmeasured_reason(module: nn.Module, local_name: str) -> Optional[str]:
     """Why the parameter ``local_name`` of its only module ``module`` is not measured, or None."""
     if is_recurrent(module):
         return recurrent_unsupported_reason(module) if local_name in recurrent_param_names(module) else (
+            f"extra parameter '{local_name}' on {type(module).__name__} is not measured")
+    if is_cell(module):
+        return None if local_name in CELL_PARAM_NAMES else (
             f"extra parameter '{local_name}' on {type(module).__name__} is not measured")
     if _is_bag(module):
         return embedding_bag_unsupported_reason(module)
@@ -470,6 +483,8 @@ class PerExampleNormTracker:
         projections (:mod:`.attention`), removed however the forward ends."""
         if is_recurrent(module):
             return [module.register_forward_hook(self._on_recurrent_forward, with_kwargs=True)]
+        if is_cell(module):
+            return [module.register_forward_hook(self._on_cell_forward, with_kwargs=True)]
         if _is_bag(module):
             return [module.register_forward_hook(self._on_bag_forward, with_kwargs=True)]
         if not is_attention(module):
@@ -616,10 +631,12 @@ class PerExampleNormTracker:
             record.calls.setdefault(module, []).append((inp, grad_output))
 
     def _measure_calls(self, record: PassNorms, module: nn.Module) -> None:
-        """The norms of ``module``'s calls in this pass, read as one call (:func:`~.repeated.concatenate_calls`),
-        once its parameters' gradient arrives."""
+        """The norms of ``module``'s calls in this pass, read as one call (:func:`~.repeated.concatenate_calls`; a
+        recurrent cell's by :func:`~.cells.cell_sq_norms`), once its parameters' gradient arrives."""
         calls = record.calls.pop(module, None)
-        if calls and record.failure is None:
+        if calls and record.failure is None and is_cell(module):
+            record.add(cell_sq_norms(calls, self._covered_modules[module].param_names).float())
+        elif calls and record.failure is None:
             inp, grad_output = concatenate_calls(module, calls)
             self._measure(record, module, self._covered_modules[module], inp, grad_output)
 
@@ -749,22 +766,37 @@ class PerExampleNormTracker:
 
     # ------------------------------------------------------------------ recurrent modules (:mod:`.recurrent`)
 
-    def _on_recurrent_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                              output: Any) -> None:
+    def _recurrent_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                        outputs: list[tuple[int, Tensor]]) -> Optional[tuple[Any, Optional[Tensor], Any]]:
+        """``(input, input detached, state)`` of a recurrent module's or cell's call whose ``outputs`` are watched,
+        or None where this call is not measured (inactive, compiled, no gradient, not covered)."""
         if self._refuses_compiled() or not self._active() or not torch.is_grad_enabled():
-            return
-        outputs = _recurrent_outputs(output)
+            return None
         if module not in self._covered_modules or not outputs:
-            return
+            return None
         self._saw_tracked_forward = True
         inp = args[0] if args else kwargs.get("input")
         hx = args[1] if len(args) > 1 else kwargs.get("hx")
-        saved = inp.detach() if isinstance(inp, Tensor) else None
         state = hx if hx is None or isinstance(hx, Tensor) else tuple(hx)
+        return inp, (inp.detach() if isinstance(inp, Tensor) else None), state
+
+    @staticmethod
+    def _when_all_grads(outputs: list[tuple[int, Tensor]], on_grads: Callable[..., None]) -> None:
+        """Call ``on_grads(indices, grads)`` once the gradients of every one of ``outputs`` that gets one are in."""
+        indices = [index for index, _ in outputs]
+        torch.autograd.graph.register_multi_grad_hook([tensor for _, tensor in outputs], partial(on_grads, indices),
+                                                      mode="all")
+
+    def _on_recurrent_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                              output: Any) -> None:
+        outputs = _recurrent_outputs(output)
+        call = self._recurrent_call(module, args, kwargs, outputs)
+        if call is None:
+            return
+        inp, saved, state = call
         own = outputs[0][1].detach() if outputs[0][0] == 0 and isinstance(output[0], Tensor) else None
-        on_grads = partial(self._on_recurrent_grads, module, saved, state, own, input_reason(module, inp),
-                           [output_index for output_index, _ in outputs])
-        torch.autograd.graph.register_multi_grad_hook([tensor for _, tensor in outputs], on_grads, mode="all")
+        self._when_all_grads(outputs, partial(self._on_recurrent_grads, module, saved, state, own,
+                                              input_reason(module, inp)))
 
     def _on_recurrent_grads(self, module: nn.Module, inp: Optional[Tensor], hx: Any, output: Optional[Tensor],
                             reason: Optional[str], indices: list[int], grads: tuple[Optional[Tensor], ...]) -> None:
@@ -786,6 +818,38 @@ class PerExampleNormTracker:
             for index, grad in zip(indices, grads):
                 full[index] = grad
             record.add(recurrent_sq_norms(module, inp, hx, full, covered.param_names, output).float())
+
+    # ------------------------------------------------------------------ recurrent cells (:mod:`.cells`)
+
+    def _on_cell_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                         output: Any) -> None:
+        outputs = cell_outputs(output)
+        call = self._recurrent_call(module, args, kwargs, outputs)
+        if call is None:
+            return
+        inp, saved, state = call
+        self._when_all_grads(outputs, partial(self._on_cell_grads, module, saved, state, state_feeds_output(output),
+                                              cell_input_reason(inp)))
+
+    def _on_cell_grads(self, module: nn.Module, inp: Optional[Tensor], hx: Any, state_grad_is_total: bool,
+                       reason: Optional[str], indices: list[int], grads: tuple[Optional[Tensor], ...]) -> None:
+        """One call's output gradients (``h``, and ``c`` for LSTM, at ``indices``) are in: its gates' gradients
+        wait with the pass's other calls of ``module`` for its parameters' gradient (:meth:`_measure_calls`)."""
+        arrived = [grad for grad in grads if grad is not None]
+        found = self._firing(module, arrived[0], once=False) if arrived else None
+        if found is None:
+            return
+        covered, record = found
+        if reason is None and self.expected_batch_size is not None and inp.shape[0] != self.expected_batch_size:
+            reason = f"its input holds {inp.shape[0]} rows, but the batch has {self.expected_batch_size} examples"
+        if reason is not None:
+            return self._fail_pass(record, f"module '{covered.name}' ({type(module).__name__}): {reason}; "
+                                           f"{MICRO_BATCH_HINT}.")
+        if self._check_batch_size(record, inp.shape[0], covered.name):
+            full: list[Optional[Tensor]] = [None, None]
+            for index, grad in zip(indices, grads):
+                full[index] = grad
+            record.calls.setdefault(module, []).append(cell_call(module, inp, hx, full, state_grad_is_total))
 
     def _add_cross_term(self, record: PassNorms, module: nn.Module, inp: Tensor, grad_output: Tensor) -> None:
         """A tied table's ``2⟨E_i, H_i⟩`` (:mod:`.tied`), once both of its modules' gradients have arrived."""
