@@ -129,6 +129,21 @@ class Conv3dNet(nn.Module):
         return self.head(F.relu(self.conv2(h)).flatten(1))
 
 
+class CellLoop(nn.Module):
+    """The image as 8 rows of 8 through an ``nn.LSTMCell`` or ``nn.GRUCell`` (width 24) applied by a loop of its own,
+    the last state into a Linear."""
+
+    def __init__(self, cell: type = nn.LSTMCell) -> None:
+        super().__init__()
+        self.cell, self.head = cell(8, 24), nn.Linear(24, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows, hx = x.reshape(x.shape[0], 8, 8), None
+        for t in range(8):
+            hx = self.cell(rows[:, t], hx)
+        return self.head(hx[0] if isinstance(hx, tuple) else hx)
+
+
 class HuggingFaceGpt2(nn.Module):
     """``transformers``' ``GPT2LMHeadModel`` (2 layers, width 32, vocabulary 17, dropout off), its logits mean-pooled
     over positions; the first 10 vocabulary entries are the class logits. Only where ``transformers`` is installed."""
@@ -152,6 +167,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], bool]] = {  # name → (model, 
     "nn.TransformerDecoderLayer (sequence-first)": (DecoderNet, True),
     "GPT-style (arange positions, tied head)": (GptStyle, True), "Conv1d + GroupNorm": (Conv1dNet, False),
     "Conv3d + GroupNorm (volumes)": (Conv3dNet, False),
+    "LSTMCell in a loop": (CellLoop, False), "GRUCell in a loop": (lambda: CellLoop(nn.GRUCell), False),
 }
 try:
     import transformers  # noqa: F401  (optional: not a dependency of the package)
