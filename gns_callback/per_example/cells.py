@@ -108,19 +108,31 @@ def cell_call(module: nn.Module, inp: Tensor, hx: Any, grads: Sequence[Optional[
         gi, gh = F.linear(x, *_weights(module, "ih", x.dtype)), F.linear(h, *_weights(module, "hh", x.dtype))
         dh, dc = (torch.zeros_like(h) if g is None else g.detach().to(x.dtype) for g in (*grads, None)[:2])
         if isinstance(module, nn.LSTMCell):
-            local, through_c, _ = lstm_terms(gi, gh, c, lstm_step(gi, gh, h, c)[1])
-            dc = dc if state_grad_is_total else dh * through_c + dc
-            gi_grad = gh_grad = torch.cat([dc, dc, dc, dh], -1) * local
+            gi_grad = gh_grad = _lstm_gate_grads(gi, gh, h, c, dh, dc, state_grad_is_total)
         elif isinstance(module, nn.GRUCell):
-            to_n, to_z, to_r, r, _ = gru_terms(gi, gh, h)
-            dn, dz = dh * to_n, dh * to_z
-            dr = dn * to_r
-            gi_grad, gh_grad = torch.cat([dr, dz, dn], -1), torch.cat([dr, dz, dn * r], -1)
+            gi_grad, gh_grad = _gru_gate_grads(gi, gh, h, dh)
         else:
             pre = gi + gh
             out = torch.tanh(pre) if module.nonlinearity == "tanh" else torch.relu(pre)
             gi_grad = gh_grad = dh * rnn_slope(out, module.nonlinearity)
     return CellCall(x, h, gi_grad, gh_grad)
+
+
+def _lstm_gate_grads(gi: Tensor, gh: Tensor, h: Tensor, c: Tensor, dh: Tensor, dc: Tensor,
+                     state_grad_is_total: bool) -> Tensor:
+    """``δgates`` of one LSTM call (:func:`~.recurrent.lstm_terms`); ``dc`` is ``c'``'s gradient, with the path
+    through ``h'`` already in it if ``state_grad_is_total``."""
+    local, through_c, _ = lstm_terms(gi, gh, c, lstm_step(gi, gh, h, c)[1])
+    dc = dc if state_grad_is_total else dh * through_c + dc
+    return torch.cat([dc, dc, dc, dh], -1) * local
+
+
+def _gru_gate_grads(gi: Tensor, gh: Tensor, h: Tensor, dh: Tensor) -> tuple[Tensor, Tensor]:
+    """``(δgi, δgh)`` of one GRU call (:func:`~.recurrent.gru_terms`)."""
+    to_n, to_z, to_r, r, _ = gru_terms(gi, gh, h)
+    dn, dz = dh * to_n, dh * to_z
+    dr = dn * to_r
+    return torch.cat([dr, dz, dn], -1), torch.cat([dr, dz, dn * r], -1)
 
 
 def cell_sq_norms(calls: Sequence[CellCall], param_names: Collection[str]) -> Tensor:
