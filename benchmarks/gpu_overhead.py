@@ -150,15 +150,17 @@ def run(rounds: int, steps: int, warmup: int, keys: list[str] | None = None, sav
         models: list[str] | None = None) -> dict[str, Any]:
     """Every model's configurations (``keys``: only these; ``models``: only these model names), ``save(result so
     far)`` after each model."""
+    specs = model_specs(quick=False) + [efficientnet_spec(), gpt_spec()]
+    unknown = set(models or ()) - {spec.name for spec in specs}
+    if unknown:  # before anything runs: a misspelt name would otherwise drop its model silently
+        raise ValueError(f"models: no model named {sorted(unknown)}; the names are {[spec.name for spec in specs]}")
     _quiet()
     configs = [c for c in lightning_configs() if keys is None or c[0] in keys]
     out: dict[str, Any] = {**environment(), "settings": {"rounds": rounds, "steps": steps, "warmup": warmup},
                            "models": {}, "rows": []}
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="gns_gpu_overhead_") as workdir:
-        for spec in model_specs(quick=False) + [efficientnet_spec(), gpt_spec()]:
-            if models is not None and spec.name not in models:
-                continue
+        for spec in (spec for spec in specs if models is None or spec.name in models):
             chosen = [c for c in configs if spec.name not in CONFIGS or c[0] in CONFIGS[spec.name]]
             spec_steps = max(15, steps // SLOW_MODELS.get(spec.name, 1))
             out["models"][spec.name] = spec.description
@@ -197,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--configs", nargs="+", help="only these configuration keys (e.g. base_acc1 per_example "
                         "base_acc4 micro_batch)")
-    parser.add_argument("--models", nargs="+", help="only these models, by name (e.g. MLP CNN transformer "
+    parser.add_argument("--models", nargs="+", help="only these models, by name (e.g. MLP CNN Transformer "
                         "EfficientNet-B0)")
     parser.add_argument("--json", type=Path, help="write the measurements here (after each model)")
     parser.add_argument("--from-json", type=Path, help="no measuring: render a saved --json file")

@@ -13,8 +13,9 @@ own derivative at that call (:func:`~.recurrent.lstm_terms`, :func:`~.recurrent.
 :func:`~.recurrent.rnn_slope`), from its input and state (the gates recomputed, no autograd) and its output
 gradients. An LSTM call's ``c_t`` gradient is read as autograd's graph makes it (:func:`state_feeds_output`): torch's
 CPU cell computes ``h_t`` from the ``c_t`` it returns, so that gradient already holds the path through ``h_t``; a
-fused cell (CUDA) returns both from one node, and the path is added here. The tracker keeps the calls of a pass and reads them as one when the cell's parameter gradient arrives,
-as for a layer applied several times (:mod:`.repeated`). An unbatched (1-D) input can't be measured.
+fused cell (CUDA) returns both from one node, and the path is added here. The tracker keeps the calls of a pass and
+reads them as one when the cell's parameter gradient arrives, as for a layer applied several times
+(:mod:`.repeated`). An unbatched (1-D) input can't be measured.
 
 Checked against per-example backward passes in ``tests/per_example/test_cells.py``. Torch only.
 """

@@ -19,7 +19,7 @@ from .linear import includes_param, sequence_norm_method, sequence_sq_norms, upc
 from .sketch import PROBES, probe_signs
 
 __all__ = ["ConvNd", "conv_summed_grads", "conv_sq_norms", "conv_weight_sq_norms", "per_example_weight_grads",
-           "unfold_input"]
+           "spatial_dims", "unfold_input"]
 
 ConvNd = Union[nn.Conv1d, nn.Conv2d, nn.Conv3d]
 
@@ -27,8 +27,8 @@ ConvNd = Union[nn.Conv1d, nn.Conv2d, nn.Conv3d]
 _WEIGHT_GRADS = {1: torch.nn.grad.conv1d_weight, 2: torch.nn.grad.conv2d_weight, 3: torch.nn.grad.conv3d_weight}
 
 
-def spatial_dims(module: ConvNd) -> int:
-    """1, 2 or 3: the convolution's spatial dims (its weight is ``(out, in/groups, *kernel)``)."""
+def spatial_dims(module: nn.Module) -> int:
+    """1, 2 or 3: a convolution's or transposed convolution's spatial dims (its weight is ``(·, ·, *kernel)``)."""
     return module.weight.dim() - 2
 
 
@@ -178,8 +178,9 @@ def conv_summed_grads(
     summed = {}
     if includes_param(module, "weight", param_names):
         padded, padding = _padded(module, inp)
-        summed["weight"] = _WEIGHT_GRADS[spatial_dims(module)](padded, module.weight.shape, grad_output, stride=module.stride,
-                                       padding=padding, dilation=module.dilation, groups=module.groups)
+        summed["weight"] = _WEIGHT_GRADS[spatial_dims(module)](padded, module.weight.shape, grad_output,
+                                                               stride=module.stride, padding=padding,
+                                                               dilation=module.dilation, groups=module.groups)
     if includes_param(module, "bias", param_names):
         summed["bias"] = grad_output.transpose(0, 1).reshape(module.out_channels, -1).sum(dim=1)
     return summed

@@ -20,7 +20,7 @@ from typing import Union
 
 from torch import Tensor, nn
 
-from .conv import ConvNd, conv_summed_grads, conv_weight_sq_norms
+from .conv import ConvNd, conv_summed_grads, conv_weight_sq_norms, spatial_dims
 from .linear import includes_param, upcast
 
 __all__ = ["conv_transpose_sq_norms", "conv_transpose_summed_grads", "shadow_convolution"]
@@ -33,7 +33,7 @@ def shadow_convolution(module: ConvTranspose) -> ConvNd:
     """The convolution whose input gradient ``module`` computes, on the meta device (no memory): ``out_channels``
     → ``in_channels``, the same kernel, stride, padding, dilation and groups, no bias. One per shape, built once
     (building a module takes about 0.1 ms, and this runs at every step)."""
-    return _shadow(module.weight.dim() - 2, module.out_channels, module.in_channels,
+    return _shadow(spatial_dims(module), module.out_channels, module.in_channels,
                    tuple(module.kernel_size), tuple(module.stride), tuple(module.padding), tuple(module.dilation),
                    module.groups)
 

@@ -22,6 +22,7 @@ from typing import Callable
 
 from torch import Tensor, nn
 
+from .conv import ConvNd
 from .linear import sequence_norm_cost
 from .transposed_linear import TransposedLinear
 
@@ -48,7 +49,7 @@ def transposed_linear_costs(module: nn.Module, inp: Tensor, output: Tensor, batc
     return sequence_costs(positions, module.nx, module.nf)
 
 
-def conv_costs(module: nn.Module, inp: Tensor, output: Tensor, batch: int) -> tuple[float, float]:
+def conv_costs(module: ConvNd, inp: Tensor, output: Tensor, batch: int) -> tuple[float, float]:
     positions = output.numel() / (batch * module.out_channels)
     norm, summed = sequence_costs(positions, module.weight[0].numel(), module.out_channels // module.groups)
     return module.groups * norm, module.groups * summed

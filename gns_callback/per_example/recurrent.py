@@ -39,7 +39,7 @@ from .linear import linear_part_sq_norms
 
 __all__ = ["RECURRENT_MODULES", "is_recurrent", "recurrent_param_names", "recurrent_unsupported_reason",
            "input_reason", "recurrent_batch_size", "recompute", "recurrent_sq_norms", "lstm_terms", "gru_terms",
-           "rnn_slope", "lstm_step", "gru_step"]
+           "rnn_slope", "lstm_step"]
 
 RECURRENT_MODULES = (nn.RNN, nn.LSTM, nn.GRU)
 
@@ -138,7 +138,7 @@ def lstm_step(gi: Tensor, gh: Tensor, h: Tensor, c: Tensor) -> tuple[Tensor, Ten
     return torch.sigmoid(o) * torch.tanh(c), c
 
 
-def gru_step(gi: Tensor, gh: Tensor, h: Tensor) -> Tensor:
+def _gru_step(gi: Tensor, gh: Tensor, h: Tensor) -> Tensor:
     (ir, iz, i_n), (hr, hz, h_n) = gi.chunk(3, -1), gh.chunk(3, -1)
     r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
     return torch.lerp(torch.tanh(i_n + r * h_n), h, z)  # (1 − z)·n + z·h
@@ -156,7 +156,7 @@ def _forward_direction(module: nn.RNNBase, direction: Direction, h: Tensor, c: O
             h, c = lstm_step(gi[t], gh[t], h, c)
             cells.append(c)
         elif isinstance(module, nn.GRU):
-            h = gru_step(gi[t], gh[t], h)
+            h = _gru_step(gi[t], gh[t], h)
         else:
             pre = gi[t] + gh[t]
             h = torch.tanh(pre) if module.nonlinearity == "tanh" else torch.relu(pre)

@@ -111,8 +111,8 @@ SUMMED_GRADIENTS: dict[type, SummedGradFunction] = {
 }
 
 #: Modules measured by hooks of their own rather than a layer function (:mod:`.embedding_bag`, :mod:`.attention`,
-#: :mod:`.recurrent`, :mod:`.cells`); matched exactly, as :data:`SUPPORTED_MODULES`. None of them assembles a subset's summed
-#: gradient, so with any of them every example is measured.
+#: :mod:`.recurrent`, :mod:`.cells`); matched exactly, as :data:`SUPPORTED_MODULES`. None of them assembles a
+#: subset's summed gradient, so with any of them every example is measured.
 HANDLED_APART: tuple[type, ...] = (nn.EmbeddingBag, nn.MultiheadAttention, *RECURRENT_MODULES, *CELL_MODULES)
 
 
@@ -634,9 +634,11 @@ class PerExampleNormTracker:
         """The norms of ``module``'s calls in this pass, read as one call (:func:`~.repeated.concatenate_calls`; a
         recurrent cell's by :func:`~.cells.cell_sq_norms`), once its parameters' gradient arrives."""
         calls = record.calls.pop(module, None)
-        if calls and record.failure is None and is_cell(module):
+        if not calls or record.failure is not None:
+            return
+        if is_cell(module):
             record.add(cell_sq_norms(calls, self._covered_modules[module].param_names).float())
-        elif calls and record.failure is None:
+        else:
             inp, grad_output = concatenate_calls(module, calls)
             self._measure(record, module, self._covered_modules[module], inp, grad_output)
 

@@ -30,3 +30,9 @@ def test_overhead_renders_every_ratio_with_its_rounds(name):
     ratios = [row for row in run["rows"] if "ratio" in row]
     assert ratios and all(f"**{row['ratio']:.3f}×**" in section for row in ratios)
     assert run["command"] in section
+
+
+def test_an_unknown_model_name_is_refused_before_anything_runs():
+    """``--models transformer`` (the model is named "Transformer") would otherwise measure nothing for it."""
+    with pytest.raises(ValueError, match=r"no model named \['transformer'\].*'Transformer'"):
+        gpu_overhead.run(1, 1, 1, models=["MLP", "transformer"])
