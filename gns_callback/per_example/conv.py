@@ -15,11 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .launches import launch_cost
 from .linear import includes_param, sequence_norm_method, sequence_sq_norms, upcast
 from .sketch import PROBES, probe_signs
 
-__all__ = ["ConvNd", "conv_summed_grads", "conv_sq_norms", "conv_weight_sq_norms", "per_example_weight_grads",
-           "spatial_dims", "unfold_input"]
+__all__ = ["ConvNd", "conv_summed_grads", "conv_sq_norms", "conv_weight_sq_norms", "im2col_weight_sq_norms",
+           "per_example_weight_grads", "spatial_dims", "unfold_input"]
 
 ConvNd = Union[nn.Conv1d, nn.Conv2d, nn.Conv3d]
 
@@ -106,15 +107,24 @@ def conv_weight_sq_norms(module: ConvNd, inp: Tensor, grad_output: Tensor) -> Te
     batch_size, groups = inp.shape[0], module.groups
     out_per_group = module.out_channels // groups
     positions = grad_output[0, 0].numel()
-    method = sequence_norm_method(positions, module.weight[0].numel(), out_per_group)
+    launch_share = launch_cost(inp.device) / max(batch_size * groups, 1)
+    method = sequence_norm_method(positions, module.weight[0].numel(), out_per_group, launch_share)
     if module.in_channels // groups >= _GROUPED_CONV_MIN_CHANNELS and method != "gram":
         if method == "sketch":
             return _sketched_weight_sq_norms(module, inp, grad_output)
         grads = per_example_weight_grads(module, inp, grad_output)
         return grads.reshape(batch_size, -1).square_().sum(dim=1)  # in place: no second (B·out, in, *kernel) buffer
+    return im2col_weight_sq_norms(module, inp, grad_output)
+
+
+def im2col_weight_sq_norms(module: ConvNd, inp: Tensor, grad_output: Tensor) -> Tensor:
+    """``Σ_g |∇W_{i,g}|²`` per example from the unfolded input: each group's ``Σ_p u_pᵀ δ_p`` by
+    :func:`~.linear.sequence_sq_norms` (Gram, materialised or sketched, as it picks for the shape)."""
+    batch_size, groups = inp.shape[0], module.groups
+    positions = grad_output[0, 0].numel()
     columns = unfold_input(module, inp)  # channel-major, so each group is a contiguous block
     columns = columns.reshape(batch_size * groups, -1, positions).transpose(1, 2)
-    group_grads = grad_output.reshape(batch_size * groups, out_per_group, positions).transpose(1, 2)
+    group_grads = grad_output.reshape(batch_size * groups, module.out_channels // groups, positions).transpose(1, 2)
     return sequence_sq_norms(columns, group_grads).reshape(batch_size, groups).sum(dim=1)
 
 

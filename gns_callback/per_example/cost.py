@@ -11,9 +11,9 @@ sequences, memory-bound normalisation layers) when ``k`` is well below ``b/2``.
 
 Costs are multiply-adds per example; they only have to rank the two choices. On an accelerator a subset also
 costs its extra kernels (slicing, the summed gradient, one more read of each gradient): each launch takes the
-host about as long as the device takes for :data:`ACCELERATOR_LAUNCH_COST` multiply-adds, and small models wait
-for the host (benchmarks/RESULTS.md, "GPU: overhead of the callback": measuring every example of the CNN cost
-less than a subset on an H100). Measuring fewer examples launches no fewer kernels.
+host about as long as the device takes for :data:`~.launches.ACCELERATOR_LAUNCH_COST` multiply-adds, and small
+models wait for the host (benchmarks/RESULTS.md, "GPU: overhead of the callback": measuring every example of the
+CNN cost less than a subset on an H100). Measuring fewer examples launches no fewer kernels.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Callable
 from torch import Tensor, nn
 
 from .conv import ConvNd
+from .launches import launch_cost
 from .linear import sequence_norm_cost
 from .transposed_linear import TransposedLinear
 
@@ -30,28 +31,32 @@ from .transposed_linear import TransposedLinear
 CostFunction = Callable[[nn.Module, Tensor, Tensor, int], tuple[float, float]]
 
 
-def sequence_costs(positions: float, in_features: float, out_features: float) -> tuple[float, float]:
+def sequence_costs(positions: float, in_features: float, out_features: float,
+                   launch_share: float = 0.0) -> tuple[float, float]:
     """``Σ_t a_tᵀ δ_t`` per example: the norm by the method the norms themselves pick (Gram form, materialising or
-    sketch: :func:`~gns_callback.per_example.linear.sequence_norm_cost`); the summed gradient ``T·K·L``."""
+    sketch: :func:`~gns_callback.per_example.linear.sequence_norm_cost`, with ``launch_share`` a kernel launch's
+    cost per example); the summed gradient ``T·K·L``."""
     if positions <= 1:
         return in_features + out_features, in_features * out_features
-    return sequence_norm_cost(positions, in_features, out_features), positions * in_features * out_features
+    norm = sequence_norm_cost(positions, in_features, out_features, launch_share)
+    return norm, positions * in_features * out_features
 
 
 def linear_costs(module: nn.Linear, inp: Tensor, output: Tensor, batch: int) -> tuple[float, float]:
     positions = 1.0 if inp.dim() == 2 else inp.numel() / (batch * module.in_features)
-    return sequence_costs(positions, module.in_features, module.out_features)
+    return sequence_costs(positions, module.in_features, module.out_features, launch_cost(inp.device) / batch)
 
 
 def transposed_linear_costs(module: nn.Module, inp: Tensor, output: Tensor, batch: int) -> tuple[float, float]:
     """As :func:`linear_costs` for ``transformers``' ``Conv1D`` (:mod:`.transposed_linear`): ``nx`` in, ``nf`` out."""
     positions = 1.0 if inp.dim() == 2 else inp.numel() / (batch * module.nx)
-    return sequence_costs(positions, module.nx, module.nf)
+    return sequence_costs(positions, module.nx, module.nf, launch_cost(inp.device) / batch)
 
 
 def conv_costs(module: ConvNd, inp: Tensor, output: Tensor, batch: int) -> tuple[float, float]:
     positions = output.numel() / (batch * module.out_channels)
-    norm, summed = sequence_costs(positions, module.weight[0].numel(), module.out_channels // module.groups)
+    norm, summed = sequence_costs(positions, module.weight[0].numel(), module.out_channels // module.groups,
+                                  launch_cost(inp.device) / (batch * module.groups))
     return module.groups * norm, module.groups * summed
 
 
@@ -59,7 +64,8 @@ def conv_transpose_costs(module: nn.Module, inp: Tensor, output: Tensor, batch: 
     """As :func:`conv_costs` for the convolution whose input gradient a transposed convolution is
     (:mod:`.conv_transpose`): over its input positions, ``out/groups·kernel`` in and ``in/groups`` out."""
     positions = inp.numel() / (batch * module.in_channels)
-    norm, summed = sequence_costs(positions, module.weight[0].numel(), module.in_channels // module.groups)
+    norm, summed = sequence_costs(positions, module.weight[0].numel(), module.in_channels // module.groups,
+                                  launch_cost(inp.device) / (batch * module.groups))
     return module.groups * norm, module.groups * summed
 
 
@@ -77,8 +83,6 @@ def elementwise_costs(module: nn.Module, inp: Tensor, output: Tensor, batch: int
     return per_example, per_example
 
 
-#: Multiply-adds a device does in the time one kernel launch costs the host (≈ 5 µs × 2·10¹³ MAC/s), rounded.
-ACCELERATOR_LAUNCH_COST = 1e8
 #: Extra kernels a subset adds per layer: slicing its examples, their summed gradient, and per parameter the
 #: unmeasured examples' block (a subtraction and a dot product).
 SUBSET_LAUNCHES_PER_LAYER = 4
@@ -104,8 +108,8 @@ def subset_is_cheaper(costs: list[tuple[float, float, int]], batch: int, measure
                       launch_cost: float = 0.0) -> bool:
     """Whether ``measured`` examples' norms plus their summed gradient, plus one more read of every measured
     parameter's gradient (``costs``: per layer ``(norm, summed, parameter count)``), plus the subset's extra
-    kernel launches at ``launch_cost`` multiply-adds each (0 on the CPU, :data:`ACCELERATOR_LAUNCH_COST` on an
-    accelerator), cost less than the norms of all ``batch`` examples."""
+    kernel launches at ``launch_cost`` multiply-adds each (0 on the CPU, :data:`~.launches.ACCELERATOR_LAUNCH_COST`
+    on an accelerator), cost less than the norms of all ``batch`` examples."""
     every = batch * sum(norm for norm, _, _ in costs)
     launches = launch_cost * SUBSET_LAUNCHES_PER_LAYER
     subset = sum(measured * (norm + summed) + 2 * params + launches for norm, summed, params in costs)

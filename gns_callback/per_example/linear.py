@@ -13,7 +13,8 @@ from collections.abc import Collection
 import torch
 from torch import Tensor, nn
 
-from .sketch import SKETCH_MARGIN, sketch_cost, sketched_sq_norms
+from .launches import launch_cost
+from .sketch import SKETCH_EXTRA_LAUNCHES, SKETCH_MARGIN, sketch_cost, sketched_sq_norms
 
 __all__ = ["linear_part_sq_norms", "linear_sq_norms", "linear_summed_grads", "prefers_gram", "row_sq_norms",
            "sequence_norm_choice", "sequence_norm_cost", "sequence_norm_costs", "sequence_norm_method",
@@ -55,25 +56,28 @@ def prefers_gram(seq_len: int, in_features: int, out_features: int) -> bool:
     return gram < materialise
 
 
-def sequence_norm_choice(seq_len: float, in_features: float, out_features: float) -> tuple[str, float]:
+def sequence_norm_choice(seq_len: float, in_features: float, out_features: float,
+                         launch_share: float = 0.0) -> tuple[str, float]:
     """The method for ``|Σ_t a_tᵀ δ_t|²`` and its multiply-adds per example: ``"gram"`` or ``"materialise"`` (exact,
     whichever is cheaper), or ``"sketch"`` (:mod:`.sketch`, unbiased) when that is at least
-    :data:`~.sketch.SKETCH_MARGIN` times cheaper than both: long sequences through wide layers."""
+    :data:`~.sketch.SKETCH_MARGIN` times cheaper than both, its :data:`~.sketch.SKETCH_EXTRA_LAUNCHES` kernels
+    counted at ``launch_share`` each (a launch's cost per example of the call, 0 on the CPU): long sequences
+    through wide layers."""
     gram, materialise = sequence_norm_costs(seq_len, in_features, out_features)
     sketch = sketch_cost(seq_len, in_features, out_features)
-    if SKETCH_MARGIN * sketch < min(gram, materialise):
+    if SKETCH_MARGIN * sketch + SKETCH_EXTRA_LAUNCHES * launch_share < min(gram, materialise):
         return "sketch", sketch
     return ("gram", gram) if gram < materialise else ("materialise", materialise)
 
 
-def sequence_norm_method(seq_len: float, in_features: float, out_features: float) -> str:
+def sequence_norm_method(seq_len: float, in_features: float, out_features: float, launch_share: float = 0.0) -> str:
     """The method :func:`sequence_norm_choice` picks."""
-    return sequence_norm_choice(seq_len, in_features, out_features)[0]
+    return sequence_norm_choice(seq_len, in_features, out_features, launch_share)[0]
 
 
-def sequence_norm_cost(seq_len: float, in_features: float, out_features: float) -> float:
+def sequence_norm_cost(seq_len: float, in_features: float, out_features: float, launch_share: float = 0.0) -> float:
     """Multiply-adds per example of the method :func:`sequence_norm_choice` picks."""
-    return sequence_norm_choice(seq_len, in_features, out_features)[1]
+    return sequence_norm_choice(seq_len, in_features, out_features, launch_share)[1]
 
 
 def sequence_sq_norms(activations: Tensor, grad_outputs: Tensor) -> Tensor:
@@ -82,10 +86,11 @@ def sequence_sq_norms(activations: Tensor, grad_outputs: Tensor) -> Tensor:
     The Gram form ``Σ_{t,t'} (a_t·a_t')(δ_t·δ_t')`` (Goodfellow 2015, "Efficient per-example gradient
     computations"; BackPACK ``batch_l2_grad``), the materialised ``G_i = a_iᵀ δ_i``, or, for long sequences through
     wide layers, an unbiased random-probe sketch (:func:`~.sketch.sketched_sq_norms`): whichever
-    :func:`sequence_norm_method` picks for these shapes. Returns shape (N,).
+    :func:`sequence_norm_method` picks for these shapes on this device. Returns shape (N,).
     """
-    _, seq_len, in_features = activations.shape
-    method = sequence_norm_method(seq_len, in_features, grad_outputs.shape[-1])
+    examples, seq_len, in_features = activations.shape
+    launch_share = launch_cost(activations.device) / max(examples, 1)
+    method = sequence_norm_method(seq_len, in_features, grad_outputs.shape[-1], launch_share)
     if method == "sketch":
         return sketched_sq_norms(activations, grad_outputs)
     if method == "gram":

@@ -27,14 +27,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["PROBES", "SKETCH_MARGIN", "RANDOM_DRAW_COST", "sketch_cost", "sketched_sq_norms", "probe_signs",
-           "reseed_probes", "restart_probes"]
+__all__ = ["PROBES", "SKETCH_MARGIN", "SKETCH_EXTRA_LAUNCHES", "RANDOM_DRAW_COST", "sketch_cost",
+           "sketched_sq_norms", "probe_signs", "reseed_probes", "restart_probes"]
 
 #: Probes per example (a multiple of 8, :func:`probe_signs`): relative standard deviation at most √(2/8) = 0.5 per
 #: example and layer, before averaging.
 PROBES = 8
 #: The sketch replaces an exact form only when it is this many times cheaper (it adds a little noise).
 SKETCH_MARGIN = 2.0
+#: Kernels a sketch launches beyond an exact form's: the random draw, the sign lookup, the probes' product and the
+#: division (the convolution's sketch launches 5 more than its exact form, :func:`sketched_sq_norms` 3 more than
+#: the Gram form). On an accelerator each costs the host a launch (:mod:`.launches`).
+SKETCH_EXTRA_LAUNCHES = 4
 #: One random sign costs the host about as long as this many multiply-adds in a matrix product (CPU, one thread,
 #: ``benchmarks/sketch_layers.py``: 32 768 signs in 0.035–0.040 ms against 134 million multiply-adds in 1.7 ms);
 #: an overstatement on accelerators.

@@ -43,7 +43,8 @@ from .cells import (
 )
 from .conv import conv_sq_norms, conv_summed_grads
 from .conv_transpose import conv_transpose_sq_norms, conv_transpose_summed_grads
-from .cost import ACCELERATOR_LAUNCH_COST, COSTS, CostFunction, subset_is_cheaper
+from .cost import COSTS, CostFunction, subset_is_cheaper
+from .launches import launch_cost
 from .embedding import embedding_sq_norms, embedding_summed_grads, embedding_unsupported_reason, shared_table_reason
 from .embedding_bag import bag_inputs, embedding_bag_sq_norms, embedding_bag_unsupported_reason
 from .layout import LayoutError, LayoutMemory, is_sequence_first
@@ -600,7 +601,7 @@ class PerExampleNormTracker:
         if self.max_examples is not None and covered is not None and current_pass() < 0:  # not a recomputation
             batch = self.expected_batch_size or inp.shape[0]
             self._forward_costs.append((*covered.cost(module, inp, output, batch), covered.param_count))
-            self._forward_launch_cost = 0.0 if output.device.type == "cpu" else ACCELERATOR_LAUNCH_COST
+            self._forward_launch_cost = launch_cost(output.device)
 
     def _pass_record(self) -> PassNorms:
         return self._passes.record(self._passes.current())

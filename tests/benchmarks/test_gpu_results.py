@@ -5,8 +5,9 @@ import json
 import pathlib
 
 import pytest
+import torch
 
-from benchmarks import gpu_overhead, gpu_probe_truth
+from benchmarks import gpu_conv_paths, gpu_overhead, gpu_probe_truth
 
 RESULTS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_results"
 
@@ -36,3 +37,22 @@ def test_an_unknown_model_name_is_refused_before_anything_runs():
     """``--models transformer`` (the model is named "Transformer") would otherwise measure nothing for it."""
     with pytest.raises(ValueError, match=r"no model named \['transformer'\].*'Transformer'"):
         gpu_overhead.run(1, 1, 1, models=["MLP", "transformer"])
+
+
+@pytest.mark.parametrize("name", ["conv_paths_h200_before.json", "conv_paths_h200_after.json"])
+def test_conv_paths_render_every_layer_time_and_fit_ratio(name):
+    run = json.loads((RESULTS / name).read_text())
+    section = gpu_conv_paths.render(run)
+    for row in run["layers"]:
+        assert all(f"{ms:.3f}" in section for ms in row["ms"].values())
+    assert all(f"**{row['ratio']:.3f}×**" in section for row in run["fit"] if "ratio" in row)
+    assert "H200" in section
+
+
+def test_conv_paths_agree_on_the_norms_they_compute_exactly():
+    """The exact paths the GPU script times give the same norms (the sketched ones are unbiased, tested apart)."""
+    torch.manual_seed(0)
+    module = torch.nn.Conv2d(8, 4, 3, stride=2, padding=1)
+    x = torch.randn(4, 8, 8, 8)
+    paths = gpu_conv_paths.layer_paths(module, x, torch.randn_like(module(x)))
+    torch.testing.assert_close(paths["grouped conv, exact"](), paths["im2col, exact"]())

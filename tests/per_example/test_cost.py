@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gns_callback.per_example.cost import ACCELERATOR_LAUNCH_COST, conv_costs, linear_costs, sequence_costs, subset_is_cheaper
+from gns_callback.per_example.launches import ACCELERATOR_LAUNCH_COST
+from gns_callback.per_example.cost import conv_costs, linear_costs, sequence_costs, subset_is_cheaper
 from gns_callback.per_example.linear import sequence_norm_method
 from gns_callback.per_example.sketch import sketch_cost
 

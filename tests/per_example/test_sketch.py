@@ -14,8 +14,10 @@ from torch import nn
 
 from benchmarks.sketch_accuracy import PixelSequence, stream_estimates, train
 from gns_callback.exact import exact_noise_scale, per_example_gradients
-from gns_callback.per_example import sketch
+from gns_callback.per_example import conv as conv_layers
+from gns_callback.per_example import linear, sketch
 from gns_callback.per_example.conv import conv_sq_norms, per_example_weight_grads
+from gns_callback.per_example.launches import ACCELERATOR_LAUNCH_COST
 from gns_callback.per_example.linear import sequence_norm_method
 from gns_callback import GradientNoiseScaleMeter
 from gns_callback.per_example.sketch import PROBES, probe_signs, reseed_probes, sketched_sq_norms
@@ -104,6 +106,33 @@ def test_short_or_narrow_sequences_stay_exact():
     assert sequence_norm_method(8, 16, 16) == "gram"
     assert sequence_norm_method(64, 16, 32) == "materialise"
     assert sequence_norm_method(64, 128, 512) == "sketch"
+
+
+def test_on_an_accelerator_a_sketch_pays_for_its_extra_launches():
+    """benchmarks/gpu_conv_paths.py on an H200: the CNN's 32→64 stride-2 convolution at batch 64 took 0.35 ms
+    sketched against 0.15 ms exact, its cost all launches. Per call the launches are shared by the examples: a
+    layer whose exact norms cost billions of multiply-adds per call is still sketched."""
+    share = ACCELERATOR_LAUNCH_COST / 64
+    assert sequence_norm_method(256, 32 * 9, 64) == "sketch"  # the CPU: arithmetic alone
+    assert sequence_norm_method(256, 32 * 9, 64, launch_share=share) == "materialise"
+    assert sequence_norm_method(64, 128, 512, launch_share=ACCELERATOR_LAUNCH_COST / 32) == "gram"
+    assert sequence_norm_method(196, 256 * 9, 256, launch_share=ACCELERATOR_LAUNCH_COST / 256) == "sketch"
+
+
+def test_on_an_accelerator_the_cnn_layers_norms_are_exact(monkeypatch, reference_sq_norms):
+    """The norms themselves ask the device: with its tensors' device taken for an accelerator, a convolution and a
+    sequence the CPU sketches give the exact norms (a sketch would be off by its noise)."""
+    monkeypatch.setattr(conv_layers, "launch_cost", lambda device: ACCELERATOR_LAUNCH_COST)
+    monkeypatch.setattr(linear, "launch_cost", lambda device: ACCELERATOR_LAUNCH_COST)
+    layer = nn.Conv2d(32, 64, 3, stride=2, padding=1)
+    x = torch.randn(8, 32, 32, 32)
+    grad = torch.randn_like(layer(x))
+    assert sequence_norm_method(256, 32 * 9, 64) == "sketch"
+    torch.testing.assert_close(conv_sq_norms(layer, x, grad), reference_sq_norms(layer, x, grad).float(), rtol=1e-4,
+                               atol=0)
+    a, d = torch.randn(4, 64, 128), torch.randn(4, 64, 512)
+    exact = torch.einsum("ntk,ntl->nkl", a, d).square().sum(dim=(1, 2))
+    torch.testing.assert_close(linear.sequence_sq_norms(a, d), exact, rtol=1e-4, atol=0)
 
 
 def test_a_sketched_meter_holds_the_exact_noise_scale_of_real_data(digits):
