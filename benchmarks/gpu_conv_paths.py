@@ -3,6 +3,7 @@
 
     python benchmarks/gpu_conv_paths.py --json conv_paths.json     # on the GPU machine (~2 min)
     python benchmarks/gpu_conv_paths.py --layers-only --device cpu # the per-layer table on this machine
+    python benchmarks/gpu_conv_paths.py --large --json large.json   # ResNet-sized layers, per layer only
 
 Part 1, per layer: the three convolutions of ``benchmarks/overhead.py``'s CNN at batch 64, each path of
 ``gns_callback/per_example/conv.py`` timed alone (median of 7 repeats of 20 calls; on CUDA by events around the
@@ -36,7 +37,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.sketch_accuracy import exact_norms_only  # noqa: E402
-from gns_callback.per_example import conv  # noqa: E402
+from gns_callback.per_example import conv, linear  # noqa: E402
 from gns_callback.per_example.launches import launch_cost  # noqa: E402
 
 BATCH = 64
@@ -44,6 +45,15 @@ BATCH = 64
 LAYERS = [(lambda: nn.Conv2d(3, 32, 3, padding=1), (BATCH, 3, 32, 32)),
           (lambda: nn.Conv2d(32, 64, 3, stride=2, padding=1), (BATCH, 32, 32, 32)),
           (lambda: nn.Conv2d(64, 64, 3, stride=2, padding=1), (BATCH, 64, 16, 16))]
+#: Layers the device, not the host, is the bottleneck of: a ResNet's stem and stages at 224×224, batch 64.
+LARGE_LAYERS = [(lambda: nn.Conv2d(3, 64, 7, stride=2, padding=3), (BATCH, 3, 224, 224)),
+                (lambda: nn.Conv2d(64, 64, 3, padding=1), (BATCH, 64, 56, 56)),
+                (lambda: nn.Conv2d(128, 128, 3, padding=1), (BATCH, 128, 28, 28)),
+                (lambda: nn.Conv2d(256, 256, 3, padding=1), (BATCH, 256, 14, 14)),
+                (lambda: nn.Conv2d(512, 512, 3, padding=1), (BATCH, 512, 7, 7))]
+#: Sequence layers, (batch, positions, in, out): GPT-2 small's MLP and attention projections at sequence 512, and
+#: benchmarks/overhead.py's transformer block's MLP.
+SEQUENCE_LAYERS = [(8, 512, 768, 3072), (8, 512, 768, 768), (32, 64, 128, 512)]
 
 
 def timed_ms(call: Callable[[], object], device: torch.device, calls: int = 20, repeats: int = 7) -> float:
@@ -95,8 +105,7 @@ def layer_paths(module: nn.Conv2d, x: torch.Tensor, grad: torch.Tensor) -> dict[
 @contextlib.contextmanager
 def no_exact_margin() -> Iterator[None]:
     """Within it the sketch is taken wherever it is any cheaper by the cost model (``SKETCH_MARGIN`` 1e-9)."""
-    from gns_callback.per_example import linear
-    margin, linear.SKETCH_MARGIN = linear.SKETCH_MARGIN, 1e-9
+    margin, linear.SKETCH_MARGIN = linear.SKETCH_MARGIN, 1e-9  # below any launch share's weight too
     try:
         yield
     finally:
@@ -113,10 +122,10 @@ def im2col_only() -> Iterator[None]:
         conv._GROUPED_CONV_MIN_CHANNELS = threshold
 
 
-def layer_table(device: torch.device) -> list[dict]:
+def layer_table(device: torch.device, layers=LAYERS) -> list[dict]:
     torch.manual_seed(0)
     rows = []
-    for make, shape in LAYERS:
+    for make, shape in layers:
         module = make().to(device)
         x = torch.randn(*shape, device=device)
         grad = torch.randn_like(module(x))
@@ -128,6 +137,29 @@ def layer_table(device: torch.device) -> list[dict]:
                      "on this device": conv.sequence_norm_method(*sizes, launch_cost(device) / shape[0]),
                      "ms": times})
     return rows
+
+
+def sequence_table(device: torch.device) -> list[dict]:
+    """``sequence_sq_norms`` on each of :data:`SEQUENCE_LAYERS`: exact (Gram or materialised, as the shapes pick),
+    sketched, and the package's pick."""
+    torch.manual_seed(0)
+    rows = []
+    for batch, positions, k, l in SEQUENCE_LAYERS:
+        a, d = torch.randn(batch, positions, k, device=device), torch.randn(batch, positions, l, device=device)
+        calls = {"weight gradient": lambda: a.reshape(-1, k).t() @ d.reshape(-1, l),
+                 "exact": lambda: _within(exact_norms_only, linear.sequence_sq_norms, a, d),
+                 "sketch": lambda: _within(no_exact_margin, linear.sequence_sq_norms, a, d),
+                 "package's pick": lambda: linear.sequence_sq_norms(a, d)}
+        rows.append({"layer": f"Linear {k}→{l} over {positions} positions ({batch})",
+                     "cost model": linear.sequence_norm_method(positions, k, l),
+                     "on this device": linear.sequence_norm_method(positions, k, l, launch_cost(device) / batch),
+                     "ms": {name: timed_ms(call, device) for name, call in calls.items()}})
+    return rows
+
+
+def _within(context, function, *args):
+    with context():
+        return function(*args)
 
 
 #: Part 2's arms: (key, label, context the fit runs in).
@@ -160,15 +192,22 @@ def fit_table(rounds: int, steps: int, warmup: int, log=print) -> list[dict]:
         gpu_overhead.fit = original_fit
 
 
-def render(result: dict) -> str:
-    names = list(result["layers"][0]["ms"])
-    lines = [f"- Command: `{result['command']}`", f"- Device: {result['device']}; torch {result['torch']}", "",
-             "| layer (batch) | arithmetic alone picks | with launches picks | " + " | ".join(names) + " |",
+def layer_lines(rows: list[dict]) -> list[str]:
+    names = list(rows[0]["ms"])
+    lines = ["| layer (batch) | arithmetic alone picks | with launches picks | " + " | ".join(names) + " |",
              "|---|---|---|" + "---|" * len(names)]
-    for row in result["layers"]:
+    for row in rows:
         device_pick = row.get("on this device", "(not recorded)")  # runs before the launches counted
         lines.append(f"| {row['layer']} | {row['cost model']} | {device_pick} | "
                      + " | ".join(f"{row['ms'][n]:.3f}" for n in names) + " |")
+    return lines
+
+
+def render(result: dict) -> str:
+    lines = [f"- Command: `{result['command']}`", f"- Device: {result['device']}; torch {result['torch']}", ""]
+    lines += layer_lines(result["layers"])
+    if result.get("sequences"):
+        lines += [""] + layer_lines(result["sequences"])
     if result.get("fit"):
         lines += ["", "| CNN configuration | step (GPU timeline) | host step | ratio | per-round ratios |",
                   "|---|---|---|---|---|"]
@@ -184,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--layers-only", action="store_true")
+    parser.add_argument("--large", action="store_true", help="time ResNet-sized layers (224×224) instead of the "
+                        "CNN's; no fit (implies --layers-only)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=15)
@@ -198,9 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU, one thread"
     if device.type == "cpu":
         torch.set_num_threads(1)
-    result = {"command": command, "device": name, "torch": torch.__version__, "layers": layer_table(device)}
+    layers = layer_table(device, LARGE_LAYERS if args.large else LAYERS)
+    result = {"command": command, "device": name, "torch": torch.__version__, "layers": layers}
+    if args.large:
+        result["sequences"] = sequence_table(device)
     print(render(result), flush=True)
-    if not args.layers_only:
+    if not (args.layers_only or args.large):
         result["fit"] = fit_table(args.rounds, args.steps, args.warmup)
         print(render(result))
     if args.json:

@@ -39,13 +39,16 @@ def test_an_unknown_model_name_is_refused_before_anything_runs():
         gpu_overhead.run(1, 1, 1, models=["MLP", "transformer"])
 
 
-@pytest.mark.parametrize("name", ["conv_paths_h200_before.json", "conv_paths_h200_after.json"])
+@pytest.mark.parametrize("name", ["conv_paths_h200_before.json", "conv_paths_h200_after.json",
+                                  "conv_paths_h200_large.json"])
 def test_conv_paths_render_every_layer_time_and_fit_ratio(name):
     run = json.loads((RESULTS / name).read_text())
     section = gpu_conv_paths.render(run)
     for row in run["layers"]:
         assert all(f"{ms:.3f}" in section for ms in row["ms"].values())
-    assert all(f"**{row['ratio']:.3f}×**" in section for row in run["fit"] if "ratio" in row)
+    assert all(f"**{row['ratio']:.3f}×**" in section for row in run.get("fit", ()) if "ratio" in row)
+    for row in run.get("sequences", ()):
+        assert all(f"{ms:.3f}" in section for ms in row["ms"].values())
     assert "H200" in section
 
 
