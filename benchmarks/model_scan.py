@@ -144,6 +144,43 @@ class CellLoop(nn.Module):
         return self.head(hx[0] if isinstance(hx, tuple) else hx)
 
 
+class ViTStyle(nn.Module):
+    """The image in patches by a Conv2d, a class token and a position table as bare parameters (broadcast over the
+    batch: :mod:`gns_callback.per_example.broadcast`), pre-LN ``nn.TransformerEncoderLayer`` s, LayerNorm, a head on
+    the class token. At its defaults: a digit's 8×8 pixels in 2×2 patches, width 16, one layer."""
+
+    def __init__(self, dim: int = 16, image: int = 8, patch: int = 2, channels: int = 1, layers: int = 1,
+                 classes: int = 10) -> None:
+        super().__init__()
+        self.shape = (channels, image, image)
+        self.patch = nn.Conv2d(channels, dim, patch, stride=patch)
+        self.cls = nn.Parameter(0.1 * torch.randn(1, 1, dim))
+        self.pos = nn.Parameter(0.1 * torch.randn(1, (image // patch) ** 2 + 1, dim))
+        self.blocks = nn.Sequential(*(nn.TransformerEncoderLayer(dim, 2, 2 * dim, dropout=0.0, batch_first=True,
+                                                                 norm_first=True) for _ in range(layers)))
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.patch(x.reshape(-1, *self.shape)).flatten(2).transpose(1, 2)
+        h = torch.cat([self.cls.expand(h.shape[0], -1, -1), h], dim=1) + self.pos
+        return self.head(self.norm(self.blocks(h))[:, 0])
+
+
+class LayerScaleNet(nn.Module):
+    """A learned offset on the input, and a residual MLP block whose branch is scaled per channel by a learned
+    vector (CaiT's and ConvNeXt's layer scale): bare parameters, multiplied and added in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.offset = nn.Parameter(torch.zeros(64))
+        self.inp, self.branch, self.head = nn.Linear(64, 32), nn.Linear(32, 32), nn.Linear(32, 10)
+        self.gamma = nn.Parameter(torch.full((32,), 0.1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x - self.offset))
+        return self.head(h + self.gamma * torch.tanh(self.branch(h)))
+
+
 class HuggingFaceGpt2(nn.Module):
     """``transformers``' ``GPT2LMHeadModel`` (2 layers, width 32, vocabulary 17, dropout off), its logits mean-pooled
     over positions; the first 10 vocabulary entries are the class logits. Only where ``transformers`` is installed."""
@@ -168,6 +205,8 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], bool]] = {  # name → (model, 
     "GPT-style (arange positions, tied head)": (GptStyle, True), "Conv1d + GroupNorm": (Conv1dNet, False),
     "Conv3d + GroupNorm (volumes)": (Conv3dNet, False),
     "LSTMCell in a loop": (CellLoop, False), "GRUCell in a loop": (lambda: CellLoop(nn.GRUCell), False),
+    "ViT-style (class token, position table)": (ViTStyle, False),
+    "layer scale and a learned offset": (LayerScaleNet, False),
 }
 try:
     import transformers  # noqa: F401  (optional: not a dependency of the package)

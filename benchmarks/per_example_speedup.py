@@ -33,7 +33,7 @@ if str(REPO) not in sys.path:
 from benchmarks.overhead import GnsTrackerStep, PlainStep, batch_pool, model_specs, set_threads  # noqa: E402
 from gns_callback.per_example import tracker as tracker_module  # noqa: E402
 
-LAYER_FILES = ("linear", "conv", "conv_transpose", "embedding", "normalization", "sketch")
+LAYER_FILES = ("linear", "conv", "conv_transpose", "embedding", "normalization", "sketch", "launches")
 
 
 def load_old_functions(revision: str, workdir: Path) -> dict[type, object]:
@@ -45,7 +45,7 @@ def load_old_functions(revision: str, workdir: Path) -> dict[type, object]:
     for name in LAYER_FILES:
         shown = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:gns_callback/per_example/{name}.py"],
                                capture_output=True, text=True)
-        if shown.returncode == 0:  # a helper module a revision may not have yet (sketch.py before 6ec8cfd)
+        if shown.returncode == 0:  # a helper a revision may not have yet (sketch.py before 6ec8cfd, launches.py)
             (package / f"{name}.py").write_text(shown.stdout)
             present.append(name)
     spec = importlib.util.spec_from_file_location("old_per_example", package / "__init__.py",

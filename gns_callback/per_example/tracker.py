@@ -16,6 +16,7 @@ import warnings
 import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
+from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from gns_callback.backward_passes import PassLedger, current_pass, hooks_inert
@@ -41,6 +42,7 @@ from .cells import (
     is_cell,
     state_feeds_output,
 )
+from .broadcast import Consumer, batch_dim, example_grads, find_consumers, sums_to
 from .conv import conv_sq_norms, conv_summed_grads
 from .conv_transpose import conv_transpose_sq_norms, conv_transpose_summed_grads
 from .cost import COSTS, CostFunction, subset_is_cheaper
@@ -162,6 +164,8 @@ class PassNorms:
     tied_logits: dict = field(default_factory=dict)
     #: ... whose embedding side came first: embedding → (tokens, output gradient).
     tied_lookups: dict = field(default_factory=dict)
+    #: Per bare parameter (:mod:`.broadcast`), its per-example gradients (B, numel) so far, until its gradient comes.
+    broadcast: dict = field(default_factory=dict)
 
     def add(self, sq_norms: Tensor) -> None:
         self.sq_norms = sq_norms if self.sq_norms is None else self.sq_norms + sq_norms
@@ -176,6 +180,8 @@ class PassNorms:
             return self
         self.fired |= inner.fired
         self.subset_grads.update(inner.subset_grads)
+        for name, rows in inner.broadcast.items():
+            self.broadcast[name] = rows + self.broadcast[name] if name in self.broadcast else rows
         self.calls.update(inner.calls)
         if inner.sq_norms is not None:
             self.add(inner.sq_norms)
@@ -217,6 +223,19 @@ class _CoveredModule:
     param_count: int
 
 
+@dataclass
+class _BareParameter:
+    """A trainable parameter of a module no layer function measures (a ViT's class token, a layer scale): left out
+    until its first backward pass shows that its per-example gradients are read at its broadcasts
+    (:mod:`.broadcast`), measured from then on, left out for good with ``refused`` where they are not."""
+
+    name: str
+    param: nn.Parameter
+    owner: nn.Module
+    measured: bool = False
+    refused: Optional[str] = None
+
+
 def _unmeasured_reason(module: nn.Module, local_name: str) -> Optional[str]:
     """Why the parameter ``local_name`` of its only module ``module`` is not measured, or None."""
     if is_recurrent(module):
@@ -249,6 +268,13 @@ def _replaced_reason(param_name: str) -> str:
     return (f"parameter '{param_name}' is no longer its layer's own: it was pruned or reparametrized during the run "
             "(torch.nn.utils.prune, Lightning's ModelPruning, a parametrization such as weight_norm), so the layer's "
             f"per-example gradients are no longer the parameter's; {MICRO_BATCH_HINT}")
+
+
+def _holds_bare_parameters(module: nn.Module) -> bool:
+    """Whether ``module``'s own parameters are used by code of its own rather than by a layer this package knows:
+    their per-example gradients can be read only where they are broadcast (:mod:`.broadcast`)."""
+    return (layer_kind(module) not in SUPPORTED_MODULES and not is_attention(module) and not is_recurrent(module)
+            and not is_cell(module) and not _is_bag(module))
 
 
 def _is_bag(module: nn.Module) -> bool:
@@ -383,6 +409,7 @@ class PerExampleNormTracker:
         self._covered_modules = {}
         self._covered_params = []
         self._uncovered_params = []
+        self._bare: dict[int, _BareParameter] = {}
         covered_names: dict[nn.Module, tuple[str, set[str]]] = {}
         for param_name, param in self.model.named_parameters():
             if not param.requires_grad:
@@ -409,6 +436,8 @@ class PerExampleNormTracker:
             if reason is not None:
                 self.excluded_reasons[param_name] = reason
                 self._uncovered_params.append((param_name, param))
+                if len(distinct_modules) == 1 and _holds_bare_parameters(module):
+                    self._bare[id(param)] = _BareParameter(param_name, param, module)
                 continue
             self._covered_params.append((param_name, param))
             covered_names.setdefault(module, (module_name, set()))[1].add(local_name)
@@ -474,6 +503,7 @@ class PerExampleNormTracker:
                 qualified = _qualified(covered.name, local_name)
                 self._handles.append(param.register_hook(
                     partial(self._on_param_grad, owners, qualified, id(param), local_name)))
+        self._handles += self._bare_hooks()
         self._passes.watch(self.covered_parameters())
         self._attached = True
         self._reset_state()
@@ -545,6 +575,7 @@ class PerExampleNormTracker:
 
     def _reset_state(self) -> None:
         self._passes.clear()
+        self._hooked_nodes: dict[int, Any] = {}  # broadcast consumers hooked since the last pop (held: ids stay)
         self._forward_costs = []
         self._last_subset = None
         self._saw_tracked_forward = False
@@ -1012,6 +1043,99 @@ class PerExampleNormTracker:
         return (f"parameter '{param_name}' received a gradient that did not flow through its module's output: it is "
                 "used outside the module's forward (e.g. F.linear(x, module.weight), or a positional table indexed "
                 f"directly), so its per-example norm can't be measured; {MICRO_BATCH_HINT}.")
+
+    # ------------------------------------------------------------------ bare parameters (:mod:`.broadcast`)
+
+    def _bare_hooks(self) -> list[RemovableHandle]:
+        """A forward hook on each module holding bare parameters, and a gradient hook on each of those."""
+        owners = {id(bare.owner): bare.owner for bare in self._bare.values()}
+        return ([owner.register_forward_hook(self._on_owner_forward, with_kwargs=True) for owner in owners.values()]
+                + [bare.param.register_hook(partial(self._on_bare_grad, bare)) for bare in self._bare.values()])
+
+    def _on_owner_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                          output: Any) -> None:
+        """Find where this forward broadcast the module's bare parameters, and hook those nodes."""
+        if self._refuses_compiled() or not self._active() or not torch.is_grad_enabled():
+            return
+        bare = {key: b.param for key, b in self._bare.items() if b.owner is module and b.refused is None}
+        outputs = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
+        if not bare or not outputs:
+            return
+        consumers, unread = find_consumers(outputs, bare)
+        for key, kind in unread.items():
+            self._refuse(self._bare[key], f"it is used through {kind}, where its per-example gradients are not read")
+        for consumer in consumers:
+            if id(consumer.node) not in self._hooked_nodes:
+                self._hooked_nodes[id(consumer.node)] = consumer.node
+                consumer.node.register_prehook(partial(self._on_consumer_grad, consumer))
+
+    def _on_consumer_grad(self, consumer: Consumer, grad_outputs: tuple[Optional[Tensor], ...]) -> None:
+        """The examples' gradients of a bare parameter at one of its broadcasts, kept until its gradient comes."""
+        bare, grad_output = self._bare.get(id(consumer.param)), grad_outputs[0]
+        if bare is None or bare.refused or grad_output is None or grad_output.requires_grad or not self._active():
+            return
+        record = self._pass_record()
+        dim = batch_dim(grad_output.shape, bare.param.shape, self.expected_batch_size, self._sequence_first)
+        if record.failure is not None or dim is None:
+            return None if dim is not None else self._refuse(
+                bare, f"{type(consumer.node).__name__} broadcasts it along no dim of the batch's examples")
+        with _no_grad():
+            rows = example_grads(consumer, grad_output, dim)
+            before = record.broadcast.get(bare.name)
+            if before is not None and before.shape != rows.shape:
+                return self._refuse(bare, "its broadcasts in one pass saw batches of different sizes")
+            record.broadcast[bare.name] = rows if before is None else before.add_(rows)
+
+    def _on_bare_grad(self, bare: _BareParameter, grad: Tensor) -> None:
+        """A bare parameter's whole gradient of the pass: on its first pass, the check that its examples'
+        gradients add up to it (else it stays left out); then their squared norms join the pass's."""
+        if bare.refused or not self._active():
+            return
+        record = self._pass_record()
+        rows = record.broadcast.pop(bare.name, None)
+        if record.failure is not None:
+            return
+        if rows is None:
+            return self._refuse(bare, "its gradient came without passing through a broadcast the hooks saw")
+        if not bare.measured:
+            if not sums_to(rows, grad):
+                return self._refuse(bare, "its examples' gradients at its broadcasts do not add up to its gradient "
+                                          "(it is used elsewhere too)")
+            self._promote(bare)
+        if self._check_batch_size(record, rows.shape[0], bare.name):
+            self._add_bare_norms(record, rows, grad)
+
+    def _add_bare_norms(self, record: PassNorms, rows: Tensor, grad: Tensor) -> None:
+        """``|g_i|²`` of the measured examples; with a subset, ``|Σ_{i unmeasured} g_i|²`` too."""
+        with _no_grad():
+            if self._measures_subset(record, rows.shape[0]):
+                rows = rows[: self.max_examples]
+                rest = squared_norm(grad.detach().float().reshape(-1) - rows.sum(dim=0))
+                record.unmeasured_sq = rest if record.unmeasured_sq is None else record.unmeasured_sq + rest
+            record.add(rows.square().sum(dim=1))
+
+    def _promote(self, bare: _BareParameter) -> None:
+        """From left out to measured."""
+        bare.measured = True
+        self._uncovered_params = [(n, p) for n, p in self._uncovered_params if p is not bare.param]
+        self._covered_params.append((bare.name, bare.param))
+        self.excluded_reasons.pop(bare.name, None)
+
+    def _refuse(self, bare: _BareParameter, reason: str) -> None:
+        """Leave ``bare`` out for good; if it was measured, move it back and say so once."""
+        if bare.refused is not None:
+            return
+        bare.refused = reason
+        if not bare.measured:
+            self.excluded_reasons[bare.name] += f"; as a bare parameter: {reason}"
+            return
+        bare.measured = False
+        self._covered_params = [(n, p) for n, p in self._covered_params if p is not bare.param]
+        self._uncovered_params.append((bare.name, bare.param))
+        self.excluded_reasons[bare.name] = f"a bare parameter of {type(bare.owner).__name__}: {reason}"
+        warnings.warn(f"gns_callback left the parameter '{bare.name}' out of both norms from now on: {reason}. The "
+                      f"noise scale now covers {self.coverage_fraction():.1%} of the trainable parameters.",
+                      stacklevel=2)
 
     def _check_batch_size(self, record: PassNorms, batch_size: int, source: str) -> bool:
         if record.batch_size is None:

@@ -243,9 +243,10 @@ class TiedLanguageModel(nn.Module):
 
 
 class ScaledLogits(nn.Module):
-    """The digits MLP 64-32-10 (tanh) whose logits are multiplied by a learned temperature, a bare parameter no
-    per-example hook sees (one of 2,411). At ``scale = 0.05`` its gradient is mostly noise: the whole model's
-    B_simple is 171 against 82 for the other parameters."""
+    """The digits MLP 64-32-10 (tanh) whose logits are multiplied by a learned temperature, clamped as CLIP clamps
+    its logit scale: a bare parameter used through a clamp, which no per-example reading follows (one of 2,411; a
+    temperature multiplied in directly is measured, :mod:`gns_callback.per_example.broadcast`). At ``scale = 0.05``
+    its gradient is mostly noise: the whole model's B_simple is 171 against 82 for the other parameters."""
 
     def __init__(self, scale: float = 0.05, seed: int = 0) -> None:
         super().__init__()
@@ -254,4 +255,4 @@ class ScaledLogits(nn.Module):
         self.scale = nn.Parameter(torch.tensor(scale))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x) * self.scale
+        return self.net(x) * self.scale.clamp(max=100.0)  # below the bound: the gradient of a plain product

@@ -1,0 +1,116 @@
+"""Per-example gradients of a bare parameter broadcast over the batch: a ViT's class token and position table, a
+layer-scale vector, a learned offset added to the activations.
+
+Such a parameter ``P`` belongs to no layer this package measures; it enters the graph through one op that
+broadcasts it against the examples. The op's output gradient ``δ`` holds each example's part: ``P``'s gradient
+is ``δ`` summed over the dims ``P`` was broadcast along, so example ``i``'s is ``δ_i`` summed the same way, times
+``α`` for ``x + α·P`` and ``−α`` for ``x − α·P``, and ``δ_i ⊙ x_i`` summed for ``x ⊙ P`` (McCandlish et al. 2018
+need only ``|g_i|²``; BackPACK's ``batch_grad`` takes the same reduction for a layer's bias).
+
+The op is found in autograd's graph after each forward (:func:`find_consumers`), as the node whose inputs hold
+``P``'s ``AccumulateGrad``; a pre-hook on it hands over ``δ`` (:func:`example_grads`). Uses through any other op
+(a slice, a matrix product) are not read: the tracker compares the summed per-example gradients with ``P``'s
+gradient on the first pass and leaves ``P`` out where they differ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["CONSUMERS", "Consumer", "batch_dim", "example_grads", "find_consumers", "sums_to"]
+
+#: The autograd nodes whose output gradient gives a broadcast parameter's per-example gradient.
+CONSUMERS = frozenset({"AddBackward0", "SubBackward0", "MulBackward0", "ExpandBackward0"})
+
+
+@dataclass(frozen=True)
+class Consumer:
+    """A node of this forward's graph that takes ``param`` as its input ``index``."""
+
+    node: Any  # torch.autograd.graph.Node
+    index: int
+    param: Tensor
+
+
+def find_consumers(outputs: Iterable[Tensor], params: Mapping[int, Tensor]) -> tuple[list[Consumer], dict[int, str]]:
+    """The nodes reachable from ``outputs`` that take one of ``params`` (by ``id``) as an input; and per parameter
+    also taken by a node of another kind than :data:`CONSUMERS`, that node's name (a use not read here)."""
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    seen: set[int] = set()
+    found: list[Consumer] = []
+    unread: dict[int, str] = {}
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        for index, (child, _) in enumerate(node.next_functions):
+            variable = getattr(child, "variable", None)
+            if variable is None:
+                if child is not None:
+                    stack.append(child)
+            elif id(variable) in params:
+                if type(node).__name__ in CONSUMERS:
+                    found.append(Consumer(node, index, params[id(variable)]))
+                else:
+                    unread[id(variable)] = type(node).__name__
+    return found, unread
+
+
+def batch_dim(out_shape: torch.Size, param_shape: torch.Size, batch_size: Optional[int],
+              sequence_first: bool = False) -> Optional[int]:
+    """The dim of the consumer's output that holds the examples: one ``param`` is broadcast along (size 1 there,
+    or absent), of the micro-batch's size where that is known (dim 1 first for a sequence-first model), else
+    dim 0. None where no dim fits."""
+    if len(param_shape) > len(out_shape):
+        return None
+    padded = _padded(param_shape, len(out_shape))
+    if batch_size is None:
+        return 0 if padded[0] == 1 and not sequence_first else None
+    fits = [d for d, (n, p) in enumerate(zip(out_shape, padded)) if p == 1 and n == batch_size]
+    preferred = 1 if sequence_first else 0
+    if preferred in fits:
+        return preferred
+    return fits[0] if len(fits) == 1 else None
+
+
+def example_grads(consumer: Consumer, grad_output: Tensor, dim: int) -> Tensor:
+    """(B, P.numel()) float32: example ``i``'s gradient of ``P`` through ``consumer``, from the node's output
+    gradient ``grad_output`` with the examples along ``dim`` (:func:`batch_dim`; module docstring)."""
+    delta = _input_grad(consumer, grad_output.float())
+    padded = _padded(consumer.param.shape, delta.dim())
+    summed = [d for d, (n, p) in enumerate(zip(delta.shape, padded)) if d != dim and p == 1 and n != 1]
+    if summed:
+        delta = delta.sum(dim=summed, keepdim=True)
+    return delta.movedim(dim, 0).reshape(delta.shape[dim], -1)
+
+
+def _padded(shape: torch.Size, dims: int) -> tuple[int, ...]:
+    """``shape`` with leading 1s to ``dims`` dims, as broadcasting reads it."""
+    return (1,) * (dims - len(shape)) + tuple(shape)
+
+
+def _input_grad(consumer: Consumer, delta: Tensor) -> Tensor:
+    """``δ`` carried to the parameter's side of the node, before the broadcast dims are summed."""
+    kind, node = type(consumer.node).__name__, consumer.node
+    if kind == "MulBackward0":
+        other = node._saved_other if consumer.index == 0 else node._saved_self
+        return delta * other.float()
+    if kind in ("AddBackward0", "SubBackward0") and consumer.index == 1:
+        alpha = float(node._saved_alpha)
+        return delta * (-alpha if kind == "SubBackward0" else alpha)
+    return delta
+
+
+def sums_to(per_example: Tensor, grad: Tensor) -> bool:
+    """Whether the per-example gradients (B, numel) add up to the parameter's gradient of the pass, to float32
+    rounding (bf16/fp16 gradients: their own); one device sync."""
+    tolerance = 1e-3 if grad.dtype in (torch.float32, torch.float64) else 2e-2
+    total = per_example.sum(dim=0)
+    target = grad.detach().float().reshape(-1)
+    return bool((total - target).norm() <= tolerance * target.norm() + 1e-12)

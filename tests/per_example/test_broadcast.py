@@ -1,0 +1,208 @@
+"""Bare parameters broadcast over the batch (a ViT's class token and position table, a layer scale, a learned
+offset): their per-example gradients read at the broadcast, against ``torch.func``; and the tracker, which
+measures them from their first pass on where those gradients add up to theirs, and leaves them out otherwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.func import grad, vmap
+
+from benchmarks.model_scan import ViTStyle
+from gns_callback.per_example import PerExampleNormTracker
+from gns_callback.per_example import tracker as tracker_module
+from gns_callback.per_example.broadcast import batch_dim, example_grads, find_consumers, sums_to
+
+B, T, D = 5, 3, 4
+
+#: (name, parameter shape, use of the parameter p on the examples' activations x (B, T, D)).
+USES = [
+    ("x + p", (1, T, D), lambda x, p: x + p),
+    ("p + x, p broadcast by its rank", (D,), lambda x, p: p + x),
+    ("x + α·p", (T, D), lambda x, p: torch.add(x, p, alpha=2.5)),
+    ("x − α·p", (1, 1, D), lambda x, p: torch.sub(x, p, alpha=0.5)),
+    ("p − x", (1, T, 1), lambda x, p: p - x),
+    ("x ⊙ p (layer scale)", (D,), lambda x, p: x * p),
+    ("p ⊙ x", (1, T, D), lambda x, p: p * x),
+    ("in place x += p", (D,), lambda x, p: x.clone().add_(p)),
+    ("p expanded and concatenated (class token)", (1, 1, D),
+     lambda x, p: torch.cat([p.expand(x.shape[0], -1, -1), x], dim=1)),
+    ("two uses of p", (1, T, D), lambda x, p: (x + p) * p),
+]
+
+
+def _exact_example_grads(use, x: torch.Tensor, p: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def loss(p_, xi, wi):
+        return (torch.tanh(use(xi[None], p_)) * wi[None]).sum()
+    return vmap(grad(loss), in_dims=(None, 0, 0))(p.detach(), x, weights).reshape(x.shape[0], -1)
+
+
+@pytest.mark.parametrize("name, shape, use", USES, ids=[u[0] for u in USES])
+def test_example_grads_at_each_broadcast_match_torch_func(name, shape, use):
+    x, p = torch.randn(B, T, D), nn.Parameter(torch.randn(*shape))
+    out = torch.tanh(use(x, p))
+    weights = torch.randn_like(out)
+    consumers, unread = find_consumers([out], {id(p): p})
+    assert consumers and not unread
+    rows = []
+    for consumer in consumers:
+        consumer.node.register_prehook(lambda g, c=consumer: rows.append(
+            example_grads(c, g[0], batch_dim(g[0].shape, p.shape, B))))
+    (out * weights).sum().backward()
+    total = sum(rows)
+    torch.testing.assert_close(total, _exact_example_grads(use, x, p, weights), rtol=1e-5, atol=1e-6)
+    assert sums_to(total, p.grad)
+
+
+def test_sequence_first_activations_hold_the_examples_in_dim_1():
+    x, p = torch.randn(T, B, D), nn.Parameter(torch.randn(T, 1, D))
+    out = torch.tanh(x + p)
+    (consumer,), _ = find_consumers([out], {id(p): p})
+    rows = []
+    consumer.node.register_prehook(lambda g: rows.append(
+        example_grads(consumer, g[0], batch_dim(g[0].shape, p.shape, B, sequence_first=True))))
+    out.sum().backward()
+    exact = vmap(grad(lambda p_, xi: torch.tanh(xi[:, None] + p_).sum()), in_dims=(None, 1))(p.detach(), x)
+    torch.testing.assert_close(rows[0], exact.reshape(B, -1))
+
+
+def test_the_batch_dim_is_one_the_parameter_is_broadcast_along():
+    assert batch_dim(torch.Size([8, 5, 4]), torch.Size([1, 5, 4]), 8) == 0
+    assert batch_dim(torch.Size([8, 5, 4]), torch.Size([4]), None) == 0
+    assert batch_dim(torch.Size([5, 8, 4]), torch.Size([5, 1, 4]), 8, sequence_first=True) == 1
+    assert batch_dim(torch.Size([5, 8, 4]), torch.Size([5, 1, 4]), 8) == 1  # the only dim that fits
+    assert batch_dim(torch.Size([8, 4]), torch.Size([8, 4]), 8) is None  # not broadcast over the examples
+    assert batch_dim(torch.Size([4]), torch.Size([1, 4]), 8) is None
+
+
+def test_a_use_through_another_op_is_reported_unread():
+    x, p = torch.randn(B, D), nn.Parameter(torch.randn(D, D))
+    out = (x @ p) + p[0]
+    consumers, unread = find_consumers([out], {id(p): p})
+    assert set(unread.values()) <= {"MmBackward0", "SelectBackward0"} and id(p) in unread
+
+
+class LayerScale(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((dim,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma
+
+
+class Mixer(nn.Module):
+    """A weight applied by a matrix product of its own: not a broadcast."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(dim, dim) / dim**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight
+
+
+def _pass(tracker, model, x, weights):
+    model.zero_grad()
+    (model(x) * weights).sum().backward()
+    return tracker.pop()
+
+
+def test_a_vit_is_measured_whole_from_its_first_pass(reference_sq_norms):
+    torch.manual_seed(0)
+    model, x = ViTStyle(), torch.randn(6, 1, 8, 8)
+    weights = torch.randn(6, 10)
+    tracker = PerExampleNormTracker(model).attach()
+    assert tracker.coverage_fraction() < 0.9 and "cls" in tracker.excluded_reasons  # left out until shown
+    exact = reference_sq_norms(model, x, weights).float()
+    for _ in range(2):
+        torch.testing.assert_close(_pass(tracker, model, x, weights), exact, rtol=1e-4, atol=0)
+        assert tracker.coverage_fraction() == 1.0 and not tracker.excluded_reasons
+
+
+def test_a_layer_scale_and_a_subset_of_examples(monkeypatch, reference_sq_norms):
+    """With a subset, the measured examples' norms and ``|Σ_{i unmeasured} g_i|²``, as for a layer's parameters."""
+    monkeypatch.setattr(tracker_module, "subset_is_cheaper", lambda *args: True)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), LayerScale(8), nn.Tanh(), nn.Linear(8, 3))
+    x, weights = torch.randn(10, 8), torch.randn(10, 3)
+    tracker = PerExampleNormTracker(model, max_examples=4).attach()
+    model.zero_grad()
+    (model(x) * weights).sum().backward()
+    (record,) = tracker.pop_passes()
+    assert record.subset and tracker.coverage_fraction() == 1.0
+    torch.testing.assert_close(record.sq_norms, reference_sq_norms(model, x, weights).float()[:4], rtol=1e-4, atol=0)
+    model.zero_grad()
+    (model(x[4:]) * weights[4:]).sum().backward()
+    rest = sum(p.grad.double().square().sum() for p in model.parameters())
+    torch.testing.assert_close(record.unmeasured_sq.double(), rest, rtol=1e-4, atol=0)
+
+
+def test_a_parameter_used_through_a_matrix_product_stays_left_out(reference_sq_norms):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), Mixer(8), nn.Tanh(), nn.Linear(8, 3))
+    x, weights = torch.randn(6, 8), torch.randn(6, 3)
+    tracker = PerExampleNormTracker(model).attach()
+    got = _pass(tracker, model, x, weights)
+    names = ["0.weight", "0.bias", "3.weight", "3.bias"]
+    torch.testing.assert_close(got, reference_sq_norms(model, x, weights, param_names=names).float(), rtol=1e-4,
+                               atol=0)
+    assert "MmBackward0" in tracker.excluded_reasons["1.weight"]
+
+
+class Offset(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.offset = nn.Parameter(torch.randn(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.offset
+
+
+def test_a_second_use_inside_the_forward_leaves_the_parameter_out():
+    class Penalised(Offset):
+        def forward(self, x):
+            return x + self.offset + self.offset.square().sum()
+
+    model = nn.Sequential(Penalised(8), nn.Linear(8, 3))
+    tracker = PerExampleNormTracker(model).attach()
+    model(torch.randn(6, 8)).sum().backward()
+    tracker.pop()
+    assert "PowBackward0" in tracker.excluded_reasons["0.offset"] and tracker.coverage_fraction() < 1.0
+
+
+def test_a_parameter_whose_broadcast_is_not_its_whole_gradient_stays_left_out(reference_sq_norms):
+    """Used again outside its module (a penalty in the loss): the examples' gradients at the broadcast do not add
+    up to its gradient, so it stays out, and the pass's norms are the rest's."""
+    torch.manual_seed(0)
+    model, x, weights = nn.Sequential(Offset(8), nn.Linear(8, 3)), torch.randn(6, 8), torch.randn(6, 3)
+    tracker = PerExampleNormTracker(model).attach()
+    ((model(x) * weights).sum() + model[0].offset.square().sum()).backward()
+    got = tracker.pop()
+    torch.testing.assert_close(got, reference_sq_norms(model, x, weights, param_names=["1.weight", "1.bias"]).float(),
+                               rtol=1e-4, atol=0)
+    assert "do not add up" in tracker.excluded_reasons["0.offset"] and tracker.coverage_fraction() < 1.0
+
+
+def test_a_measured_parameter_later_used_another_way_is_left_out_with_a_warning(reference_sq_norms):
+    """Measured from its first pass; when a later forward uses it through another op, it is left out from that
+    pass on (never half-measured), and the user is told once."""
+    class Switching(Offset):
+        exp = False
+
+        def forward(self, x):
+            return x + (self.offset.exp() if self.exp else self.offset)
+
+    torch.manual_seed(0)
+    model, x, weights = nn.Sequential(Switching(8), nn.Linear(8, 3)), torch.randn(6, 8), torch.randn(6, 3)
+    tracker = PerExampleNormTracker(model).attach()
+    torch.testing.assert_close(_pass(tracker, model, x, weights), reference_sq_norms(model, x, weights).float(),
+                               rtol=1e-4, atol=0)
+    assert tracker.coverage_fraction() == 1.0
+    model[0].exp = True
+    with pytest.warns(UserWarning, match="'0.offset' out of both norms from now on.*ExpBackward0"):
+        got = _pass(tracker, model, x, weights)
+    torch.testing.assert_close(got, reference_sq_norms(model, x, weights, param_names=["1.weight", "1.bias"]).float(),
+                               rtol=1e-4, atol=0)
+    assert tracker.coverage_fraction() < 1.0 and "ExpBackward0" in tracker.excluded_reasons["0.offset"]
