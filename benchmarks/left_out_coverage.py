@@ -3,12 +3,14 @@
 
     python benchmarks/left_out_coverage.py [--streams 20] [--steps 300] [--out benchmarks/RESULTS.md]
 
-Per-example hooks measure layers of supported types; a bare parameter (a learned temperature, a layer-scale vector)
-or a layer of another type (``nn.PReLU``) is left out. Where the rest is at least ``MIN_COVERAGE`` of the parameters
-the estimate stands for the whole model, and its intervals make room for what the left-out parameters' share of the
-step gradient allows (``gns_callback/left_out.py``). For each model below, held at fixed parameters on the digits,
-the exact ``B_simple`` of the whole model and of the measured parameters (``gns_callback.exact``), then
-``--streams`` plain-loop meters at their defaults over ``--steps`` batches of 32 drawn with replacement. Reported:
+Per-example hooks measure layers of supported types, and bare parameters where each example's gradient can be read
+at the op that broadcasts them (``per_example/broadcast.py``); a bare parameter used otherwise (a learned
+temperature through a clamp, as CLIP's) or a layer of another type (``nn.PReLU``) is left out. Where the rest is at
+least ``MIN_COVERAGE`` of the parameters the estimate stands for the whole model, and its intervals make room for
+what the left-out parameters' share of the step gradient allows (``gns_callback/left_out.py``). For each model
+below, held at fixed parameters on the digits, the exact ``B_simple`` of the whole model and of the measured
+parameters (``gns_callback.exact``), then ``--streams`` plain-loop meters at their defaults over ``--steps`` batches
+of 32 drawn with replacement. Reported:
 how often the run average's and the recent estimate's 95% intervals hold the whole model's exact value, and their
 median width (high/low), with the widening ("now") and without it ("before": the same meter's summed parts read as
 they were before the widening existed).
@@ -42,20 +44,6 @@ HEADING = "## Parameters left out of the per-example norms: interval coverage (w
 BATCH = 32
 
 
-class LayerScaled(nn.Module):
-    """A residual tanh block whose branch is scaled by a learned vector (layer scale), a bare parameter."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.inp, self.branch, self.out = nn.Linear(64, 32), nn.Linear(32, 32), nn.Linear(32, 10)
-        self.gamma = nn.Parameter(torch.full((32,), 0.5))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.inp(x))
-        return self.out(h + self.gamma * torch.tanh(self.branch(h)))
-
-
 def prelu_mlp() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(64, 32), nn.PReLU(), nn.Linear(32, 10))
@@ -80,8 +68,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "learned logit scale 0.2 (at initialisation)": lambda: ScaledLogits(0.2),
     "learned logit scale 1.5, after 100 SGD steps": trained(lambda: ScaledLogits(1.5), 100),
     "PReLU MLP, after 100 SGD steps": trained(prelu_mlp, 100),
-    "layer scale, after 100 SGD steps": trained(LayerScaled, 100),
-}
+}  # a layer-scale vector was a row here until bare parameters were measured (per_example/broadcast.py)
 
 
 def exact_values(model: nn.Module) -> tuple[float, float]:

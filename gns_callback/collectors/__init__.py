@@ -74,24 +74,25 @@ class MethodChoice:
 
 
 def per_example_problem(model: nn.Module, compiled: bool = False,
-                        batch_norm: bool = True) -> tuple[Optional[str], float]:
-    """Why per-example norms are invalid for ``model`` (or None), and the share of parameters they'd cover.
+                        batch_norm: bool = True) -> tuple[Optional[str], float, float]:
+    """Why per-example norms are invalid for ``model`` (or None), the share of parameters they'd cover, and the
+    share of bare parameters they may cover from the first step on (:mod:`~gns_callback.per_example.broadcast`).
     ``compiled``: the caller knows ``model``'s forward runs under ``torch.compile``
     (:mod:`~gns_callback.per_example.compiled`). ``batch_norm``: whether BatchNorm's mode now is that of the
     training steps (False: not yet known, and not judged)."""
     collector = PerExampleCollector(model)
-    coverage = collector.coverage()
+    coverage, bare = collector.coverage(), collector.tracker.bare_parameter_fraction()
     compile_problem = compiled_problem(model, compiled)
     if compile_problem is not None:
-        return compile_problem, coverage.fraction
+        return compile_problem, coverage.fraction, bare
     if coverage.measured_parameters == 0:
-        return f"no parameter is in a supported layer ({supported_layer_names()})", 0.0
+        return f"no parameter is in a supported layer ({supported_layer_names()})", 0.0, bare
     if batch_norm and collector.tracker.has_batchnorm_in_training():
         return (
             "the model has BatchNorm in training mode, which couples the examples of a batch, so per-example "
             "gradients are not independent samples"
-        ), coverage.fraction
-    return None, coverage.fraction
+        ), coverage.fraction, bare
+    return None, coverage.fraction, bare
 
 
 def choose_method(requested: str, model: nn.Module, *, several_micro_batches: bool, compiled: bool = False,
@@ -109,33 +110,41 @@ def choose_method(requested: str, model: nn.Module, *, several_micro_batches: bo
         if not several_micro_batches:
             raise UnmeasurableSetup(_NEEDS_MICRO_BATCHES.format(who="method='micro_batch'"))
         return MethodChoice("micro_batch")
-    problem, fraction = per_example_problem(model, compiled, batch_norm)
+    problem, fraction, bare = per_example_problem(model, compiled, batch_norm)
     if requested == "per_example":
         if problem is not None:
             raise UnmeasurableSetup(f"method='per_example': {problem}; use method='micro_batch'.")
-        return MethodChoice("per_example", warning=_coverage_warning(fraction))
-    return _choose_auto(problem, fraction, several_micro_batches)
+        return MethodChoice("per_example", warning=_coverage_warning(fraction, bare))
+    return _choose_auto(problem, fraction, bare, several_micro_batches)
 
 
-def _choose_auto(problem: Optional[str], fraction: float, several_micro_batches: bool) -> MethodChoice:
+def _choose_auto(problem: Optional[str], fraction: float, bare: float, several_micro_batches: bool) -> MethodChoice:
     """per_example where it is valid and covers the model (then micro_batch as the fallback if the run allows it:
-    the hooks may still find mid-run what no inspection of the model shows), else micro_batch where possible."""
+    the hooks may still find mid-run what no inspection of the model shows), else micro_batch where possible. Bare
+    parameters are not counted on: whether they can be read shows only at the first step."""
     if problem is None and fraction >= MIN_COVERAGE:
         return MethodChoice("per_example", fallback="micro_batch" if several_micro_batches else None)
     if several_micro_batches:
         why = problem or f"per-example norms would cover only {fraction:.1%} of the trainable parameters"
         return MethodChoice("micro_batch", note=f"method='auto' uses 'micro_batch' ({why}).")
     if problem is None:
-        return MethodChoice("per_example", warning=_coverage_warning(fraction))
+        return MethodChoice("per_example", warning=_coverage_warning(fraction, bare))
     raise UnmeasurableSetup(
         f"method='auto' found no valid estimator: per-example norms are not usable ({problem}) and "
         + _NEEDS_MICRO_BATCHES.format(who="method='micro_batch'")
     )
 
 
-def _coverage_warning(fraction: float) -> Optional[str]:
+def _coverage_warning(fraction: float, bare: float = 0.0) -> Optional[str]:
     if fraction >= MIN_COVERAGE:
         return None
+    if fraction + bare >= MIN_COVERAGE:
+        return (
+            f"per-example norms cover {fraction:.1%} of the trainable parameters at fit start; {bare:.1%} more are "
+            "bare parameters (a class token, a position table, a layer scale), measured from the first step on where "
+            "each example's gradient can be read at the op that broadcasts them over the batch. The report's "
+            "'coverage' says what was measured, and a warning says so if they are left out."
+        )
     return (
         f"per-example norms cover only {fraction:.1%} of the trainable parameters (layers of other types are "
         "left out, see the report's 'coverage'): B_simple is that of the covered parameters. For the whole model "

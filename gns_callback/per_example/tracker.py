@@ -474,6 +474,13 @@ class PerExampleNormTracker:
         total = covered + sum(param.numel() for _, param in self._uncovered_params)
         return covered / total if total else 0.0
 
+    def bare_parameter_fraction(self) -> float:
+        """The share of the trainable parameters that are bare parameters not yet measured nor refused
+        (:mod:`.broadcast`): measured from their first pass on where their broadcasts are read."""
+        bare = sum(b.param.numel() for b in self._bare.values() if not b.measured and b.refused is None)
+        total = sum(p.numel() for _, p in self._covered_params + self._uncovered_params)
+        return bare / total if total else 0.0
+
     def has_batchnorm_in_training(self) -> bool:
         """Whether a BatchNorm layer (incl. SyncBatchNorm) normalises with batch statistics now.
 
@@ -1125,9 +1132,15 @@ class PerExampleNormTracker:
         """Leave ``bare`` out for good; if it was measured, move it back and say so once."""
         if bare.refused is not None:
             return
+        counted_on = self.coverage_fraction() + self.bare_parameter_fraction() >= MIN_COVERAGE
         bare.refused = reason
         if not bare.measured:
             self.excluded_reasons[bare.name] += f"; as a bare parameter: {reason}"
+            if counted_on and self.coverage_fraction() + self.bare_parameter_fraction() < MIN_COVERAGE:
+                warnings.warn(f"gns_callback left the bare parameter '{bare.name}' out: {reason}. Per-example norms "
+                              f"cover {self.coverage_fraction():.1%} of the trainable parameters: B_simple is that "
+                              "of the covered parameters; for the whole model use method='micro_batch'.",
+                              stacklevel=2)
             return
         bare.measured = False
         self._covered_params = [(n, p) for n, p in self._covered_params if p is not bare.param]

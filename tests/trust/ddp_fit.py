@@ -16,10 +16,10 @@ from sklearn.datasets import load_digits
 
 from gns_callback import GradientNoiseScaleCallback
 from tests.helpers import Classifier, mlp, quiet_trainer
-from tests.trust.models import BatchCentred, LinearOnLearnedTable, LinearTwice, trained_pixel_tokens
+from tests.trust.models import BatchCentred, LinearOnLearnedTable, LinearTwice, seeded_vit, trained_pixel_tokens
 
 MODELS = {"mlp": mlp, "linear_on_table": LinearOnLearnedTable, "linear_twice": LinearTwice,
-          "pixel_tokens": trained_pixel_tokens, "batch_centred": BatchCentred}
+          "pixel_tokens": trained_pixel_tokens, "batch_centred": BatchCentred, "vit": seeded_vit}
 BATCH_SIZE = 16  # per rank
 
 
@@ -33,12 +33,14 @@ def digits() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(data.data, dtype=torch.float32) / 16.0, torch.tensor(data.target)
 
 
-def ddp_fit(root: str, strategy: str, model: str, logger: bool, with_callback: bool, steps: int):
-    """Each rank draws its own with-replacement stream (seeded by rank); returns the trainer."""
+def ddp_fit(root: str, strategy: str, model: str, logger: bool, with_callback: bool, steps: int, **callback_kwargs):
+    """Each rank draws its own with-replacement stream (seeded by rank); returns the trainer. ``callback_kwargs``:
+    beside the defaults (none by default)."""
     x, y = digits()
     loader_args = {"x": x, "y": y, "batch_size": BATCH_SIZE, "num_samples": steps * BATCH_SIZE, "seed": 1}
+    callbacks = [GradientNoiseScaleCallback(**callback_kwargs)] if with_callback else []
     trainer = quiet_trainer(strategy=strategy, devices=2, use_distributed_sampler=False, logger=logger,
-                            default_root_dir=root, callbacks=[GradientNoiseScaleCallback()] if with_callback else [])
+                            default_root_dir=root, callbacks=callbacks)
     trainer.fit(OneThread(MODELS[model](), loader_args=loader_args))
     return trainer
 

@@ -256,3 +256,11 @@ class ScaledLogits(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x) * self.scale.clamp(max=100.0)  # below the bound: the gradient of a plain product
+
+
+def seeded_vit() -> nn.Module:
+    """``benchmarks/model_scan.py``'s digits ViT (class token and position table as bare parameters), seeded."""
+    from benchmarks.model_scan import ViTStyle
+
+    torch.manual_seed(0)
+    return ViTStyle()

@@ -5,7 +5,9 @@ defaults. One of them also has a model per-example hooks can't measure (a Linear
 learned table of prototypes): both ranks agree to switch to ``micro_batch`` at the same step (any disagreement would
 hang the run in its next all-reduce). Another has a Linear applied twice, which they measure as one call over both
 (``per_example/repeated.py``), and a third a sequence layer whose per-example norms are sketched, each rank drawing
-its own probes (``per_example/sketch.py``)."""
+its own probes (``per_example/sketch.py``). A fourth is a ViT whose class token and position table (10% of it) are
+bare parameters: ``auto`` does not count on them at fit start and takes ``micro_batch``; asked for ``per_example``,
+each rank reads them per example at their broadcasts (``per_example/broadcast.py``)."""
 
 import json
 import os
@@ -38,7 +40,8 @@ def load_exact(model):
 
 @pytest.mark.parametrize("model, logger, method", [("linear_on_table", True, "micro_batch"),
                                                   ("linear_twice", False, "per_example"),
-                                                  ("pixel_tokens", False, "per_example")])  # sketched norms
+                                                  ("pixel_tokens", False, "per_example"),  # sketched norms
+                                                  ("vit", False, "micro_batch")])  # bare parameters: below
 def test_ddp_spawn_with_the_default_report_path(tmp_path, model, logger, method):
     baseline = ddp_fit(str(tmp_path / "baseline"), "ddp_spawn", model, logger, with_callback=False, steps=5)
     assert baseline.state.finished
@@ -50,6 +53,16 @@ def test_ddp_spawn_with_the_default_report_path(tmp_path, model, logger, method)
     assert run.method == method and json.loads(Path(report).read_text())["run"]["world_size"] == 2
     assert run.steps == (STEPS - 1 if model == "linear_on_table" else STEPS)  # the switch costs the first step
     assert_matches_exact(run, load_exact(model))
+
+
+def test_ddp_spawn_reads_a_vit_s_bare_parameters_per_example(tmp_path):
+    ddp_fit(str(tmp_path), "ddp_spawn", "vit", False, with_callback=True, steps=STEPS, method="per_example")
+    (report,) = reports(str(tmp_path))
+    run = load_estimate(report, "run_estimate")
+    saved = json.loads(Path(report).read_text())
+    assert run.method == "per_example" and saved["run"]["world_size"] == 2
+    assert saved["coverage"]["fraction"] == 1.0
+    assert_matches_exact(run, load_exact("vit"))
 
 
 def run_script(root, model, logger, with_callback, steps):

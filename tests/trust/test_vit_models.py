@@ -3,18 +3,14 @@ batch (:mod:`gns_callback.per_example.broadcast`). Before, they were left out (1
 large share of its gradient): the exact value was inside the intervals, but they were 16× wide and no batch was
 recommended (``too_wide``; benchmarks/RESULTS.md, "A ViT-style model's bare parameters")."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from gns_callback import GradientNoiseScaleCallback
-from tests.helpers import Classifier, assert_matches_exact, with_replacement_loader
-from benchmarks.model_scan import ViTStyle
+from gns_callback import GradientNoiseScaleCallback, GradientNoiseScaleMeter
+from tests.helpers import Classifier, assert_matches_exact, quiet_trainer, with_replacement_loader
+from tests.trust.models import seeded_vit as vit
 from tests.trust.setups import with_and_without
-
-
-def vit():
-    torch.manual_seed(0)
-    return ViTStyle()
 
 
 def test_one_micro_batch_per_step_measures_a_vit_whole(digits, exact_gns, tmp_path):
@@ -26,3 +22,45 @@ def test_one_micro_batch_per_step_measures_a_vit_whole(digits, exact_gns, tmp_pa
     exact = exact_gns(vit(), F.cross_entropy, images, y)[0]
     assert_matches_exact(callback.run_estimate, exact, max_ci_ratio=3.0)
     assert callback.recommendation.status not in ("partial_coverage", "too_wide")
+
+
+def test_bf16_autocast_reads_what_float32_reads(digits, tmp_path):
+    """Under bf16 autocast the broadcasts' output gradients are float32 (the token and table are float32 and
+    promote the sum), so the bare parameters read what they read in float32; the estimate matches float32's on the
+    same batches."""
+    x, y = digits
+    images = x.reshape(-1, 1, 8, 8)
+    estimates = []
+    for precision in ("32-true", "bf16-mixed"):
+        callback = GradientNoiseScaleCallback(report_path=str(tmp_path / "report.json"), verbose=False)
+        quiet_trainer(callbacks=[callback], precision=precision).fit(
+            Classifier(vit()), with_replacement_loader(images, y, 32, 32 * 40, seed=0))
+        assert callback.meter.coverage["fraction"] == 1.0
+        estimates.append(callback.run_estimate)
+    assert estimates[1].steps == 40
+    assert estimates[1].b_simple == pytest.approx(estimates[0].b_simple, rel=0.03)
+
+
+def test_a_gradient_scaler_s_scale_is_taken_out(digits):
+    """The loss scaled by a real GradScaler (2^16), the scale handed to the framework-free meter: the bare
+    parameters' norms, read from scaled output gradients, give what an unscaled run gives."""
+    x, y = digits
+    images = x.reshape(-1, 1, 8, 8)
+    batches = torch.randint(0, len(x), (30, 32), generator=torch.Generator().manual_seed(0))
+    estimates = []
+    for scaled in (False, True):
+        model = vit()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        scaler = torch.amp.GradScaler("cpu", enabled=scaled)
+        with GradientNoiseScaleMeter(model) as meter:
+            for index in batches:
+                optimizer.zero_grad()
+                scaler.scale(F.cross_entropy(model(images[index]), y[index])).backward()
+                scaler.unscale_(optimizer)
+                meter.step(loss_scale=scaler.get_scale() if scaled else None)
+                scaler.step(optimizer)
+                scaler.update()
+            assert meter.coverage["fraction"] == 1.0
+            estimates.append(meter.run_estimate)
+    assert scaler.get_scale() > 1.0
+    assert estimates[1].b_simple == pytest.approx(estimates[0].b_simple, rel=1e-4)
