@@ -144,7 +144,9 @@ def test_a_parameter_used_through_a_matrix_product_stays_left_out(reference_sq_n
     model = nn.Sequential(nn.Linear(8, 8), Mixer(8), nn.Tanh(), nn.Linear(8, 3))
     x, weights = torch.randn(6, 8), torch.randn(6, 3)
     tracker = PerExampleNormTracker(model).attach()
-    got = _pass(tracker, model, x, weights)
+    assert tracker.coverage_fraction() + tracker.bare_parameter_fraction() == 1.0  # what fit start counts on
+    with pytest.warns(UserWarning, match=r"left the bare parameter '1.weight' out.*MmBackward0.*cover 60.7%"):
+        got = _pass(tracker, model, x, weights)
     names = ["0.weight", "0.bias", "3.weight", "3.bias"]
     torch.testing.assert_close(got, reference_sq_norms(model, x, weights, param_names=names).float(), rtol=1e-4,
                                atol=0)
