@@ -57,3 +57,31 @@ def assert_withheld(estimate: Any, *phrases: str) -> None:
 def single(items: list[str], what: Optional[str] = None) -> str:
     assert len(items) == 1, (what, items)
     return items[0]
+
+
+def scaled_and_unscaled(make_model: Callable[[], Any], x: Any, y: Any, steps: int) -> list[Any]:
+    """Framework-free meters (lr 0) over the same ``steps`` batches of 32, without and with a real CPU GradScaler
+    (the loss scaled by 2^16, the gradients unscaled before the step, the scale handed to the meter): their run
+    estimates, and each meter's coverage fraction, as ``[(estimate, fraction), …]``."""
+    import torch
+    import torch.nn.functional as F
+
+    from gns_callback import GradientNoiseScaleMeter
+
+    batches = torch.randint(0, len(x), (steps, 32), generator=torch.Generator().manual_seed(0))
+    results = []
+    for scaled in (False, True):
+        model = make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        scaler = torch.amp.GradScaler("cpu", enabled=scaled)
+        with GradientNoiseScaleMeter(model) as meter:
+            for index in batches:
+                optimizer.zero_grad()
+                scaler.scale(F.cross_entropy(model(x[index]), y[index])).backward()
+                scaler.unscale_(optimizer)
+                meter.step(loss_scale=scaler.get_scale() if scaled else None)
+                scaler.step(optimizer)
+                scaler.update()
+            results.append((meter.run_estimate, meter.coverage["fraction"]))
+    assert scaler.get_scale() > 1.0
+    return results
