@@ -582,7 +582,6 @@ class PerExampleNormTracker:
 
     def _reset_state(self) -> None:
         self._passes.clear()
-        self._hooked_nodes: dict[int, Any] = {}  # broadcast consumers hooked since the last pop (held: ids stay)
         self._forward_costs = []
         self._last_subset = None
         self._saw_tracked_forward = False
@@ -1071,9 +1070,10 @@ class PerExampleNormTracker:
         consumers, unread = find_consumers(outputs, bare)
         for key, kind in unread.items():
             self._refuse(self._bare[key], f"it is used through {kind}, where its per-example gradients are not read")
+        mark = ("gns_callback.bare", id(self))  # in the node's own metadata: no reference to the graph is kept
         for consumer in consumers:
-            if id(consumer.node) not in self._hooked_nodes:
-                self._hooked_nodes[id(consumer.node)] = consumer.node
+            if not consumer.node.metadata.get(mark):
+                consumer.node.metadata[mark] = True
                 consumer.node.register_prehook(partial(self._on_consumer_grad, consumer))
 
     def _on_consumer_grad(self, consumer: Consumer, grad_outputs: tuple[Optional[Tensor], ...]) -> None:
@@ -1082,10 +1082,12 @@ class PerExampleNormTracker:
         if bare is None or bare.refused or grad_output is None or grad_output.requires_grad or not self._active():
             return
         record = self._pass_record()
+        if record.failure is not None:
+            return
         dim = batch_dim(grad_output.shape, bare.param.shape, self.expected_batch_size, self._sequence_first)
-        if record.failure is not None or dim is None:
-            return None if dim is not None else self._refuse(
-                bare, f"{type(consumer.node).__name__} broadcasts it along no dim of the batch's examples")
+        if dim is None:
+            return self._refuse(bare, f"{type(consumer.node).__name__} broadcasts it along no dim of the batch's "
+                                      "examples")
         with _no_grad():
             rows = example_grads(consumer, grad_output, dim)
             before = record.broadcast.get(bare.name)

@@ -26,6 +26,7 @@ USES = [
     ("x ⊙ p (layer scale)", (D,), lambda x, p: x * p),
     ("p ⊙ x", (1, T, D), lambda x, p: p * x),
     ("in place x += p", (D,), lambda x, p: x.clone().add_(p)),
+    ("in place x *= p (timm's LayerScale)", (D,), lambda x, p: x.clone().mul_(p)),
     ("p expanded and concatenated (class token)", (1, 1, D),
      lambda x, p: torch.cat([p.expand(x.shape[0], -1, -1), x], dim=1)),
     ("two uses of p", (1, T, D), lambda x, p: (x + p) * p),
