@@ -65,17 +65,19 @@ def find_consumers(outputs: Iterable[Tensor], params: Mapping[int, Tensor]) -> t
 def batch_dim(out_shape: torch.Size, param_shape: torch.Size, batch_size: Optional[int],
               sequence_first: bool = False) -> Optional[int]:
     """The dim of the consumer's output that holds the examples: one ``param`` is broadcast along (size 1 there,
-    or absent), of the micro-batch's size where that is known (dim 1 first for a sequence-first model), else
-    dim 0. None where no dim fits."""
+    or absent) and of the micro-batch's size where that is known. Dim 0 first in a batch-first model; in a
+    sequence-first one, the only such dim, where dims 0 and 1 both fit none (a wrong dim would pass the check that
+    the examples' gradients add up, since any dim's rows do). None where no dim fits."""
     if len(param_shape) > len(out_shape):
         return None
     padded = _padded(param_shape, len(out_shape))
     if batch_size is None:
         return 0 if padded[0] == 1 and not sequence_first else None
     fits = [d for d, (n, p) in enumerate(zip(out_shape, padded)) if p == 1 and n == batch_size]
-    preferred = 1 if sequence_first else 0
-    if preferred in fits:
-        return preferred
+    if not sequence_first:
+        return 0 if 0 in fits else (fits[0] if len(fits) == 1 else None)
+    if 1 in fits:
+        return None if 0 in fits else 1
     return fits[0] if len(fits) == 1 else None
 
 

@@ -73,6 +73,9 @@ def test_the_batch_dim_is_one_the_parameter_is_broadcast_along():
     assert batch_dim(torch.Size([8, 5, 4]), torch.Size([4]), None) == 0
     assert batch_dim(torch.Size([5, 8, 4]), torch.Size([5, 1, 4]), 8, sequence_first=True) == 1
     assert batch_dim(torch.Size([5, 8, 4]), torch.Size([5, 1, 4]), 8) == 1  # the only dim that fits
+    assert batch_dim(torch.Size([8, 8, 4]), torch.Size([4]), 8) == 0  # batch-first: dim 0 where it fits
+    assert batch_dim(torch.Size([8, 8, 4]), torch.Size([4]), 8, sequence_first=True) is None  # can't be told
+    assert batch_dim(torch.Size([8, 10]), torch.Size([]), 8, sequence_first=True) == 0  # a head's output
     assert batch_dim(torch.Size([8, 4]), torch.Size([8, 4]), 8) is None  # not broadcast over the examples
     assert batch_dim(torch.Size([4]), torch.Size([1, 4]), 8) is None
 
