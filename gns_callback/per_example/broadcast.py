@@ -41,14 +41,14 @@ def find_consumers(outputs: Iterable[Tensor], params: Mapping[int, Tensor]) -> t
     """The nodes reachable from ``outputs`` that take one of ``params`` (by ``id``) as an input; and per parameter
     also taken by a node of another kind than :data:`CONSUMERS`, that node's name (a use not read here)."""
     stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
-    seen: set[int] = set()
+    seen: dict[int, Any] = {}  # id → node, held for the walk so that no id is reused by another node
     found: list[Consumer] = []
     unread: dict[int, str] = {}
     while stack:
         node = stack.pop()
         if id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         for index, (child, _) in enumerate(node.next_functions):
             variable = getattr(child, "variable", None)
             if variable is None:
