@@ -109,10 +109,13 @@ def _input_grad(consumer: Consumer, delta: Tensor) -> Tensor:
     return delta
 
 
-def sums_to(per_example: Tensor, grad: Tensor) -> bool:
+def sums_to(per_example: Tensor, grad: Tensor) -> Optional[bool]:
     """Whether the per-example gradients (B, numel) add up to the parameter's gradient of the pass, to float32
-    rounding (bf16/fp16 gradients: their own); one device sync."""
+    rounding (bf16/fp16 gradients: their own); None where the gradient is not finite (a gradient scaler's overflow
+    step, which tells nothing). One device sync."""
     tolerance = 1e-3 if grad.dtype in (torch.float32, torch.float64) else 2e-2
-    total = per_example.sum(dim=0)
     target = grad.detach().float().reshape(-1)
-    return bool((total - target).norm() <= tolerance * target.norm() + 1e-12)
+    scale = target.norm()
+    if not bool(torch.isfinite(scale)):
+        return None
+    return bool((per_example.sum(dim=0) - target).norm() <= tolerance * scale + 1e-12)

@@ -1107,7 +1107,10 @@ class PerExampleNormTracker:
         if rows is None:
             return self._refuse(bare, "its gradient came without passing through a broadcast the hooks saw")
         if not bare.measured:
-            if not sums_to(rows, grad):
+            verdict = sums_to(rows, grad)
+            if verdict is None:  # an overflow step a gradient scaler skips: the next pass decides
+                return
+            if not verdict:
                 return self._refuse(bare, "its examples' gradients at its broadcasts do not add up to its gradient "
                                           "(it is used elsewhere too)")
             self._promote(bare)

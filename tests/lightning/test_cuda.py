@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from gns_callback import GradientNoiseScaleCallback
 from tests.helpers import assert_matches_exact, fit_with_gns, mlp
+from tests.trust.models import seeded_vit
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (runs on a GPU machine only)")
 
@@ -28,6 +29,19 @@ def test_exact_value_inside_the_interval_on_cuda(digits, mlp_exact, method, prec
         assert trainer.precision_plugin.scaler.get_scale() > 1.0  # the real CUDA GradScaler scaled the loss
     assert cb.run_estimate.method == method and cb.run_estimate.steps == 300
     assert_matches_exact(cb.run_estimate, mlp_exact)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed", "bf16-mixed"])
+def test_a_vit_s_bare_parameters_are_read_on_cuda(digits, exact_gns, precision):
+    """The class token and position table read per example at their broadcasts (pre-hooks on CUDA autograd nodes),
+    under the real CUDA GradScaler too, whose overflow steps leave the first check to the next pass."""
+    x, y = digits
+    images = x.reshape(-1, 1, 8, 8)
+    callback = GradientNoiseScaleCallback(method="per_example", verbose=False)
+    cb, _, _ = fit_with_gns(seeded_vit(), images, y, accumulate=1, batch_size=32, steps=150, callback=callback,
+                            accelerator="gpu", precision=precision)
+    assert cb.meter.coverage["fraction"] == 1.0 and cb.run_estimate.method == "per_example"
+    assert_matches_exact(cb.run_estimate, exact_gns(seeded_vit(), F.cross_entropy, images, y)[0], max_ci_ratio=3.0)
 
 
 def test_probe_inside_fit_measures_the_allocator_peak(digits):

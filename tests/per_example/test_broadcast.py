@@ -212,3 +212,18 @@ def test_a_measured_parameter_later_used_another_way_is_left_out_with_a_warning(
     torch.testing.assert_close(got, reference_sq_norms(model, x, weights, param_names=["1.weight", "1.bias"]).float(),
                                rtol=1e-4, atol=0)
     assert tracker.coverage_fraction() < 1.0 and "ExpBackward0" in tracker.excluded_reasons["0.offset"]
+
+
+def test_an_overflowing_first_pass_leaves_the_check_to_the_next(reference_sq_norms):
+    """fp16 with a gradient scaler: the first steps often overflow (the scaler skips them). Such a pass's gradient
+    tells nothing, so the bare parameter is neither measured nor left out for good on it."""
+    torch.manual_seed(0)
+    model, x, weights = nn.Sequential(Offset(8), nn.Linear(8, 3)), torch.randn(6, 8), torch.randn(6, 3)
+    tracker = PerExampleNormTracker(model).attach()
+    model.zero_grad()
+    ((model(x) * weights).sum() * float("inf")).backward()
+    tracker.pop()
+    assert "0.offset" in tracker.excluded_reasons and tracker.bare_parameter_fraction() > 0
+    torch.testing.assert_close(_pass(tracker, model, x, weights), reference_sq_norms(model, x, weights).float(),
+                               rtol=1e-4, atol=0)
+    assert tracker.coverage_fraction() == 1.0
