@@ -5,7 +5,7 @@ No Lightning dependency: attach to any ``nn.Module``, run forward + backward, th
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
@@ -246,7 +246,7 @@ def _unmeasured_reason(module: nn.Module, local_name: str) -> Optional[str]:
             f"extra parameter '{local_name}' on {type(module).__name__} is not measured")
     if _is_bag(module):
         return embedding_bag_unsupported_reason(module)
-    if layer_kind(module) not in SUPPORTED_MODULES and not is_attention(module):
+    if _holds_bare_parameters(module):
         return f"unsupported module type {type(module).__name__}"
     measured = MEASURED_ATTENTION_PARAMS if is_attention(module) else _MEASURED_PARAM_NAMES
     if local_name not in measured:
@@ -470,16 +470,17 @@ class PerExampleNormTracker:
 
     def coverage_fraction(self) -> float:
         """Covered numel / trainable numel (0.0 for a model without trainable parameters)."""
-        covered = sum(param.numel() for _, param in self._covered_params)
-        total = covered + sum(param.numel() for _, param in self._uncovered_params)
-        return covered / total if total else 0.0
+        return self._share(sum(param.numel() for _, param in self._covered_params))
 
     def bare_parameter_fraction(self) -> float:
         """The share of the trainable parameters that are bare parameters not yet measured nor refused
         (:mod:`.broadcast`): measured from their first pass on where their broadcasts are read."""
-        bare = sum(b.param.numel() for b in self._bare.values() if not b.measured and b.refused is None)
+        return self._share(sum(b.param.numel() for b in self._bare.values() if not b.measured and b.refused is None))
+
+    def _share(self, numel: int) -> float:
+        """``numel`` over the trainable parameters' (0.0 for a model without any)."""
         total = sum(p.numel() for _, p in self._covered_params + self._uncovered_params)
-        return bare / total if total else 0.0
+        return numel / total if total else 0.0
 
     def has_batchnorm_in_training(self) -> bool:
         """Whether a BatchNorm layer (incl. SyncBatchNorm) normalises with batch statistics now.
@@ -821,11 +822,16 @@ class PerExampleNormTracker:
         return inp, (inp.detach() if isinstance(inp, Tensor) else None), state
 
     @staticmethod
-    def _when_all_grads(outputs: list[tuple[int, Tensor]], on_grads: Callable[..., None]) -> None:
-        """Call ``on_grads(indices, grads)`` once the gradients of every one of ``outputs`` that gets one are in."""
-        indices = [index for index, _ in outputs]
-        torch.autograd.graph.register_multi_grad_hook([tensor for _, tensor in outputs], partial(on_grads, indices),
-                                                      mode="all")
+    def _when_all_grads(outputs: list[tuple[int, Tensor]], slots: int, on_grads: Callable[..., None]) -> None:
+        """Call ``on_grads(grads)`` once the gradients of every one of ``outputs`` (``(slot, tensor)``) that gets one
+        are in: ``grads`` has ``slots`` entries, each output's at its slot, None where none came."""
+        def deliver(arrived: Sequence[Optional[Tensor]]) -> None:
+            grads: list[Optional[Tensor]] = [None] * slots
+            for (slot, _), grad in zip(outputs, arrived):
+                grads[slot] = grad
+            on_grads(grads)
+
+        torch.autograd.graph.register_multi_grad_hook([tensor for _, tensor in outputs], deliver, mode="all")
 
     def _on_recurrent_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                               output: Any) -> None:
@@ -835,12 +841,12 @@ class PerExampleNormTracker:
             return
         inp, saved, state = call
         own = outputs[0][1].detach() if outputs[0][0] == 0 and isinstance(output[0], Tensor) else None
-        self._when_all_grads(outputs, partial(self._on_recurrent_grads, module, saved, state, own,
-                                              input_reason(module, inp)))
+        self._when_all_grads(outputs, 3, partial(self._on_recurrent_grads, module, saved, state, own,
+                                                 input_reason(module, inp)))
 
     def _on_recurrent_grads(self, module: nn.Module, inp: Optional[Tensor], hx: Any, output: Optional[Tensor],
-                            reason: Optional[str], indices: list[int], grads: tuple[Optional[Tensor], ...]) -> None:
-        """A recurrent module's output gradients (``output``, ``h_n``, ``c_n`` at ``indices``) are all in: its
+                            reason: Optional[str], grads: list[Optional[Tensor]]) -> None:
+        """A recurrent module's output gradients (``output``, ``h_n``, ``c_n``; None where none came) are all in: its
         per-example squared norms join the pass (recomputed, :func:`~.recurrent.recurrent_sq_norms`; ``output``:
         the forward's own)."""
         arrived = [grad for grad in grads if grad is not None]
@@ -854,10 +860,7 @@ class PerExampleNormTracker:
             return self._fail_pass(record, f"module '{covered.name}' ({type(module).__name__}): {reason}; "
                                            f"{MICRO_BATCH_HINT}.")
         if self._check_batch_size(record, batch, covered.name):
-            full: list[Optional[Tensor]] = [None, None, None]
-            for index, grad in zip(indices, grads):
-                full[index] = grad
-            record.add(recurrent_sq_norms(module, inp, hx, full, covered.param_names, output).float())
+            record.add(recurrent_sq_norms(module, inp, hx, grads, covered.param_names, output).float())
 
     # ------------------------------------------------------------------ recurrent cells (:mod:`.cells`)
 
@@ -868,12 +871,12 @@ class PerExampleNormTracker:
         if call is None:
             return
         inp, saved, state = call
-        self._when_all_grads(outputs, partial(self._on_cell_grads, module, saved, state, state_feeds_output(output),
-                                              cell_input_reason(inp)))
+        self._when_all_grads(outputs, 2, partial(self._on_cell_grads, module, saved, state,
+                                                 state_feeds_output(output), cell_input_reason(inp)))
 
     def _on_cell_grads(self, module: nn.Module, inp: Optional[Tensor], hx: Any, state_grad_is_total: bool,
-                       reason: Optional[str], indices: list[int], grads: tuple[Optional[Tensor], ...]) -> None:
-        """One call's output gradients (``h``, and ``c`` for LSTM, at ``indices``) are in: its gates' gradients
+                       reason: Optional[str], grads: list[Optional[Tensor]]) -> None:
+        """One call's output gradients (``h``, and ``c`` for LSTM; None where none came) are in: its gates' gradients
         wait with the pass's other calls of ``module`` for its parameters' gradient (:meth:`_measure_calls`)."""
         arrived = [grad for grad in grads if grad is not None]
         found = self._firing(module, arrived[0], once=False) if arrived else None
@@ -886,10 +889,7 @@ class PerExampleNormTracker:
             return self._fail_pass(record, f"module '{covered.name}' ({type(module).__name__}): {reason}; "
                                            f"{MICRO_BATCH_HINT}.")
         if self._check_batch_size(record, inp.shape[0], covered.name):
-            full: list[Optional[Tensor]] = [None, None]
-            for index, grad in zip(indices, grads):
-                full[index] = grad
-            record.calls.setdefault(module, []).append(cell_call(module, inp, hx, full, state_grad_is_total))
+            record.calls.setdefault(module, []).append(cell_call(module, inp, hx, grads, state_grad_is_total))
 
     def _add_cross_term(self, record: PassNorms, module: nn.Module, inp: Tensor, grad_output: Tensor) -> None:
         """A tied table's ``2⟨E_i, H_i⟩`` (:mod:`.tied`), once both of its modules' gradients have arrived."""
@@ -962,23 +962,25 @@ class PerExampleNormTracker:
 
     def _coverage_without(self, module: nn.Module) -> float:
         """:meth:`coverage_fraction` once ``module``'s parameters are left out."""
-        left = sum(p.numel() for _, p in self._covered_params_of(module))
-        total = sum(p.numel() for _, p in self._covered_params + self._uncovered_params)
-        return self.coverage_fraction() - left / total if total else 0.0
+        return self.coverage_fraction() - self._share(sum(p.numel() for _, p in self._covered_params_of(module)))
 
     def _exclude(self, module: nn.Module, reason: str) -> None:
         """Move ``module``'s parameters from covered to left out (with ``reason``), and say so once."""
         moved = self._covered_params_of(module)
         covered = self._covered_modules.pop(module)
-        ids = {id(p) for _, p in moved}
-        self._covered_params = [(name, p) for name, p in self._covered_params if id(p) not in ids]
-        self._uncovered_params += moved
-        for name, _ in moved:
-            self.excluded_reasons[name] = reason
+        self._leave_out(moved, reason)
         warnings.warn(
             f"gns_callback left the embedding '{covered.name}' ({sum(p.numel() for _, p in moved)} parameters) out "
             f"of both norms: {reason}. The noise scale now covers {self.coverage_fraction():.1%} of the trainable "
             "parameters (the report's coverage lists what is left out).", stacklevel=2)
+
+    def _leave_out(self, params: list[tuple[str, nn.Parameter]], reason: str) -> None:
+        """Move ``params`` (qualified name, parameter) from covered to left out, with ``reason``."""
+        ids = {id(p) for _, p in params}
+        self._covered_params = [(name, p) for name, p in self._covered_params if id(p) not in ids]
+        self._uncovered_params += params
+        for name, _ in params:
+            self.excluded_reasons[name] = reason
 
     def _shared_table(self, module: nn.Module, inp: Tensor) -> Optional[str]:
         """:func:`~.embedding.shared_table_reason` for an embedding, checked on its first pass only (one compare,
@@ -1148,9 +1150,7 @@ class PerExampleNormTracker:
                               stacklevel=2)
             return
         bare.measured = False
-        self._covered_params = [(n, p) for n, p in self._covered_params if p is not bare.param]
-        self._uncovered_params.append((bare.name, bare.param))
-        self.excluded_reasons[bare.name] = f"a bare parameter of {type(bare.owner).__name__}: {reason}"
+        self._leave_out([(bare.name, bare.param)], f"a bare parameter of {type(bare.owner).__name__}: {reason}")
         warnings.warn(f"gns_callback left the parameter '{bare.name}' out of both norms from now on: {reason}. The "
                       f"noise scale now covers {self.coverage_fraction():.1%} of the trainable parameters.",
                       stacklevel=2)
