@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.sketch_accuracy import exact_norms_only  # noqa: E402
+from benchmarks.sketch_accuracy import exact_norms_only, sketches_only  # noqa: E402
 from gns_callback.per_example import conv, linear  # noqa: E402
 from gns_callback.per_example.launches import launch_cost  # noqa: E402
 
@@ -81,35 +81,16 @@ def timed_ms(call: Callable[[], object], device: torch.device, calls: int = 20, 
 
 def layer_paths(module: nn.Conv2d, x: torch.Tensor, grad: torch.Tensor) -> dict[str, Callable[[], object]]:
     batch = x.shape[0]
-
-    def exact_im2col():
-        with exact_norms_only():
-            return conv.im2col_weight_sq_norms(module, x, grad)
-
-    def sketched_im2col():
-        with no_exact_margin():
-            return conv.im2col_weight_sq_norms(module, x, grad)
-
     return {
         "own weight gradient": lambda: torch.nn.grad.conv2d_weight(x, module.weight.shape, grad, stride=module.stride,
                                                                    padding=module.padding),
         "grouped conv, exact": lambda: conv.per_example_weight_grads(module, x, grad).reshape(batch, -1)
         .square_().sum(1),
         "grouped conv, sketch": lambda: conv._sketched_weight_sq_norms(module, x, grad),
-        "im2col, exact": exact_im2col,
-        "im2col, sketch": sketched_im2col,
+        "im2col, exact": lambda: _within(exact_norms_only, conv.im2col_weight_sq_norms, module, x, grad),
+        "im2col, sketch": lambda: _within(sketches_only, conv.im2col_weight_sq_norms, module, x, grad),
         "package's pick": lambda: conv.conv_weight_sq_norms(module, x, grad),
     }
-
-
-@contextlib.contextmanager
-def no_exact_margin() -> Iterator[None]:
-    """Within it the sketch is taken wherever it is any cheaper by the cost model (``SKETCH_MARGIN`` 1e-9)."""
-    margin, linear.SKETCH_MARGIN = linear.SKETCH_MARGIN, 1e-9  # below any launch share's weight too
-    try:
-        yield
-    finally:
-        linear.SKETCH_MARGIN = margin
 
 
 @contextlib.contextmanager
@@ -148,7 +129,7 @@ def sequence_table(device: torch.device) -> list[dict]:
         a, d = torch.randn(batch, positions, k, device=device), torch.randn(batch, positions, l, device=device)
         calls = {"weight gradient": lambda: a.reshape(-1, k).t() @ d.reshape(-1, l),
                  "exact": lambda: _within(exact_norms_only, linear.sequence_sq_norms, a, d),
-                 "sketch": lambda: _within(no_exact_margin, linear.sequence_sq_norms, a, d),
+                 "sketch": lambda: _within(sketches_only, linear.sequence_sq_norms, a, d),
                  "package's pick": lambda: linear.sequence_sq_norms(a, d)}
         rows.append({"layer": f"Linear {k}→{l} over {positions} positions ({batch})",
                      "cost model": linear.sequence_norm_method(positions, k, l),

@@ -30,7 +30,7 @@ import os
 import platform
 import sys
 import time
-from typing import Iterator
+from typing import ContextManager, Iterator, Optional
 
 import numpy as np
 import torch
@@ -115,13 +115,28 @@ def stream_estimates(model: nn.Module, x: torch.Tensor, y: torch.Tensor, streams
 
 
 @contextlib.contextmanager
-def exact_norms_only() -> Iterator[None]:
-    """Within it, per-example norms are never sketched (``SKETCH_MARGIN`` is infinite)."""
-    margin, linear.SKETCH_MARGIN = linear.SKETCH_MARGIN, math.inf
+def sketch_rule(margin: float, extra_launches: Optional[float] = None) -> Iterator[None]:
+    """Within it, :func:`~gns_callback.per_example.linear.sequence_norm_choice` sketches where the sketch is
+    ``margin`` times cheaper than the exact forms, with its extra kernel launches counted ``extra_launches`` times
+    (None: as the package counts them)."""
+    saved = linear.SKETCH_MARGIN, linear.SKETCH_EXTRA_LAUNCHES
+    linear.SKETCH_MARGIN = margin
+    linear.SKETCH_EXTRA_LAUNCHES = saved[1] if extra_launches is None else extra_launches
     try:
         yield
     finally:
-        linear.SKETCH_MARGIN = margin
+        linear.SKETCH_MARGIN, linear.SKETCH_EXTRA_LAUNCHES = saved
+
+
+def exact_norms_only() -> ContextManager[None]:
+    """Within it, per-example norms are never sketched (``SKETCH_MARGIN`` is infinite)."""
+    return sketch_rule(math.inf)
+
+
+def sketches_only() -> ContextManager[None]:
+    """Within it, sequence and im2col norms are sketched wherever a sketch is any cheaper in arithmetic, on any
+    device (no margin, its launches not counted)."""
+    return sketch_rule(1e-9, extra_launches=0)
 
 
 def evaluate(name: str, streams: int, steps: int, train_steps: int) -> list[str]:
