@@ -6,7 +6,10 @@ import warnings
 from typing import Any, Callable, Optional
 
 import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
 
+from gns_callback import GradientNoiseScaleMeter
 from tests.helpers import quiet_trainer
 
 BASELINE_STEPS = 5
@@ -63,11 +66,6 @@ def scaled_and_unscaled(make_model: Callable[[], Any], x: Any, y: Any, steps: in
     """Framework-free meters (lr 0) over the same ``steps`` batches of 32, without and with a real CPU GradScaler
     (the loss scaled by 2^16, the gradients unscaled before the step, the scale handed to the meter): their run
     estimates, and each meter's coverage fraction, as ``[(estimate, fraction), …]``."""
-    import torch
-    import torch.nn.functional as F
-
-    from gns_callback import GradientNoiseScaleMeter
-
     batches = torch.randint(0, len(x), (steps, 32), generator=torch.Generator().manual_seed(0))
     results = []
     for scaled in (False, True):
