@@ -181,6 +181,28 @@ class LayerScaleNet(nn.Module):
         return self.head(h + self.gamma * torch.tanh(self.branch(h)))
 
 
+class HandWrittenAttention(nn.Module):
+    """Layers written out with bare parameters, as research code does: the image as 8 rows of 8, projected by
+    ``x @ W`` + a bias, one head of self-attention whose query, key, value and output maps are ``x @ W``, and a head
+    by ``F.linear(h, W, b)`` (:mod:`gns_callback.per_example.matmul`). Width 16."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+
+        def weight(fan_in: int, fan_out: int) -> nn.Parameter:
+            return nn.Parameter(torch.randn(fan_in, fan_out) / fan_in**0.5)
+
+        self.embed, self.embed_bias = weight(8, dim), nn.Parameter(torch.zeros(dim))
+        self.query, self.key, self.value, self.out = (weight(dim, dim) for _ in range(4))
+        self.head, self.head_bias = nn.Parameter(weight(dim, 10).T.contiguous()), nn.Parameter(torch.zeros(10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(x.reshape(x.shape[0], 8, 8) @ self.embed + self.embed_bias)
+        scores = (h @ self.query) @ (h @ self.key).transpose(1, 2) / h.shape[-1] ** 0.5
+        h = h + (scores.softmax(-1) @ (h @ self.value)) @ self.out
+        return F.linear(h.mean(1), self.head, self.head_bias)
+
+
 class HuggingFaceGpt2(nn.Module):
     """``transformers``' ``GPT2LMHeadModel`` (2 layers, width 32, vocabulary 17, dropout off), its logits mean-pooled
     over positions; the first 10 vocabulary entries are the class logits. Only where ``transformers`` is installed."""
@@ -207,6 +229,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], bool]] = {  # name → (model, 
     "LSTMCell in a loop": (CellLoop, False), "GRUCell in a loop": (lambda: CellLoop(nn.GRUCell), False),
     "ViT-style (class token, position table)": (ViTStyle, False),
     "layer scale and a learned offset": (LayerScaleNet, False),
+    "hand-written attention (x @ W, F.linear)": (HandWrittenAttention, False),
 }
 try:
     import transformers  # noqa: F401  (optional: not a dependency of the package)

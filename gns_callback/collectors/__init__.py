@@ -85,7 +85,7 @@ def per_example_problem(model: nn.Module, compiled: bool = False,
     compile_problem = compiled_problem(model, compiled)
     if compile_problem is not None:
         return compile_problem, coverage.fraction, bare
-    if coverage.measured_parameters == 0:
+    if coverage.measured_parameters == 0 and bare == 0:
         return f"no parameter is in a supported layer ({supported_layer_names()})", 0.0, bare
     if batch_norm and collector.tracker.has_batchnorm_in_training():
         return (
@@ -141,8 +141,9 @@ def _coverage_warning(fraction: float, bare: float = 0.0) -> Optional[str]:
     if fraction + bare >= MIN_COVERAGE:
         return (
             f"per-example norms cover {fraction:.1%} of the trainable parameters at fit start; {bare:.1%} more are "
-            "bare parameters (a class token, a position table, a layer scale), measured from the first step on where "
-            "each example's gradient can be read at the op that broadcasts them over the batch. The report's "
+            "bare parameters (a class token, a position table, a layer scale, a weight applied as x @ W), measured "
+            "from the first step on where each example's gradient can be read at the op that broadcasts them over "
+            "the batch or multiplies the examples by them. The report's "
             "'coverage' says what was measured, and a warning says so if they are left out."
         )
     return (

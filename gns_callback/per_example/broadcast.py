@@ -8,9 +8,10 @@ is ``δ`` summed over the dims ``P`` was broadcast along, so example ``i``'s is 
 need only ``|g_i|²``; BackPACK's ``batch_grad`` takes the same reduction for a layer's bias).
 
 The op is found in autograd's graph after each forward (:func:`find_consumers`), as the node whose inputs hold
-``P``'s ``AccumulateGrad``; a pre-hook on it hands over ``δ`` (:func:`example_grads`). Uses through any other op
-(a slice, a matrix product) are not read: the tracker compares the summed per-example gradients with ``P``'s
-gradient on the first pass and leaves ``P`` out where they differ.
+``P``'s ``AccumulateGrad``; a pre-hook on it hands over ``δ`` (:func:`example_grads`). A weight of a matrix product
+written out (``x @ W``, ``F.linear(x, W, b)``) is read the same way, at the product (:mod:`.matmul`). Uses through
+any other op (a slice, a batched product) are not read: the tracker compares the summed per-example gradients with
+``P``'s gradient on the first pass and leaves ``P`` out where they differ.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["CONSUMERS", "Consumer", "batch_dim", "example_grads", "find_consumers", "sums_to"]
+from .matmul import (ADDMM_BIAS_INDEX, MATRIX_PRODUCTS, VIEWS, matmul_example_grads, parameter_behind, row_shape,
+                     rows_batch_dim)
+
+__all__ = ["CONSUMERS", "Consumer", "batch_dim", "example_grads", "examples_dim", "find_consumers", "sums_to"]
 
 #: The autograd nodes whose output gradient gives a broadcast parameter's per-example gradient.
 CONSUMERS = frozenset({"AddBackward0", "SubBackward0", "MulBackward0", "ExpandBackward0"})
@@ -30,18 +34,33 @@ CONSUMERS = frozenset({"AddBackward0", "SubBackward0", "MulBackward0", "ExpandBa
 
 @dataclass(frozen=True)
 class Consumer:
-    """A node of this forward's graph that takes ``param`` as its input ``index``."""
+    """A node of this forward's graph that takes ``param`` as its input ``index``: a broadcast
+    (:data:`CONSUMERS`) or a matrix product (:mod:`.matmul`), which may take it ``transposed`` and whose rows may
+    be viewed back to the examples' shape by the node ``above`` it, hooked instead."""
 
     node: Any  # torch.autograd.graph.Node
     index: int
     param: Tensor
+    transposed: bool = False
+    above: Any = None
+
+    @property
+    def hooked(self) -> Any:
+        """The node whose output gradient holds the examples' parts: ``above``, or the consumer itself."""
+        return self.node if self.above is None else self.above
+
+    @property
+    def is_product(self) -> bool:
+        return type(self.node).__name__ in MATRIX_PRODUCTS
 
 
 def find_consumers(outputs: Iterable[Tensor], params: Mapping[int, Tensor]) -> tuple[list[Consumer], dict[int, str]]:
-    """The nodes reachable from ``outputs`` that take one of ``params`` (by ``id``) as an input; and per parameter
-    also taken by a node of another kind than :data:`CONSUMERS`, that node's name (a use not read here)."""
+    """The nodes reachable from ``outputs`` that take one of ``params`` (by ``id``) as an input, directly or (a
+    matrix product) through transposes; and per parameter also taken by a node that is not read here, that
+    node's name (a use not read here)."""
     stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
     seen: dict[int, Any] = {}  # id → node, held for the walk so that no id is reused by another node
+    parents: dict[int, list[Any]] = {}
     found: list[Consumer] = []
     unread: dict[int, str] = {}
     while stack:
@@ -49,17 +68,45 @@ def find_consumers(outputs: Iterable[Tensor], params: Mapping[int, Tensor]) -> t
         if id(node) in seen:
             continue
         seen[id(node)] = node
+        kind = type(node).__name__
         for index, (child, _) in enumerate(node.next_functions):
-            variable = getattr(child, "variable", None)
-            if variable is None:
-                if child is not None:
-                    stack.append(child)
-            elif id(variable) in params:
-                if type(node).__name__ in CONSUMERS:
-                    found.append(Consumer(node, index, params[id(variable)]))
+            behind = parameter_behind(child, params)
+            if behind is not None:
+                param, transposed = behind
+                if _reads(kind, index, transposed):
+                    found.append(Consumer(node, index, param, transposed))
                 else:
-                    unread[id(variable)] = type(node).__name__
-    return found, unread
+                    unread[id(param)] = kind
+            elif child is not None and getattr(child, "variable", None) is None:
+                parents.setdefault(id(child), []).append(node)
+                stack.append(child)
+    return [_with_view_above(consumer, parents) for consumer in found], unread
+
+
+def _reads(kind: str, index: int, transposed: bool) -> bool:
+    """Whether a parameter at input ``index`` of a ``kind`` node is read: at a broadcast as it is; at a matrix
+    product as its weight, either way round, or (``addmm``) as the bias added to its rows."""
+    if kind in MATRIX_PRODUCTS:
+        return index == MATRIX_PRODUCTS[kind][1] or (kind == "AddmmBackward0" and index == ADDMM_BIAS_INDEX
+                                                     and not transposed)
+    return kind in CONSUMERS and not transposed
+
+
+def _with_view_above(consumer: Consumer, parents: Mapping[int, list[Any]]) -> Consumer:
+    """A matrix product whose rows only one view uses is read at that view (:mod:`.matmul`)."""
+    above = parents.get(id(consumer.node), [])
+    if not consumer.is_product or len(above) != 1 or type(above[0]).__name__ not in VIEWS:
+        return consumer
+    return Consumer(consumer.node, consumer.index, consumer.param, consumer.transposed, above[0])
+
+
+def examples_dim(consumer: Consumer, grad_output: Tensor, batch_size: Optional[int],
+                 sequence_first: bool = False) -> Optional[int]:
+    """The dim of ``grad_output`` (the hooked node's output gradient) that holds the examples: for a broadcast,
+    :func:`batch_dim`; for a matrix product, that of the shape its rows are folded from. None where no dim fits."""
+    if consumer.is_product:
+        return rows_batch_dim(row_shape(consumer.node, grad_output), batch_size, sequence_first)
+    return batch_dim(grad_output.shape, consumer.param.shape, batch_size, sequence_first)
 
 
 def batch_dim(out_shape: torch.Size, param_shape: torch.Size, batch_size: Optional[int],
@@ -82,8 +129,10 @@ def batch_dim(out_shape: torch.Size, param_shape: torch.Size, batch_size: Option
 
 
 def example_grads(consumer: Consumer, grad_output: Tensor, dim: int) -> Tensor:
-    """(B, P.numel()) float32: example ``i``'s gradient of ``P`` through ``consumer``, from the node's output
-    gradient ``grad_output`` with the examples along ``dim`` (:func:`batch_dim`; module docstring)."""
+    """(B, P.numel()) float32: example ``i``'s gradient of ``P`` through ``consumer``, from the hooked node's output
+    gradient ``grad_output`` with the examples along ``dim`` (:func:`examples_dim`; module docstring)."""
+    if consumer.is_product:
+        return matmul_example_grads(consumer.node, consumer.index, consumer.transposed, grad_output, dim)
     delta = _input_grad(consumer, grad_output.float())
     padded = _padded(consumer.param.shape, delta.dim())
     summed = [d for d, (n, p) in enumerate(zip(delta.shape, padded)) if d != dim and p == 1 and n != 1]
@@ -109,11 +158,12 @@ def _input_grad(consumer: Consumer, delta: Tensor) -> Tensor:
     return delta
 
 
-def sums_to(per_example: Tensor, grad: Tensor) -> Optional[bool]:
+def sums_to(per_example: Tensor, grad: Tensor, half_inputs: bool = False) -> Optional[bool]:
     """Whether the per-example gradients (B, numel) add up to the parameter's gradient of the pass, to float32
-    rounding (bf16/fp16 gradients: their own); None where the gradient is not finite (a gradient scaler's overflow
-    step, which tells nothing). One device sync."""
-    tolerance = 1e-3 if grad.dtype in (torch.float32, torch.float64) else 2e-2
+    rounding (bf16/fp16 gradients, or ``half_inputs`` read at a product autocast ran in half precision: theirs);
+    None where the gradient is not finite (a gradient scaler's overflow step, which tells nothing). One device
+    sync."""
+    tolerance = 1e-3 if grad.dtype in (torch.float32, torch.float64) and not half_inputs else 2e-2
     target = grad.detach().float().reshape(-1)
     scale = target.norm()
     if not bool(torch.isfinite(scale)):

@@ -42,7 +42,8 @@ from .cells import (
     is_cell,
     state_feeds_output,
 )
-from .broadcast import Consumer, batch_dim, example_grads, find_consumers, sums_to
+from .broadcast import Consumer, example_grads, examples_dim, find_consumers, sums_to
+from .matmul import MAX_ROWS_ELEMENTS
 from .conv import conv_sq_norms, conv_summed_grads
 from .conv_transpose import conv_transpose_sq_norms, conv_transpose_summed_grads
 from .cost import COSTS, CostFunction, subset_is_cheaper
@@ -166,6 +167,8 @@ class PassNorms:
     tied_lookups: dict = field(default_factory=dict)
     #: Per bare parameter (:mod:`.broadcast`), its per-example gradients (B, numel) so far, until its gradient comes.
     broadcast: dict = field(default_factory=dict)
+    #: The bare parameters whose per-example gradients were read from half-precision tensors (autocast).
+    half_inputs: set = field(default_factory=set)
 
     def add(self, sq_norms: Tensor) -> None:
         self.sq_norms = sq_norms if self.sq_norms is None else self.sq_norms + sq_norms
@@ -182,6 +185,7 @@ class PassNorms:
         self.subset_grads.update(inner.subset_grads)
         for name, rows in inner.broadcast.items():
             self.broadcast[name] = rows + self.broadcast[name] if name in self.broadcast else rows
+        self.half_inputs |= inner.half_inputs
         self.calls.update(inner.calls)
         if inner.sq_norms is not None:
             self.add(inner.sq_norms)
@@ -512,7 +516,8 @@ class PerExampleNormTracker:
                 self._handles.append(param.register_hook(
                     partial(self._on_param_grad, owners, qualified, id(param), local_name)))
         self._handles += self._bare_hooks()
-        self._passes.watch(self.covered_parameters())
+        # Bare parameters too: a model may hold nothing else (its layers written out as matrix products).
+        self._passes.watch([*self.covered_parameters(), *(bare.param for bare in self._bare.values())])
         self._attached = True
         self._reset_state()
         return self
@@ -1072,11 +1077,13 @@ class PerExampleNormTracker:
         consumers, unread = find_consumers(outputs, bare)
         for key, kind in unread.items():
             self._refuse(self._bare[key], f"it is used through {kind}, where its per-example gradients are not read")
-        mark = ("gns_callback.bare", id(self))  # in the node's own metadata: no reference to the graph is kept
         for consumer in consumers:
-            if not consumer.node.metadata.get(mark):
-                consumer.node.metadata[mark] = True
-                consumer.node.register_prehook(partial(self._on_consumer_grad, consumer))
+            # Marked in the node's own metadata (no reference to the graph is kept): a later call's walk may
+            # pass through this call's graph again.
+            mark = ("gns_callback.bare", id(self), id(consumer.node), consumer.index)
+            if not consumer.hooked.metadata.get(mark):
+                consumer.hooked.metadata[mark] = True
+                consumer.hooked.register_prehook(partial(self._on_consumer_grad, consumer))
 
     def _on_consumer_grad(self, consumer: Consumer, grad_outputs: tuple[Optional[Tensor], ...]) -> None:
         """The examples' gradients of a bare parameter at one of its broadcasts, kept until its gradient comes."""
@@ -1086,16 +1093,22 @@ class PerExampleNormTracker:
         record = self._pass_record()
         if record.failure is not None:
             return
-        dim = batch_dim(grad_output.shape, bare.param.shape, self.expected_batch_size, self._sequence_first)
+        dim = examples_dim(consumer, grad_output, self.expected_batch_size, self._sequence_first)
         if dim is None:
-            return self._refuse(bare, f"{type(consumer.node).__name__} broadcasts it along no dim of the batch's "
-                                      "examples")
+            return self._refuse(bare, f"{type(consumer.node).__name__} takes it along no dim of the batch's "
+                                      "examples that can be told")
+        if consumer.is_product and grad_output.shape[dim] * bare.param.numel() > MAX_ROWS_ELEMENTS:
+            return self._refuse(bare, f"its per-example gradients at {type(consumer.node).__name__} would take "
+                                      f"{grad_output.shape[dim]} × {bare.param.numel()} elements, more than "
+                                      f"{MAX_ROWS_ELEMENTS} are held")
         with _no_grad():
             rows = example_grads(consumer, grad_output, dim)
             before = record.broadcast.get(bare.name)
             if before is not None and before.shape != rows.shape:
                 return self._refuse(bare, "its broadcasts in one pass saw batches of different sizes")
             record.broadcast[bare.name] = rows if before is None else before.add_(rows)
+            if grad_output.dtype in (torch.float16, torch.bfloat16):
+                record.half_inputs.add(bare.name)
 
     def _on_bare_grad(self, bare: _BareParameter, grad: Tensor) -> None:
         """A bare parameter's whole gradient of the pass: on its first pass, the check that its examples'
@@ -1109,7 +1122,7 @@ class PerExampleNormTracker:
         if rows is None:
             return self._refuse(bare, "its gradient came without passing through a broadcast the hooks saw")
         if not bare.measured:
-            verdict = sums_to(rows, grad)
+            verdict = sums_to(rows, grad, half_inputs=bare.name in record.half_inputs)
             if verdict is None:  # an overflow step a gradient scaler skips: the next pass decides
                 return
             if not verdict:
@@ -1141,6 +1154,9 @@ class PerExampleNormTracker:
             return
         counted_on = self.coverage_fraction() + self.bare_parameter_fraction() >= MIN_COVERAGE
         bare.refused = reason
+        if not self._covered_params and all(b.refused is not None for b in self._bare.values()):
+            self._fail(f"every trainable parameter is left out of the per-example norms (the last, '{bare.name}': "
+                       f"{reason}); {MICRO_BATCH_HINT}.")
         if not bare.measured:
             self.excluded_reasons[bare.name] += f"; as a bare parameter: {reason}"
             if counted_on and self.coverage_fraction() + self.bare_parameter_fraction() < MIN_COVERAGE:

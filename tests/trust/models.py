@@ -264,3 +264,25 @@ def seeded_vit() -> nn.Module:
 
     torch.manual_seed(0)
     return ViTStyle()
+
+
+def seeded_hand_written() -> nn.Module:
+    """``benchmarks/model_scan.py``'s hand-written attention (every layer a bare ``x @ W`` or ``F.linear``), seeded."""
+    from benchmarks.model_scan import HandWrittenAttention
+
+    torch.manual_seed(0)
+    return HandWrittenAttention()
+
+
+class EinsumOnly(nn.Module):
+    """Two bare weights applied by ``torch.einsum``, a product not read per example: nothing can be measured."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner, self.outer = nn.Parameter(torch.randn(8, 16) / 3), nn.Parameter(torch.randn(16, 10) / 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(torch.einsum("btk,kl->btl", x.reshape(-1, 8, 8), self.inner))
+        return torch.einsum("btk,kl->bl", h, self.outer)
+

@@ -7,7 +7,8 @@ hang the run in its next all-reduce). Another has a Linear applied twice, which 
 (``per_example/repeated.py``), and a third a sequence layer whose per-example norms are sketched, each rank drawing
 its own probes (``per_example/sketch.py``). A fourth is a ViT whose class token and position table (10% of it) are
 bare parameters: ``auto`` does not count on them at fit start and takes ``micro_batch``; asked for ``per_example``,
-each rank reads them per example at their broadcasts (``per_example/broadcast.py``)."""
+each rank reads them per example at their broadcasts (``per_example/broadcast.py``), as it reads a hand-written
+model's weights at their matrix products (``per_example/matmul.py``)."""
 
 import json
 import os
@@ -55,14 +56,15 @@ def test_ddp_spawn_with_the_default_report_path(tmp_path, model, logger, method)
     assert_matches_exact(run, load_exact(model))
 
 
-def test_ddp_spawn_reads_a_vit_s_bare_parameters_per_example(tmp_path):
-    ddp_fit(str(tmp_path), "ddp_spawn", "vit", False, with_callback=True, steps=STEPS, method="per_example")
+@pytest.mark.parametrize("model", ["vit", "hand_written"])
+def test_ddp_spawn_reads_bare_parameters_per_example(tmp_path, model):
+    ddp_fit(str(tmp_path), "ddp_spawn", model, False, with_callback=True, steps=STEPS, method="per_example")
     (report,) = reports(str(tmp_path))
     run = load_estimate(report, "run_estimate")
     saved = json.loads(Path(report).read_text())
     assert run.method == "per_example" and saved["run"]["world_size"] == 2
     assert saved["coverage"]["fraction"] == 1.0
-    assert_matches_exact(run, load_exact("vit"))
+    assert_matches_exact(run, load_exact(model))
 
 
 def run_script(root, model, logger, with_callback, steps):

@@ -1,0 +1,197 @@
+"""A bare parameter used as a matrix product's weight, written out in a module's own forward (``x @ W``,
+``F.linear(x, W, b)``): its per-example gradients read at the product against ``torch.func``, and the tracker,
+which measures it from its first pass on and leaves it out where the examples' rows can't be told apart."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import grad, vmap
+
+from gns_callback.per_example import PerExampleNormTracker
+from gns_callback.per_example import matmul as matmul_module
+from gns_callback.per_example import tracker as tracker_module
+from gns_callback.per_example.broadcast import example_grads, examples_dim, find_consumers, sums_to
+
+B, T, K, L = 5, 3, 4, 6
+
+#: (name, input shape, parameter shapes, use of the parameters on the input x).
+USES = [
+    ("x @ W", (B, K), [(K, L)], lambda x, w: x @ w),
+    ("x @ W over positions", (B, T, K), [(K, L)], lambda x, w: x @ w),
+    ("x @ W over two position dims", (B, 2, T, K), [(K, L)], lambda x, w: torch.matmul(x, w)),
+    ("x @ W.T", (B, T, K), [(L, K)], lambda x, w: x @ w.T),
+    ("F.linear(x, W, b)", (B, K), [(L, K), (L,)], lambda x, w, b: F.linear(x, w, b)),
+    ("F.linear(x, W, b) over positions", (B, T, K), [(L, K), (L,)], lambda x, w, b: F.linear(x, w, b)),
+    ("x @ W then viewed as heads", (B, K), [(K, L)], lambda x, w: (x @ w).unflatten(-1, (2, L // 2))),
+    ("x @ W at every step of a recurrence", (B, T, K), [(K, K)],
+     lambda x, w: torch.stack([x[:, t] @ w @ w for t in range(x.shape[1])], 1)),
+    ("W @ xᵀ over positions (matmul folds it as x @ Wᵀ)", (B, T, K), [(L, K)],
+     lambda x, w: w @ x.transpose(-1, -2)),
+    ("bmm with W expanded over the batch (read at the expand)", (B, T, K), [(K, L)],
+     lambda x, w: torch.bmm(x, w.expand(x.shape[0], K, L))),
+    ("x @ W + W (a broadcast too)", (B, K, K), [(K, K)], lambda x, w: x @ w + w),
+]
+
+
+def _exact(use, x: torch.Tensor, params: list[torch.Tensor], weights: torch.Tensor) -> torch.Tensor:
+    def loss(ps, xi, wi):
+        return (torch.tanh(use(xi[None], *ps)) * wi[None]).sum()
+    grads = vmap(grad(loss), in_dims=(None, 0, 0))([p.detach() for p in params], x, weights)
+    return torch.cat([g.reshape(x.shape[0], -1) for g in grads], dim=1)
+
+
+@pytest.mark.parametrize("name, in_shape, shapes, use", USES, ids=[u[0] for u in USES])
+@pytest.mark.parametrize("input_grad", [False, True], ids=["data input", "activation input"])
+def test_example_grads_at_each_product_match_torch_func(name, in_shape, shapes, use, input_grad):
+    x = torch.randn(*in_shape, requires_grad=input_grad)
+    params = [nn.Parameter(torch.randn(*shape)) for shape in shapes]
+    out = torch.tanh(use(x * 1 if input_grad else x, *params))
+    weights = torch.randn_like(out)
+    consumers, unread = find_consumers([out], {id(p): p for p in params})
+    assert consumers and not unread
+    rows = {id(p): [] for p in params}
+
+    def keep(grads, consumer):
+        dim = examples_dim(consumer, grads[0], B)
+        rows[id(consumer.param)].append(example_grads(consumer, grads[0], dim))
+    for consumer in consumers:
+        consumer.hooked.register_prehook(lambda grads, c=consumer: keep(grads, c))
+    (out * weights).sum().backward()
+    got = torch.cat([sum(rows[id(p)]) for p in params], dim=1)
+    torch.testing.assert_close(got, _exact(use, x.detach(), params, weights), rtol=1e-5, atol=1e-5)
+    for p in params:
+        assert sums_to(sum(rows[id(p)]), p.grad)
+
+
+def test_sequence_first_rows_hold_the_examples_in_dim_1():
+    x, w = torch.randn(T, B, K), nn.Parameter(torch.randn(K, L))
+    out = torch.tanh(x @ w)
+    (consumer,), _ = find_consumers([out], {id(w): w})
+    rows = []
+    consumer.hooked.register_prehook(lambda g: rows.append(
+        example_grads(consumer, g[0], examples_dim(consumer, g[0], B, sequence_first=True))))
+    out.sum().backward()
+    exact = vmap(grad(lambda w_, xi: torch.tanh(xi[:, None] @ w_).sum()), in_dims=(None, 1))(w.detach(), x)
+    torch.testing.assert_close(rows[0], exact.reshape(B, -1))
+
+
+def test_rows_that_are_not_the_examples_are_not_read():
+    """Rows that can't be told apart by example: none fits the batch, or a square sequence-first batch."""
+    w = nn.Parameter(torch.randn(K, L))
+    for x, sequence_first in [(torch.randn(B * T, K), False), (torch.randn(B, B, K), True)]:
+        out = x @ w
+        (consumer,), _ = find_consumers([out], {id(w): w})
+        dims = []
+        consumer.hooked.register_prehook(lambda g, c=consumer, s=sequence_first: dims.append(
+            examples_dim(c, g[0], B, sequence_first=s)))
+        out.sum().backward()
+        assert dims == [None]
+
+
+def test_a_2d_left_factor_and_einsum_are_not_read():
+    x, w = torch.randn(B, T, K), nn.Parameter(torch.randn(K, K))
+    for out, kind in [((w @ x[:, 0].T).T, "MmBackward0"), (torch.einsum("btk,kl->btl", x, w), "")]:
+        consumers, unread = find_consumers([out], {id(w): w})
+        assert not consumers and id(w) in unread and kind in unread[id(w)]
+
+
+class Dense(nn.Module):
+    """A linear layer written out with bare parameters, as hand-written models do."""
+
+    def __init__(self, fan_in: int, fan_out: int, transposed: bool = False) -> None:
+        super().__init__()
+        self.transposed = transposed
+        shape = (fan_out, fan_in) if transposed else (fan_in, fan_out)
+        self.weight = nn.Parameter(torch.randn(*shape) / fan_in**0.5)
+        self.bias = nn.Parameter(torch.zeros(fan_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias) if self.transposed else x @ self.weight + self.bias
+
+
+def _pass(tracker, model, x, weights):
+    model.zero_grad()
+    (model(x) * weights).sum().backward()
+    return tracker.pop()
+
+
+@pytest.mark.parametrize("in_shape", [(6, 8), (6, 3, 8)], ids=["rows", "positions"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["x @ W + b", "F.linear"])
+def test_a_hand_written_dense_layer_is_measured_whole_from_its_first_pass(in_shape, transposed, reference_sq_norms):
+    model = nn.Sequential(Dense(8, 8, transposed), nn.Tanh(), Dense(8, 3, not transposed))
+    x = torch.randn(*in_shape)
+    weights = torch.randn(*in_shape[:-1], 3)
+    tracker = PerExampleNormTracker(model).attach()
+    assert tracker.coverage_fraction() == 0.0 and tracker.bare_parameter_fraction() == 1.0
+    exact = reference_sq_norms(model, x, weights).float()
+    for _ in range(2):
+        torch.testing.assert_close(_pass(tracker, model, x, weights), exact, rtol=1e-4, atol=0)
+        assert tracker.coverage_fraction() == 1.0 and not tracker.excluded_reasons
+
+
+def test_a_subset_of_examples(monkeypatch, reference_sq_norms):
+    """With a subset, the measured examples' norms and ``|Σ_{i unmeasured} g_i|²``, as for a layer's parameters."""
+    monkeypatch.setattr(tracker_module, "subset_is_cheaper", lambda *args: True)
+    model = nn.Sequential(nn.Linear(8, 8), Dense(8, 8), nn.Tanh(), nn.Linear(8, 3))
+    x, weights = torch.randn(10, 8), torch.randn(10, 3)
+    tracker = PerExampleNormTracker(model, max_examples=4).attach()
+    model.zero_grad()
+    (model(x) * weights).sum().backward()
+    (record,) = tracker.pop_passes()
+    assert record.subset and tracker.coverage_fraction() == 1.0
+    torch.testing.assert_close(record.sq_norms, reference_sq_norms(model, x, weights).float()[:4], rtol=1e-4, atol=0)
+    model.zero_grad()
+    (model(x[4:]) * weights[4:]).sum().backward()
+    rest = sum(p.grad.double().square().sum() for p in model.parameters())
+    torch.testing.assert_close(record.unmeasured_sq.double(), rest, rtol=1e-4, atol=0)
+
+
+def test_a_weight_too_large_to_hold_per_example_is_left_out(monkeypatch, reference_sq_norms):
+    monkeypatch.setattr(tracker_module, "MAX_ROWS_ELEMENTS", 6 * 64 - 1)
+    model = nn.Sequential(Dense(8, 8), nn.Tanh(), nn.Linear(8, 3))
+    x, weights = torch.randn(6, 8), torch.randn(6, 3)
+    tracker = PerExampleNormTracker(model).attach()
+    with pytest.warns(UserWarning, match="left the bare parameter '0.weight' out.*more than 383 are held"):
+        got = _pass(tracker, model, x, weights)
+    names = ["0.bias", "2.weight", "2.bias"]
+    torch.testing.assert_close(got, reference_sq_norms(model, x, weights, param_names=names).float(), rtol=1e-4,
+                               atol=0)
+    assert matmul_module.MAX_ROWS_ELEMENTS == 2**25
+
+
+def test_a_weight_whose_rows_can_t_be_told_apart_is_left_out():
+    """Rows viewed back into one flat row per example: not the product's own (rows, width), so its rows are not
+    grouped by guess; the weight is left out."""
+    class Flattening(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x):
+            return (x.reshape(-1, x.shape[-1]) @ self.weight).reshape(x.shape[0], -1)
+
+    model = nn.Sequential(Flattening(), nn.Tanh(), nn.Linear(24, 3))
+    tracker = PerExampleNormTracker(model).attach()
+    tracker.expected_batch_size = 6
+    with pytest.warns(UserWarning, match="left the bare parameter '0.weight' out.*no dim of the batch"):
+        _pass(tracker, model, torch.randn(6, 3, 8), torch.randn(6, 3))
+    assert tracker.coverage_fraction() < 1.0
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["x @ W + b", "F.linear"])
+def test_under_bf16_autocast_the_cast_weight_is_read(transposed, reference_sq_norms):
+    """Autocast casts the weight before the product (a ``ToCopyBackward0`` node between them): read through it,
+    the norms are float32's to bf16 rounding, and the add-up check allows bf16's rounding."""
+    model = nn.Sequential(Dense(8, 16, transposed), nn.Tanh(), Dense(16, 3, not transposed))
+    x, weights = torch.randn(6, 4, 8), torch.randn(6, 4, 3)
+    tracker = PerExampleNormTracker(model).attach()
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    (out.float() * weights).sum().backward()
+    got = tracker.pop()
+    assert tracker.coverage_fraction() == 1.0 and not tracker.excluded_reasons
+    torch.testing.assert_close(got, reference_sq_norms(model, x, weights).float(), rtol=5e-2, atol=0)
