@@ -203,6 +203,19 @@ class HandWrittenAttention(nn.Module):
         return F.linear(h.mean(1), self.head, self.head_bias)
 
 
+class HandWrittenLayer(nn.Module):
+    """One layer written out, ``tanh(x @ W + b)``, under an ``nn.Linear`` head: the pattern of a layer of one's own
+    beside the library's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.randn(64, 32) / 8), nn.Parameter(torch.zeros(32))
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(x @ self.weight + self.bias))
+
+
 class HuggingFaceGpt2(nn.Module):
     """``transformers``' ``GPT2LMHeadModel`` (2 layers, width 32, vocabulary 17, dropout off), its logits mean-pooled
     over positions; the first 10 vocabulary entries are the class logits. Only where ``transformers`` is installed."""
@@ -230,6 +243,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], bool]] = {  # name → (model, 
     "ViT-style (class token, position table)": (ViTStyle, False),
     "layer scale and a learned offset": (LayerScaleNet, False),
     "hand-written attention (x @ W, F.linear)": (HandWrittenAttention, False),
+    "hand-written layer (x @ W + b), nn.Linear head": (HandWrittenLayer, False),
 }
 try:
     import transformers  # noqa: F401  (optional: not a dependency of the package)

@@ -86,13 +86,22 @@ def per_example_problem(model: nn.Module, compiled: bool = False,
     if compile_problem is not None:
         return compile_problem, coverage.fraction, bare
     if coverage.measured_parameters == 0 and bare == 0:
-        return f"no parameter is in a supported layer ({supported_layer_names()})", 0.0, bare
+        return _nothing_measurable(collector.tracker.excluded_reasons), 0.0, bare
     if batch_norm and collector.tracker.has_batchnorm_in_training():
         return (
             "the model has BatchNorm in training mode, which couples the examples of a batch, so per-example "
             "gradients are not independent samples"
         ), coverage.fraction, bare
     return None, coverage.fraction, bare
+
+
+def _nothing_measurable(excluded: dict[str, str]) -> str:
+    """Why no parameter can be measured per example: each one's reason (the first three), and what can be."""
+    reasons = "; ".join(f"'{name}': {why}" for name, why in list(excluded.items())[:3])
+    more = f" and {len(excluded) - 3} more" if len(excluded) > 3 else ""
+    return (f"no trainable parameter can be measured per example ({reasons or 'the model has none'}{more}); the "
+            f"layers measured are {supported_layer_names()}, and parameters of a module's own broadcast over the "
+            "batch or multiplying it (x @ W)")
 
 
 def choose_method(requested: str, model: nn.Module, *, several_micro_batches: bool, compiled: bool = False,

@@ -18,15 +18,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
 
-from .matmul import (ADDMM_BIAS_INDEX, MATRIX_PRODUCTS, VIEWS, matmul_example_grads, parameter_behind, row_shape,
-                     rows_batch_dim)
+from .matmul import (ADDMM_BIAS_INDEX, MATRIX_PRODUCTS, VIEWS, Factors, bias_example_grads, is_bias, parameter_behind,
+                     row_shape, rows_batch_dim, weight_factors)
 
-__all__ = ["CONSUMERS", "Consumer", "batch_dim", "example_grads", "examples_dim", "find_consumers", "sums_to"]
+__all__ = ["CONSUMERS", "Consumer", "adds_up_to", "batch_dim", "example_grads", "examples_dim", "find_consumers"]
 
 #: The autograd nodes whose output gradient gives a broadcast parameter's per-example gradient.
 CONSUMERS = frozenset({"AddBackward0", "SubBackward0", "MulBackward0", "ExpandBackward0"})
@@ -54,12 +54,14 @@ class Consumer:
         return type(self.node).__name__ in MATRIX_PRODUCTS
 
 
-def find_consumers(outputs: Iterable[Tensor], params: Mapping[int, Tensor]) -> tuple[list[Consumer], dict[int, str]]:
+def find_consumers(outputs: Iterable[Tensor], params: Mapping[int, Tensor],
+                   stop_at: Iterable[Any] = ()) -> tuple[list[Consumer], dict[int, str]]:
     """The nodes reachable from ``outputs`` that take one of ``params`` (by ``id``) as an input, directly or (a
     matrix product) through transposes; and per parameter also taken by a node that is not read here, that
-    node's name (a use not read here)."""
+    node's name (a use not read here). The walk does not enter the nodes ``stop_at`` (those of the forward's
+    inputs, made before it: each layer's walk stays in its layer)."""
     stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
-    seen: dict[int, Any] = {}  # id → node, held for the walk so that no id is reused by another node
+    seen: dict[int, Any] = {id(node): node for node in stop_at}  # id → node, held so that no id is reused
     parents: dict[int, list[Any]] = {}
     found: list[Consumer] = []
     unread: dict[int, str] = {}
@@ -128,11 +130,14 @@ def batch_dim(out_shape: torch.Size, param_shape: torch.Size, batch_size: Option
     return fits[0] if len(fits) == 1 else None
 
 
-def example_grads(consumer: Consumer, grad_output: Tensor, dim: int) -> Tensor:
+def example_grads(consumer: Consumer, grad_output: Tensor, dim: int) -> Union[Tensor, Factors]:
     """(B, P.numel()) float32: example ``i``'s gradient of ``P`` through ``consumer``, from the hooked node's output
-    gradient ``grad_output`` with the examples along ``dim`` (:func:`examples_dim`; module docstring)."""
+    gradient ``grad_output`` with the examples along ``dim`` (:func:`examples_dim`; module docstring); for a
+    matrix product's weight, its two factors (:class:`~.matmul.Factors`)."""
     if consumer.is_product:
-        return matmul_example_grads(consumer.node, consumer.index, consumer.transposed, grad_output, dim)
+        if is_bias(consumer.node, consumer.index):
+            return bias_example_grads(consumer.node, grad_output, dim)
+        return weight_factors(consumer.node, consumer.transposed, grad_output, dim)
     delta = _input_grad(consumer, grad_output.float())
     padded = _padded(consumer.param.shape, delta.dim())
     summed = [d for d, (n, p) in enumerate(zip(delta.shape, padded)) if d != dim and p == 1 and n != 1]
@@ -158,8 +163,8 @@ def _input_grad(consumer: Consumer, delta: Tensor) -> Tensor:
     return delta
 
 
-def sums_to(per_example: Tensor, grad: Tensor, half_inputs: bool = False) -> Optional[bool]:
-    """Whether the per-example gradients (B, numel) add up to the parameter's gradient of the pass, to float32
+def adds_up_to(summed: Tensor, grad: Tensor, half_inputs: bool = False) -> Optional[bool]:
+    """Whether the examples' summed gradient (numel,) is the parameter's gradient of the pass, to float32
     rounding (bf16/fp16 gradients, or ``half_inputs`` read at a product autocast ran in half precision: theirs);
     None where the gradient is not finite (a gradient scaler's overflow step, which tells nothing). One device
     sync."""
@@ -168,4 +173,4 @@ def sums_to(per_example: Tensor, grad: Tensor, half_inputs: bool = False) -> Opt
     scale = target.norm()
     if not bool(torch.isfinite(scale)):
         return None
-    return bool((per_example.sum(dim=0) - target).norm() <= tolerance * scale + 1e-12)
+    return bool((summed - target).norm() <= tolerance * scale + 1e-12)

@@ -11,23 +11,28 @@ viewed back to (B, *, L) by the node above it, whose output gradient has that sh
 examples' dim of it is told by :func:`~.layout.batch_dim`, as for a layer's input, and nothing is guessed. A
 weight taken as the left factor (``W @ x``), or through a batched product (``einsum``, ``bmm``), is not read.
 
-The per-example gradients are materialised, (B, numel) in float32, so that they add up with the parameter's other
-uses and are checked against its gradient (:func:`~.broadcast.sums_to`); above :data:`MAX_ROWS_ELEMENTS` the
-parameter is left out instead. Torch only.
+A weight's per-example gradients are kept as their two factors (:class:`Factors`), and their norms taken as a
+layer's are (:func:`~.linear.linear_part_sq_norms`: ``|a_i|²·|δ_i|²`` for one row per example, else the Gram form,
+the materialised product or a sketch, whichever is cheaper). They are materialised, (B, numel) in float32, only
+where the parameter is also used at a broadcast, to add up with its gradients there; above
+:data:`MAX_ROWS_ELEMENTS` it is then left out instead. Torch only.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from .layout import LayoutError, batch_dim
+from .linear import linear_part_sq_norms
 
-__all__ = ["ADDMM_BIAS_INDEX", "CASTS", "MATRIX_PRODUCTS", "MAX_ROWS_ELEMENTS", "PASS_THROUGH", "VIEWS", "matmul_example_grads",
-           "parameter_behind", "product_shape", "row_shape", "rows_batch_dim"]
+__all__ = ["ADDMM_BIAS_INDEX", "CASTS", "MATRIX_PRODUCTS", "MAX_ROWS_ELEMENTS", "PASS_THROUGH", "VIEWS", "Factors",
+           "bias_example_grads", "is_bias", "parameter_behind", "product_shape", "row_shape", "rows_batch_dim",
+           "weight_factors"]
 
 #: Matrix-product nodes, their saved left factor, and the input index of their right factor (the weight).
 MATRIX_PRODUCTS: dict[str, tuple[str, int]] = {"MmBackward0": ("_saved_self", 1),
@@ -88,19 +93,73 @@ def rows_batch_dim(shape: tuple[int, ...], expected: Optional[int], sequence_fir
         return None
 
 
-def matmul_example_grads(node: Any, index: int, transposed: bool, grad: Tensor, dim: int) -> Tensor:
-    """(B, numel) float32: each example's gradient of the parameter at input ``index`` of the product ``node``
-    (module docstring), from the gradient ``grad`` of the node's output viewed back to (*rows, L), the examples
-    in ``dim`` of the rows' shape."""
-    shape, (_, width) = row_shape(node, grad), product_shape(node)
-    delta = _examples_first(grad.float().reshape(*shape, width), dim)
-    if index == ADDMM_BIAS_INDEX and type(node).__name__ == "AddmmBackward0":
-        return delta.sum(dim=1) * float(node._saved_beta)
+@dataclass(frozen=True)
+class Factors:
+    """A weight's per-example gradients at its products, unmultiplied: ``G_i = Σ_t a_{i,t}ᵀ δ_{i,t}`` (``W``; its
+    transpose where ``transposed``) with ``left`` (B, positions, K) holding ``α·a`` and ``delta`` (B, positions, L),
+    float32, examples first. Several products of one pass (a weight applied at every step of a recurrence) are one
+    sum over all their positions (:meth:`joined`), as :mod:`.repeated` reads a layer's calls."""
+
+    left: Tensor
+    delta: Tensor
+    transposed: bool
+
+    def joined(self, other: Factors) -> Factors:
+        """Both products' positions as one (each example's gradient is the sum of both)."""
+        if other.transposed != self.transposed:
+            other = Factors(other.left, other.delta, self.transposed)  # the norm and the sum don't see the layout
+        return Factors(torch.cat([self.left, other.left], 1), torch.cat([self.delta, other.delta], 1),
+                       self.transposed)
+
+    @property
+    def examples(self) -> int:
+        return self.left.shape[0]
+
+    def first(self, count: int) -> Factors:
+        """The first ``count`` examples' factors."""
+        return Factors(self.left[:count], self.delta[:count], self.transposed)
+
+    def sq_norms(self) -> Tensor:
+        """``|G_i|²`` (B,), without materialising ``G_i`` where cheaper (:func:`~.linear.linear_part_sq_norms`)."""
+        left, delta = (self.left[:, 0], self.delta[:, 0]) if self.left.shape[1] == 1 else (self.left, self.delta)
+        return linear_part_sq_norms(left, delta, use_weight=True, use_bias=False)
+
+    def summed(self) -> Tensor:
+        """``Σ_i G_i`` flattened in the parameter's layout: the gradient these examples contribute."""
+        left, delta = self.left.reshape(-1, self.left.shape[-1]), self.delta.reshape(-1, self.delta.shape[-1])
+        return (delta.t() @ left if self.transposed else left.t() @ delta).reshape(-1)
+
+    def rows(self) -> Tensor:
+        """(B, numel): each ``G_i`` materialised, to add to the parameter's gradients at other ops."""
+        grads = (torch.bmm(self.delta.transpose(1, 2), self.left) if self.transposed
+                 else torch.bmm(self.left.transpose(1, 2), self.delta))
+        return grads.reshape(self.examples, -1)
+
+
+def is_bias(node: Any, index: int) -> bool:
+    """Whether input ``index`` of ``node`` is ``addmm``'s added term."""
+    return index == ADDMM_BIAS_INDEX and type(node).__name__ == "AddmmBackward0"
+
+
+def bias_example_grads(node: Any, grad: Tensor, dim: int) -> Tensor:
+    """(B, L) float32: each example's gradient of the bias ``addmm`` adds to its rows, ``β·Σ_t δ_{i,t}``, from the
+    hooked node's output gradient ``grad``, the examples in ``dim`` of the rows' shape."""
+    return _rows(node, grad, dim).sum(dim=1) * float(node._saved_beta)
+
+
+def weight_factors(node: Any, transposed: bool, grad: Tensor, dim: int) -> Factors:
+    """The factors of each example's gradient of the weight of the product ``node`` (module docstring), from the
+    hooked node's output gradient ``grad``, the examples in ``dim`` of the rows' shape."""
     attribute, _ = MATRIX_PRODUCTS[type(node).__name__]
     left = getattr(node, attribute).float()
-    left = _examples_first(left.reshape(*shape, left.shape[-1]), dim) * float(getattr(node, "_saved_alpha", 1))
-    grads = torch.bmm(delta.transpose(1, 2), left) if transposed else torch.bmm(left.transpose(1, 2), delta)
-    return grads.reshape(grads.shape[0], -1)
+    left = _examples_first(left.reshape(*row_shape(node, grad), left.shape[-1]), dim)
+    alpha = float(getattr(node, "_saved_alpha", 1))
+    return Factors(left if alpha == 1 else left * alpha, _rows(node, grad, dim), transposed)
+
+
+def _rows(node: Any, grad: Tensor, dim: int) -> Tensor:
+    """The product's output gradient as (B, positions, L), float32."""
+    return _examples_first(grad.float().reshape(*row_shape(node, grad), product_shape(node)[1]), dim)
 
 
 def _examples_first(values: Tensor, dim: int) -> Tensor:

@@ -10,7 +10,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from types import TracebackType
-from typing import Any, ContextManager, Optional
+from typing import Any, ContextManager, Optional, Union
 import warnings
 
 import torch
@@ -42,8 +42,8 @@ from .cells import (
     is_cell,
     state_feeds_output,
 )
-from .broadcast import Consumer, example_grads, examples_dim, find_consumers, sums_to
-from .matmul import MAX_ROWS_ELEMENTS
+from .broadcast import Consumer, adds_up_to, example_grads, examples_dim, find_consumers
+from .matmul import MAX_ROWS_ELEMENTS, Factors
 from .conv import conv_sq_norms, conv_summed_grads
 from .conv_transpose import conv_transpose_sq_norms, conv_transpose_summed_grads
 from .cost import COSTS, CostFunction, subset_is_cheaper
@@ -167,6 +167,8 @@ class PassNorms:
     tied_lookups: dict = field(default_factory=dict)
     #: Per bare parameter (:mod:`.broadcast`), its per-example gradients (B, numel) so far, until its gradient comes.
     broadcast: dict = field(default_factory=dict)
+    #: Per bare weight of matrix products (:mod:`.matmul`), its per-example gradients' factors so far.
+    products: dict = field(default_factory=dict)
     #: The bare parameters whose per-example gradients were read from half-precision tensors (autocast).
     half_inputs: set = field(default_factory=set)
 
@@ -185,6 +187,8 @@ class PassNorms:
         self.subset_grads.update(inner.subset_grads)
         for name, rows in inner.broadcast.items():
             self.broadcast[name] = rows + self.broadcast[name] if name in self.broadcast else rows
+        for name, factors in inner.products.items():
+            self.products[name] = factors.joined(self.products[name]) if name in self.products else factors
         self.half_inputs |= inner.half_inputs
         self.calls.update(inner.calls)
         if inner.sq_norms is not None:
@@ -284,6 +288,11 @@ def _holds_bare_parameters(module: nn.Module) -> bool:
 def _is_bag(module: nn.Module) -> bool:
     """Exactly ``nn.EmbeddingBag`` (:mod:`.embedding_bag`)."""
     return type(module) is nn.EmbeddingBag
+
+
+def _examples(found: Union[Tensor, Factors]) -> int:
+    """How many examples a bare parameter's per-example gradients (rows, or a product's factors) are of."""
+    return found.examples if isinstance(found, Factors) else found.shape[0]
 
 
 def _no_grad() -> ContextManager[Any]:
@@ -414,6 +423,8 @@ class PerExampleNormTracker:
         self._covered_params = []
         self._uncovered_params = []
         self._bare: dict[int, _BareParameter] = {}
+        #: Per module holding bare parameters, its running forwards' input nodes (a stack: calls may nest).
+        self._owner_inputs: dict[nn.Module, list[list[Any]]] = {}
         covered_names: dict[nn.Module, tuple[str, set[str]]] = {}
         for param_name, param in self.model.named_parameters():
             if not param.requires_grad:
@@ -588,6 +599,7 @@ class PerExampleNormTracker:
 
     def _reset_state(self) -> None:
         self._passes.clear()
+        self._owner_inputs.clear()  # a forward that raised never reached its post-hook: its nodes are not held on
         self._forward_costs = []
         self._last_subset = None
         self._saw_tracked_forward = False
@@ -1060,21 +1072,31 @@ class PerExampleNormTracker:
     # ------------------------------------------------------------------ bare parameters (:mod:`.broadcast`)
 
     def _bare_hooks(self) -> list[RemovableHandle]:
-        """A forward hook on each module holding bare parameters, and a gradient hook on each of those."""
-        owners = {id(bare.owner): bare.owner for bare in self._bare.values()}
-        return ([owner.register_forward_hook(self._on_owner_forward, with_kwargs=True) for owner in owners.values()]
+        """Forward pre-hooks and hooks on each module holding bare parameters, and a gradient hook on each of
+        those."""
+        owners = {id(bare.owner): bare.owner for bare in self._bare.values()}.values()
+        return ([owner.register_forward_pre_hook(self._before_owner_forward, with_kwargs=True) for owner in owners]
+                + [owner.register_forward_hook(self._on_owner_forward, with_kwargs=True) for owner in owners]
                 + [bare.param.register_hook(partial(self._on_bare_grad, bare)) for bare in self._bare.values()])
+
+    def _before_owner_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The graph made before this forward (its inputs' nodes, taken before it may change them in place):
+        where the walk for its bare parameters' uses stops."""
+        nodes = [t.grad_fn for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor) and t.grad_fn is not None]
+        self._owner_inputs.setdefault(module, []).append(nodes)
 
     def _on_owner_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                           output: Any) -> None:
         """Find where this forward broadcast the module's bare parameters, and hook those nodes."""
+        running = self._owner_inputs.get(module)
+        stop_at = running.pop() if running else []
         if self._refuses_compiled() or not self._active() or not torch.is_grad_enabled():
             return
         bare = {key: b.param for key, b in self._bare.items() if b.owner is module and b.refused is None}
         outputs = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
         if not bare or not outputs:
             return
-        consumers, unread = find_consumers(outputs, bare)
+        consumers, unread = find_consumers(outputs, bare, stop_at)
         for key, kind in unread.items():
             self._refuse(self._bare[key], f"it is used through {kind}, where its per-example gradients are not read")
         for consumer in consumers:
@@ -1097,18 +1119,21 @@ class PerExampleNormTracker:
         if dim is None:
             return self._refuse(bare, f"{type(consumer.node).__name__} takes it along no dim of the batch's "
                                       "examples that can be told")
-        if consumer.is_product and grad_output.shape[dim] * bare.param.numel() > MAX_ROWS_ELEMENTS:
-            return self._refuse(bare, f"its per-example gradients at {type(consumer.node).__name__} would take "
-                                      f"{grad_output.shape[dim]} × {bare.param.numel()} elements, more than "
-                                      f"{MAX_ROWS_ELEMENTS} are held")
         with _no_grad():
-            rows = example_grads(consumer, grad_output, dim)
-            before = record.broadcast.get(bare.name)
-            if before is not None and before.shape != rows.shape:
-                return self._refuse(bare, "its broadcasts in one pass saw batches of different sizes")
-            record.broadcast[bare.name] = rows if before is None else before.add_(rows)
-            if grad_output.dtype in (torch.float16, torch.bfloat16):
-                record.half_inputs.add(bare.name)
+            found = example_grads(consumer, grad_output, dim)
+        kept = record.products if isinstance(found, Factors) else record.broadcast
+        before = kept.get(bare.name)
+        if before is not None and _examples(before) != _examples(found):
+            return self._refuse(bare, "its uses in one pass saw batches of different sizes")
+        with _no_grad():
+            if before is None:
+                kept[bare.name] = found
+            elif isinstance(found, Factors):
+                kept[bare.name] = before.joined(found)
+            else:
+                before.add_(found)
+        if grad_output.dtype in (torch.float16, torch.bfloat16):
+            record.half_inputs.add(bare.name)
 
     def _on_bare_grad(self, bare: _BareParameter, grad: Tensor) -> None:
         """A bare parameter's whole gradient of the pass: on its first pass, the check that its examples'
@@ -1116,30 +1141,48 @@ class PerExampleNormTracker:
         if bare.refused or not self._active():
             return
         record = self._pass_record()
-        rows = record.broadcast.pop(bare.name, None)
-        if record.failure is not None:
+        found = self._bare_example_grads(bare, record)
+        if record.failure is not None or found is None:
             return
-        if rows is None:
-            return self._refuse(bare, "its gradient came without passing through a broadcast the hooks saw")
         if not bare.measured:
-            verdict = sums_to(rows, grad, half_inputs=bare.name in record.half_inputs)
+            with _no_grad():
+                summed = found.summed() if isinstance(found, Factors) else found.sum(dim=0)
+            verdict = adds_up_to(summed, grad, half_inputs=bare.name in record.half_inputs)
             if verdict is None:  # an overflow step a gradient scaler skips: the next pass decides
                 return
             if not verdict:
-                return self._refuse(bare, "its examples' gradients at its broadcasts do not add up to its gradient "
-                                          "(it is used elsewhere too)")
+                return self._refuse(bare, "its examples' gradients at its broadcasts and products do not add up to "
+                                          "its gradient (it is used elsewhere too)")
             self._promote(bare)
-        if self._check_batch_size(record, rows.shape[0], bare.name):
-            self._add_bare_norms(record, rows, grad)
+        if self._check_batch_size(record, _examples(found), bare.name):
+            self._add_bare_norms(record, found, grad)
 
-    def _add_bare_norms(self, record: PassNorms, rows: Tensor, grad: Tensor) -> None:
+    def _bare_example_grads(self, bare: _BareParameter, record: PassNorms) -> Optional[Union[Tensor, Factors]]:
+        """The pass's per-example gradients of ``bare``: rows (B, numel), or a matrix product's factors where it
+        was used at products alone; None (and ``bare`` left out) where they were not read."""
+        rows, factors = record.broadcast.pop(bare.name, None), record.products.pop(bare.name, None)
+        if rows is None and factors is None:
+            return self._refuse(bare, "its gradient came without passing through a broadcast the hooks saw")
+        if rows is None or factors is None:
+            return factors if rows is None else rows
+        if _examples(factors) != _examples(rows):
+            return self._refuse(bare, "its uses in one pass saw batches of different sizes")
+        if rows.numel() > MAX_ROWS_ELEMENTS:
+            return self._refuse(bare, f"its per-example gradients, used at both broadcasts and products, would take "
+                                      f"{rows.shape[0]} × {rows.shape[1]} elements, more than {MAX_ROWS_ELEMENTS} "
+                                      "are held")
+        with _no_grad():
+            return rows.add_(factors.rows())
+
+    def _add_bare_norms(self, record: PassNorms, found: Union[Tensor, Factors], grad: Tensor) -> None:
         """``|g_i|²`` of the measured examples; with a subset, ``|Σ_{i unmeasured} g_i|²`` too."""
         with _no_grad():
-            if self._measures_subset(record, rows.shape[0]):
-                rows = rows[: self.max_examples]
-                rest = squared_norm(grad.detach().float().reshape(-1) - rows.sum(dim=0))
+            if self._measures_subset(record, _examples(found)):
+                found = found.first(self.max_examples) if isinstance(found, Factors) else found[: self.max_examples]
+                summed = found.summed() if isinstance(found, Factors) else found.sum(dim=0)
+                rest = squared_norm(grad.detach().float().reshape(-1) - summed)
                 record.unmeasured_sq = rest if record.unmeasured_sq is None else record.unmeasured_sq + rest
-            record.add(rows.square().sum(dim=1))
+            record.add(found.sq_norms() if isinstance(found, Factors) else found.square().sum(dim=1))
 
     def _promote(self, bare: _BareParameter) -> None:
         """From left out to measured."""

@@ -8,7 +8,8 @@ from gns_callback.per_example import SUPPORTED_MODULES
 
 
 class RawParameters(nn.Module):
-    """A logistic regression written with raw parameters: no layer per-example norms know."""
+    """A logistic regression written with raw parameters: no layer per-example norms know, but a matrix product's
+    weight and a bias broadcast over the batch, which they read (:mod:`gns_callback.per_example.matmul`)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -18,11 +19,19 @@ class RawParameters(nn.Module):
         return x @ self.w + self.b
 
 
-def test_a_model_without_a_supported_layer_is_told_every_supported_type():
-    reason, coverage, bare = per_example_problem(RawParameters())
-    assert coverage == 0.0 and reason.startswith("no parameter is in a supported layer")
-    assert bare == 1.0  # b may be read at its broadcast from the first step; w is used by a matrix product
-    for name in ["Linear", "ConvTranspose2d", "EmbeddingBag", "LayerNorm", "MultiheadAttention", "LSTM", "GRU", "RNN"]:
+def test_a_model_of_raw_parameters_is_left_to_its_first_step():
+    """Whether its weight and bias can be read shows only at the first step: no problem at fit start, every
+    parameter a bare one."""
+    assert per_example_problem(RawParameters()) == (None, 0.0, 1.0)
+
+
+def test_a_model_with_nothing_measurable_is_told_each_reason_and_every_supported_type():
+    model = nn.Sequential(nn.Embedding(5, 3, max_norm=1.0), nn.Embedding(5, 3, sparse=True))
+    reason, coverage, bare = per_example_problem(model)
+    assert coverage == 0.0 and bare == 0.0 and reason.startswith("no trainable parameter can be measured")
+    assert "'0.weight': nn.Embedding with max_norm" in reason and "'1.weight': nn.Embedding with sparse" in reason
+    for name in ["Linear", "ConvTranspose2d", "EmbeddingBag", "LayerNorm", "MultiheadAttention", "LSTM", "GRU", "RNN",
+                 "x @ W"]:
         assert name in reason, name
     assert len([kind for kind in SUPPORTED_MODULES if kind.__name__ in reason]) >= len(SUPPORTED_MODULES) - 1
 

@@ -12,7 +12,7 @@ from torch.func import grad, vmap
 from benchmarks.model_scan import ViTStyle
 from gns_callback.per_example import PerExampleNormTracker
 from gns_callback.per_example import tracker as tracker_module
-from gns_callback.per_example.broadcast import batch_dim, example_grads, find_consumers, sums_to
+from gns_callback.per_example.broadcast import adds_up_to, batch_dim, example_grads, find_consumers
 
 B, T, D = 5, 3, 4
 
@@ -53,7 +53,7 @@ def test_example_grads_at_each_broadcast_match_torch_func(name, shape, use):
     (out * weights).sum().backward()
     total = sum(rows)
     torch.testing.assert_close(total, _exact_example_grads(use, x, p, weights), rtol=1e-5, atol=1e-6)
-    assert sums_to(total, p.grad)
+    assert adds_up_to(total.sum(dim=0), p.grad)
 
 
 def test_sequence_first_activations_hold_the_examples_in_dim_1():
@@ -225,6 +225,22 @@ def test_an_overflowing_first_pass_leaves_the_check_to_the_next(reference_sq_nor
     ((model(x) * weights).sum() * float("inf")).backward()
     tracker.pop()
     assert "0.offset" in tracker.excluded_reasons and tracker.bare_parameter_fraction() > 0
+    torch.testing.assert_close(_pass(tracker, model, x, weights), reference_sq_norms(model, x, weights).float(),
+                               rtol=1e-4, atol=0)
+    assert tracker.coverage_fraction() == 1.0
+
+
+def test_a_parameter_added_in_place_to_the_module_s_input_is_found(reference_sq_norms):
+    """The walk stops at the graph made before the forward: its inputs' nodes as they were before it, not after an
+    in-place ``x += p`` made the consumer their node."""
+    class InPlace(Offset):
+        def forward(self, x):
+            x += self.offset
+            return x
+
+    torch.manual_seed(0)
+    model, x, weights = nn.Sequential(nn.Linear(8, 8), InPlace(8), nn.Linear(8, 3)), torch.randn(6, 8), torch.randn(6, 3)
+    tracker = PerExampleNormTracker(model).attach()
     torch.testing.assert_close(_pass(tracker, model, x, weights), reference_sq_norms(model, x, weights).float(),
                                rtol=1e-4, atol=0)
     assert tracker.coverage_fraction() == 1.0

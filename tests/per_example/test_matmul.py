@@ -13,7 +13,8 @@ from torch.func import grad, vmap
 from gns_callback.per_example import PerExampleNormTracker
 from gns_callback.per_example import matmul as matmul_module
 from gns_callback.per_example import tracker as tracker_module
-from gns_callback.per_example.broadcast import example_grads, examples_dim, find_consumers, sums_to
+from gns_callback.per_example.broadcast import adds_up_to, example_grads, examples_dim, find_consumers
+from gns_callback.per_example.matmul import Factors
 
 B, T, K, L = 5, 3, 4, 6
 
@@ -52,18 +53,36 @@ def test_example_grads_at_each_product_match_torch_func(name, in_shape, shapes, 
     weights = torch.randn_like(out)
     consumers, unread = find_consumers([out], {id(p): p for p in params})
     assert consumers and not unread
-    rows = {id(p): [] for p in params}
+    found = {id(p): [] for p in params}
 
     def keep(grads, consumer):
         dim = examples_dim(consumer, grads[0], B)
-        rows[id(consumer.param)].append(example_grads(consumer, grads[0], dim))
+        found[id(consumer.param)].append(example_grads(consumer, grads[0], dim))
     for consumer in consumers:
         consumer.hooked.register_prehook(lambda grads, c=consumer: keep(grads, c))
     (out * weights).sum().backward()
-    got = torch.cat([sum(rows[id(p)]) for p in params], dim=1)
-    torch.testing.assert_close(got, _exact(use, x.detach(), params, weights), rtol=1e-5, atol=1e-5)
+    exact = _exact(use, x.detach(), params, weights)
+    got = torch.cat([_rows(found[id(p)]) for p in params], dim=1)
+    torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-5)
+    start = 0
     for p in params:
-        assert sums_to(sum(rows[id(p)]), p.grad)
+        exact_p, start = exact[:, start:start + p.numel()], start + p.numel()
+        assert adds_up_to(_rows(found[id(p)]).sum(dim=0), p.grad)
+        if all(isinstance(f, Factors) for f in found[id(p)]):  # norms and sum without materialising
+            factors = _joined(found[id(p)])
+            torch.testing.assert_close(factors.sq_norms(), exact_p.square().sum(dim=1), rtol=1e-4, atol=1e-5)
+            assert adds_up_to(factors.summed(), p.grad)
+
+
+def _joined(factors: list[Factors]) -> Factors:
+    total = factors[0]
+    for more in factors[1:]:
+        total = total.joined(more)
+    return total
+
+
+def _rows(found: list) -> torch.Tensor:
+    return sum(f.rows() if isinstance(f, Factors) else f for f in found)
 
 
 def test_sequence_first_rows_hold_the_examples_in_dim_1():
@@ -72,7 +91,7 @@ def test_sequence_first_rows_hold_the_examples_in_dim_1():
     (consumer,), _ = find_consumers([out], {id(w): w})
     rows = []
     consumer.hooked.register_prehook(lambda g: rows.append(
-        example_grads(consumer, g[0], examples_dim(consumer, g[0], B, sequence_first=True))))
+        example_grads(consumer, g[0], examples_dim(consumer, g[0], B, sequence_first=True)).rows()))
     out.sum().backward()
     exact = vmap(grad(lambda w_, xi: torch.tanh(xi[:, None] @ w_).sum()), in_dims=(None, 1))(w.detach(), x)
     torch.testing.assert_close(rows[0], exact.reshape(B, -1))
@@ -149,17 +168,52 @@ def test_a_subset_of_examples(monkeypatch, reference_sq_norms):
     torch.testing.assert_close(record.unmeasured_sq.double(), rest, rtol=1e-4, atol=0)
 
 
-def test_a_weight_too_large_to_hold_per_example_is_left_out(monkeypatch, reference_sq_norms):
+class MixedUse(nn.Module):
+    """A weight used at a product and at a broadcast (added to every example's activations) in one forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8) / 8**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight + self.weight
+
+
+def test_a_weight_used_at_a_product_and_a_broadcast_adds_its_materialised_gradients(reference_sq_norms):
+    model = nn.Sequential(MixedUse(), nn.Tanh(), nn.Linear(8, 3))
+    x, weights = torch.randn(6, 8, 8), torch.randn(6, 8, 3)
+    tracker = PerExampleNormTracker(model).attach()
+    torch.testing.assert_close(_pass(tracker, model, x, weights), reference_sq_norms(model, x, weights).float(),
+                               rtol=1e-4, atol=0)
+    assert tracker.coverage_fraction() == 1.0
+
+
+def test_one_too_large_to_materialise_is_left_out(monkeypatch, reference_sq_norms):
     monkeypatch.setattr(tracker_module, "MAX_ROWS_ELEMENTS", 6 * 64 - 1)
-    model = nn.Sequential(Dense(8, 8), nn.Tanh(), nn.Linear(8, 3))
-    x, weights = torch.randn(6, 8), torch.randn(6, 3)
+    model = nn.Sequential(MixedUse(), nn.Tanh(), nn.Linear(8, 3))
+    x, weights = torch.randn(6, 8, 8), torch.randn(6, 8, 3)
     tracker = PerExampleNormTracker(model).attach()
     with pytest.warns(UserWarning, match="left the bare parameter '0.weight' out.*more than 383 are held"):
         got = _pass(tracker, model, x, weights)
-    names = ["0.bias", "2.weight", "2.bias"]
-    torch.testing.assert_close(got, reference_sq_norms(model, x, weights, param_names=names).float(), rtol=1e-4,
-                               atol=0)
+    torch.testing.assert_close(got, reference_sq_norms(model, x, weights, param_names=["2.weight", "2.bias"]).float(),
+                               rtol=1e-4, atol=0)
     assert matmul_module.MAX_ROWS_ELEMENTS == 2**25
+
+
+def test_a_model_whose_every_parameter_is_left_out_stops_measuring():
+    class Einsum(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(8, 3))
+
+        def forward(self, x):
+            return torch.einsum("bk,kl->bl", x, self.weight)
+
+    model = Einsum()
+    tracker = PerExampleNormTracker(model).attach()
+    model(torch.randn(6, 8)).sum().backward()
+    with pytest.raises(RuntimeError, match="every trainable parameter is left out.*'weight'.*method='micro_batch'"):
+        tracker.pop()
 
 
 def test_a_weight_whose_rows_can_t_be_told_apart_is_left_out():
