@@ -181,6 +181,23 @@ class LayerScaleNet(nn.Module):
         return self.head(h + self.gamma * torch.tanh(self.branch(h)))
 
 
+class MinGptStyle(nn.Module):
+    """minGPT's habit: a learned position table as a bare parameter longer than the sequence, sliced to its length
+    (``x + self.pos_emb[:, :T]``), then a ``nn.TransformerEncoderLayer``, LayerNorm and a head on the mean.
+    Digits as 64 pixel tokens, width 16, a table of 80 positions."""
+
+    def __init__(self, dim: int = 16, positions: int = 80) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(17, dim)
+        self.pos_emb = nn.Parameter(0.1 * torch.randn(1, positions, dim))
+        self.block = nn.TransformerEncoderLayer(dim, 2, 2 * dim, dropout=0.0, batch_first=True, norm_first=True)
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, 10)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok(tokens) + self.pos_emb[:, : tokens.shape[1]]
+        return self.head(self.norm(self.block(h)).mean(1))
+
+
 class HandWrittenAttention(nn.Module):
     """Layers written out with bare parameters, as research code does: the image as 8 rows of 8, projected by
     ``x @ W`` + a bias, one head of self-attention whose query, key, value and output maps are ``x @ W``, and a head
@@ -242,6 +259,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], bool]] = {  # name → (model, 
     "LSTMCell in a loop": (CellLoop, False), "GRUCell in a loop": (lambda: CellLoop(nn.GRUCell), False),
     "ViT-style (class token, position table)": (ViTStyle, False),
     "layer scale and a learned offset": (LayerScaleNet, False),
+    "minGPT-style (position table sliced to the sequence)": (MinGptStyle, True),
     "hand-written attention (x @ W, F.linear)": (HandWrittenAttention, False),
     "hand-written layer (x @ W + b), nn.Linear head": (HandWrittenLayer, False),
 }

@@ -8,10 +8,12 @@ is ``δ`` summed over the dims ``P`` was broadcast along, so example ``i``'s is 
 need only ``|g_i|²``; BackPACK's ``batch_grad`` takes the same reduction for a layer's bias).
 
 The op is found in autograd's graph after each forward (:func:`find_consumers`), as the node whose inputs hold
-``P``'s ``AccumulateGrad``; a pre-hook on it hands over ``δ`` (:func:`example_grads`). A weight of a matrix product
-written out (``x @ W``, ``F.linear(x, W, b)``) is read the same way, at the product (:mod:`.matmul`). Uses through
-any other op (a slice, a batched product) are not read: the tracker compares the summed per-example gradients with
-``P``'s gradient on the first pass and leaves ``P`` out where they differ.
+``P``'s ``AccumulateGrad``, maybe through a slice or reshape of ``P`` (minGPT's ``x + pos_emb[:, :T]``,
+:mod:`.param_path`, which carries each example's gradient back to ``P``'s shape); a pre-hook on it hands over ``δ``
+(:func:`example_grads`). A weight of a matrix product written out (``x @ W``, ``F.linear(x, W, b)``) is read the
+same way, at the product (:mod:`.matmul`). Uses through any other op (a ``view``, a batched product) are not read:
+the tracker compares the summed per-example gradients with ``P``'s gradient on the first pass and leaves ``P`` out
+where they differ.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
-from .matmul import (ADDMM_BIAS_INDEX, MATRIX_PRODUCTS, VIEWS, Factors, bias_example_grads, is_bias, parameter_behind,
-                     row_shape, rows_batch_dim, weight_factors)
+from .matmul import (ADDMM_BIAS_INDEX, MATRIX_PRODUCTS, VIEWS, Factors, bias_example_grads, is_bias, row_shape,
+                     rows_batch_dim, weight_factors)
+from .param_path import ParameterPath, back_through, parameter_behind
 
 __all__ = ["CONSUMERS", "Consumer", "adds_up_to", "batch_dim", "example_grads", "examples_dim", "find_consumers"]
 
@@ -35,14 +38,17 @@ CONSUMERS = frozenset({"AddBackward0", "SubBackward0", "MulBackward0", "ExpandBa
 @dataclass(frozen=True)
 class Consumer:
     """A node of this forward's graph that takes ``param`` as its input ``index``: a broadcast
-    (:data:`CONSUMERS`) or a matrix product (:mod:`.matmul`), which may take it ``transposed`` and whose rows may
-    be viewed back to the examples' shape by the node ``above`` it, hooked instead."""
+    (:data:`CONSUMERS`), maybe of a slice of it (``views``, :mod:`.param_path`), or a matrix product
+    (:mod:`.matmul`), which may take it ``transposed`` and whose rows may be viewed back to the examples' shape by
+    the node ``above`` it, hooked instead."""
 
     node: Any  # torch.autograd.graph.Node
     index: int
     param: Tensor
     transposed: bool = False
     above: Any = None
+    views: tuple[Any, ...] = ()
+    operand_shape: tuple[int, ...] = ()  # what the node takes: the parameter's shape after its views
 
     @property
     def hooked(self) -> Any:
@@ -56,8 +62,8 @@ class Consumer:
 
 def find_consumers(outputs: Iterable[Tensor], params: Mapping[int, Tensor],
                    stop_at: Iterable[Any] = ()) -> tuple[list[Consumer], dict[int, str]]:
-    """The nodes reachable from ``outputs`` that take one of ``params`` (by ``id``) as an input, directly or (a
-    matrix product) through transposes; and per parameter also taken by a node that is not read here, that
+    """The nodes reachable from ``outputs`` that take one of ``params`` (by ``id``) as an input, directly or through
+    the views :mod:`.param_path` reads; and per parameter also taken by a node that is not read here, that
     node's name (a use not read here). The walk does not enter the nodes ``stop_at`` (those of the forward's
     inputs, made before it: each layer's walk stays in its layer)."""
     stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
@@ -72,26 +78,28 @@ def find_consumers(outputs: Iterable[Tensor], params: Mapping[int, Tensor],
         seen[id(node)] = node
         kind = type(node).__name__
         for index, (child, _) in enumerate(node.next_functions):
-            behind = parameter_behind(child, params)
-            if behind is not None:
-                param, transposed = behind
-                if _reads(kind, index, transposed):
-                    found.append(Consumer(node, index, param, transposed))
+            path = parameter_behind(child, params)
+            if path is not None:
+                if _reads(kind, index, path):
+                    found.append(Consumer(node, index, path.param, path.transposed, views=path.views,
+                                          operand_shape=path.shape))
                 else:
-                    unread[id(param)] = kind
+                    unread[id(path.param)] = kind if not path.views else type(path.views[0]).__name__
             elif child is not None and getattr(child, "variable", None) is None:
                 parents.setdefault(id(child), []).append(node)
                 stack.append(child)
     return [_with_view_above(consumer, parents) for consumer in found], unread
 
 
-def _reads(kind: str, index: int, transposed: bool) -> bool:
-    """Whether a parameter at input ``index`` of a ``kind`` node is read: at a broadcast as it is; at a matrix
-    product as its weight, either way round, or (``addmm``) as the bias added to its rows."""
+def _reads(kind: str, index: int, path: ParameterPath) -> bool:
+    """Whether a parameter reached by ``path`` at input ``index`` of a ``kind`` node is read: at a broadcast as it
+    is or a slice of it; at a matrix product as its weight, either way round, or (``addmm``) as the bias added to
+    its rows."""
     if kind in MATRIX_PRODUCTS:
-        return index == MATRIX_PRODUCTS[kind][1] or (kind == "AddmmBackward0" and index == ADDMM_BIAS_INDEX
-                                                     and not transposed)
-    return kind in CONSUMERS and not transposed
+        weight = index == MATRIX_PRODUCTS[kind][1] and not path.views
+        return weight or (kind == "AddmmBackward0" and index == ADDMM_BIAS_INDEX and not path.transposed
+                          and not path.views)
+    return kind in CONSUMERS and not path.transposed
 
 
 def _with_view_above(consumer: Consumer, parents: Mapping[int, list[Any]]) -> Consumer:
@@ -99,7 +107,8 @@ def _with_view_above(consumer: Consumer, parents: Mapping[int, list[Any]]) -> Co
     above = parents.get(id(consumer.node), [])
     if not consumer.is_product or len(above) != 1 or type(above[0]).__name__ not in VIEWS:
         return consumer
-    return Consumer(consumer.node, consumer.index, consumer.param, consumer.transposed, above[0])
+    return Consumer(consumer.node, consumer.index, consumer.param, consumer.transposed, above[0], consumer.views,
+                    consumer.operand_shape)
 
 
 def examples_dim(consumer: Consumer, grad_output: Tensor, batch_size: Optional[int],
@@ -108,7 +117,7 @@ def examples_dim(consumer: Consumer, grad_output: Tensor, batch_size: Optional[i
     :func:`batch_dim`; for a matrix product, that of the shape its rows are folded from. None where no dim fits."""
     if consumer.is_product:
         return rows_batch_dim(row_shape(consumer.node, grad_output), batch_size, sequence_first)
-    return batch_dim(grad_output.shape, consumer.param.shape, batch_size, sequence_first)
+    return batch_dim(grad_output.shape, torch.Size(consumer.operand_shape), batch_size, sequence_first)
 
 
 def batch_dim(out_shape: torch.Size, param_shape: torch.Size, batch_size: Optional[int],
@@ -139,11 +148,15 @@ def example_grads(consumer: Consumer, grad_output: Tensor, dim: int) -> Union[Te
             return bias_example_grads(consumer.node, grad_output, dim)
         return weight_factors(consumer.node, consumer.transposed, grad_output, dim)
     delta = _input_grad(consumer, grad_output.float())
-    padded = _padded(consumer.param.shape, delta.dim())
+    padded = _padded(torch.Size(consumer.operand_shape), delta.dim())
     summed = [d for d, (n, p) in enumerate(zip(delta.shape, padded)) if d != dim and p == 1 and n != 1]
     if summed:
         delta = delta.sum(dim=summed, keepdim=True)
-    return delta.movedim(dim, 0).reshape(delta.shape[dim], -1)
+    rows = delta.movedim(dim, 0).reshape(delta.shape[dim], -1)
+    if not consumer.views:
+        return rows
+    operand = rows.reshape(rows.shape[0], *consumer.operand_shape)
+    return back_through(consumer.views, tuple(consumer.param.shape), operand).reshape(rows.shape[0], -1)
 
 
 def _padded(shape: torch.Size, dims: int) -> tuple[int, ...]:

@@ -30,9 +30,8 @@ from torch import Tensor
 from .layout import LayoutError, batch_dim
 from .linear import linear_part_sq_norms
 
-__all__ = ["ADDMM_BIAS_INDEX", "CASTS", "MATRIX_PRODUCTS", "MAX_ROWS_ELEMENTS", "PASS_THROUGH", "VIEWS", "Factors",
-           "bias_example_grads", "is_bias", "parameter_behind", "product_shape", "row_shape", "rows_batch_dim",
-           "weight_factors"]
+__all__ = ["ADDMM_BIAS_INDEX", "MATRIX_PRODUCTS", "MAX_ROWS_ELEMENTS", "VIEWS", "Factors", "bias_example_grads",
+           "is_bias", "product_shape", "row_shape", "rows_batch_dim", "weight_factors"]
 
 #: Matrix-product nodes, their saved left factor, and the input index of their right factor (the weight).
 MATRIX_PRODUCTS: dict[str, tuple[str, int]] = {"MmBackward0": ("_saved_self", 1),
@@ -41,31 +40,12 @@ MATRIX_PRODUCTS: dict[str, tuple[str, int]] = {"MmBackward0": ("_saved_self", 1)
 #: Input index of ``addmm``'s added term (a bias ``b`` broadcast over the rows).
 ADDMM_BIAS_INDEX = 0
 
-#: Nodes between a 2-D parameter and its product that change neither its values nor their norm: transposes.
-PASS_THROUGH = frozenset({"TBackward0", "TransposeBackward0", "PermuteBackward0"})
-
-#: ... and the cast autocast puts there (bf16/fp16 mixed precision), which changes only the precision.
-CASTS = frozenset({"ToCopyBackward0"})
-
 #: Nodes that view a product's rows back to the shape of its input (``torch.matmul``, ``F.linear`` on 3-D+ input).
 VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
 
 #: The most per-example gradient elements (examples × parameter elements) materialised for one parameter:
 #: 128 MiB in float32.
 MAX_ROWS_ELEMENTS = 2**25
-
-
-def parameter_behind(node: Any, params: dict[int, Tensor]) -> Optional[tuple[Tensor, bool]]:
-    """The parameter among ``params`` (by ``id``) that ``node`` passes on unchanged but for transposes and casts,
-    and whether it is transposed; None if ``node`` is anything else."""
-    transposed = False
-    while node is not None and type(node).__name__ in PASS_THROUGH | CASTS and len(node.next_functions) == 1:
-        transposed ^= type(node).__name__ in PASS_THROUGH
-        node = node.next_functions[0][0]
-    variable = getattr(node, "variable", None)
-    if variable is None or id(variable) not in params:
-        return None
-    return params[id(variable)], transposed
 
 
 def product_shape(node: Any) -> tuple[int, int]:

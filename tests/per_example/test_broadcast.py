@@ -12,7 +12,7 @@ from torch.func import grad, vmap
 from benchmarks.model_scan import ViTStyle
 from gns_callback.per_example import PerExampleNormTracker
 from gns_callback.per_example import tracker as tracker_module
-from gns_callback.per_example.broadcast import adds_up_to, batch_dim, example_grads, find_consumers
+from gns_callback.per_example.broadcast import adds_up_to, batch_dim, example_grads, examples_dim, find_consumers
 
 B, T, D = 5, 3, 4
 
@@ -30,6 +30,11 @@ USES = [
     ("p expanded and concatenated (class token)", (1, 1, D),
      lambda x, p: torch.cat([p.expand(x.shape[0], -1, -1), x], dim=1)),
     ("two uses of p", (1, T, D), lambda x, p: (x + p) * p),
+    ("x + p[:, :T] (minGPT's position table)", (1, T + 3, D), lambda x, p: x + p[:, :x.shape[1]]),
+    ("x + p[:, ::2], a strided window", (1, 2 * T, D), lambda x, p: x + p[:, ::2]),
+    ("x + p[None]", (T, D), lambda x, p: x + p[None]),
+    ("x ⊙ p[1], a row", (3, T, D), lambda x, p: x * p[1]),
+    ("x + p.squeeze(0)[:T].unsqueeze(0)", (1, T + 2, D), lambda x, p: x + p.squeeze(0)[:T].unsqueeze(0)),
 ]
 
 
@@ -49,7 +54,7 @@ def test_example_grads_at_each_broadcast_match_torch_func(name, shape, use):
     rows = []
     for consumer in consumers:
         consumer.node.register_prehook(lambda g, c=consumer: rows.append(
-            example_grads(c, g[0], batch_dim(g[0].shape, p.shape, B))))
+            example_grads(c, g[0], examples_dim(c, g[0], B))))
     (out * weights).sum().backward()
     total = sum(rows)
     torch.testing.assert_close(total, _exact_example_grads(use, x, p, weights), rtol=1e-5, atol=1e-6)
@@ -82,9 +87,9 @@ def test_the_batch_dim_is_one_the_parameter_is_broadcast_along():
 
 def test_a_use_through_another_op_is_reported_unread():
     x, p = torch.randn(B, D), nn.Parameter(torch.randn(D, D))
-    out = (x @ p) + p[0]
+    out = (x @ p) + p.sum(dim=0)
     consumers, unread = find_consumers([out], {id(p): p})
-    assert unread == {id(p): "SelectBackward0"}
+    assert unread == {id(p): "SumBackward1"}
     assert [type(c.node).__name__ for c in consumers] == ["MmBackward0"]  # read: :mod:`.matmul`
 
 
@@ -244,3 +249,17 @@ def test_a_parameter_added_in_place_to_the_module_s_input_is_found(reference_sq_
     torch.testing.assert_close(_pass(tracker, model, x, weights), reference_sq_norms(model, x, weights).float(),
                                rtol=1e-4, atol=0)
     assert tracker.coverage_fraction() == 1.0
+
+
+def test_a_position_table_sliced_to_the_sequence_is_measured_whole(reference_sq_norms):
+    """minGPT's ``x + self.pos_emb[:, :T]``: the table's rows past ``T`` get no gradient; each example's gradient of
+    the first ``T`` is read at the add and placed in its window."""
+    from benchmarks.model_scan import MinGptStyle
+
+    torch.manual_seed(0)
+    model, tokens, weights = MinGptStyle(), torch.randint(0, 17, (6, 12)), torch.randn(6, 10)
+    tracker = PerExampleNormTracker(model).attach()
+    assert "pos_emb" in tracker.excluded_reasons
+    torch.testing.assert_close(_pass(tracker, model, tokens, weights), reference_sq_norms(model, tokens, weights).float(),
+                               rtol=1e-4, atol=0)
+    assert tracker.coverage_fraction() == 1.0 and not tracker.excluded_reasons

@@ -286,3 +286,11 @@ class EinsumOnly(nn.Module):
         h = torch.tanh(torch.einsum("btk,kl->btl", x.reshape(-1, 8, 8), self.inner))
         return torch.einsum("btk,kl->bl", h, self.outer)
 
+
+def seeded_min_gpt() -> nn.Module:
+    """``benchmarks/model_scan.py``'s minGPT-style model (a position table sliced to the sequence), seeded."""
+    from benchmarks.model_scan import MinGptStyle
+
+    torch.manual_seed(0)
+    return MinGptStyle()
+

@@ -1,0 +1,112 @@
+"""What lies between a bare parameter and the op that reads its per-example gradients (:mod:`.broadcast`,
+:mod:`.matmul`): transposes and autocast's cast before a matrix product, slices and reshapes before a broadcast
+(minGPT's ``x + self.pos_emb[:, :T]``, ``self.table[None]``, ``self.scale.squeeze(0)``).
+
+None of these involves the examples, so each example's gradient of the parameter is the op's backward applied to
+that example's gradient of the op's output: a slice's places it in its window of zeros, a select's in its row, a
+reshape's reshapes it (:func:`back_through`). Torch only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from torch import Tensor
+
+__all__ = ["CASTS", "RESHAPES", "SLICES", "TRANSPOSES", "ParameterPath", "back_through", "parameter_behind",
+           "shape_after"]
+
+#: Nodes that transpose a 2-D parameter (before a matrix product): the norm does not see them.
+TRANSPOSES = frozenset({"TBackward0", "TransposeBackward0", "PermuteBackward0"})
+
+#: The cast autocast puts before a matrix product (bf16/fp16 mixed precision): it changes only the precision.
+CASTS = frozenset({"ToCopyBackward0"})
+
+#: Nodes that take a window or a row of a parameter.
+SLICES = frozenset({"SliceBackward0", "SelectBackward0"})
+
+#: Nodes that only reshape a parameter (its elements in the same order) and whose output shape follows from their
+#: input's (a ``view``'s does not: it is not saved, so a viewed parameter is not read).
+RESHAPES = frozenset({"UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1"})
+
+
+@dataclass(frozen=True)
+class ParameterPath:
+    """A parameter reached through ``views`` (slices and reshapes, outermost first), ``transposed`` or not."""
+
+    param: Tensor
+    transposed: bool
+    views: tuple[Any, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of what the consuming op takes: the parameter's after its views."""
+        shape = tuple(self.param.shape)
+        for node in reversed(self.views):
+            shape = shape_after(node, shape)
+        return shape
+
+
+def parameter_behind(node: Any, params: dict[int, Tensor]) -> Optional[ParameterPath]:
+    """The parameter among ``params`` (by ``id``) that ``node`` hands on through transposes, casts, slices and
+    reshapes alone (each node with that one input); None if ``node`` leads to anything else."""
+    transposed, views = False, []
+    while node is not None and len(node.next_functions) == 1:
+        kind = type(node).__name__
+        if kind in SLICES | RESHAPES:
+            views.append(node)
+        elif kind in TRANSPOSES:
+            transposed = not transposed
+        elif kind not in CASTS:
+            return None
+        node = node.next_functions[0][0]
+    variable = getattr(node, "variable", None)
+    if variable is None or id(variable) not in params:
+        return None
+    return ParameterPath(params[id(variable)], transposed, tuple(views))
+
+
+def shape_after(node: Any, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of the output of the view ``node`` (:data:`SLICES`, :data:`RESHAPES`) of a tensor of ``shape``."""
+    kind = type(node).__name__
+    if kind == "SliceBackward0":
+        dim = node._saved_dim % len(shape)
+        window = range(*slice(node._saved_start, node._saved_end, node._saved_step).indices(shape[dim]))
+        return shape[:dim] + (len(window),) + shape[dim + 1:]
+    if kind == "SelectBackward0":
+        dim = node._saved_dim % len(shape)
+        return shape[:dim] + shape[dim + 1:]
+    if kind == "UnsqueezeBackward0":
+        dim = node._saved_dim % (len(shape) + 1)
+        return shape[:dim] + (1,) + shape[dim:]
+    if kind == "SqueezeBackward0":
+        return tuple(n for n in shape if n != 1)
+    dim = node._saved_dim % len(shape)  # SqueezeBackward1: one dim
+    return shape[:dim] + shape[dim + 1:] if shape[dim] == 1 else shape
+
+
+def back_through(views: tuple[Any, ...], param_shape: tuple[int, ...], grads: Tensor) -> Tensor:
+    """Per-example gradients ``grads`` (B, *what the consuming op took) carried back through ``views``
+    (outermost first) to the parameter of ``param_shape``: (B, *param_shape)."""
+    shapes = [tuple(param_shape)]  # each view's input shape, the parameter's first
+    for node in reversed(views[1:]):
+        shapes.append(shape_after(node, shapes[-1]))
+    for node, in_shape in zip(views, reversed(shapes)):
+        grads = _back(node, in_shape, grads)
+    return grads
+
+
+def _back(node: Any, in_shape: tuple[int, ...], grads: Tensor) -> Tensor:
+    """One view's backward, batched over the examples in dim 0."""
+    kind, examples = type(node).__name__, grads.shape[0]
+    if kind not in SLICES:
+        return grads.reshape(examples, *in_shape)
+    full = grads.new_zeros(examples, *in_shape)
+    dim = node._saved_dim % len(in_shape)
+    if kind == "SelectBackward0":
+        full.select(dim + 1, node._saved_index).copy_(grads)
+    else:
+        window = slice(*slice(node._saved_start, node._saved_end, node._saved_step).indices(in_shape[dim]))
+        full[(slice(None),) * (dim + 1) + (window,)] = grads
+    return full
