@@ -14,7 +14,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +21,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.broadcast_cost import timed_step  # noqa: E402
 from gns_callback.per_example import PerExampleNormTracker  # noqa: E402
 
 
@@ -68,15 +68,6 @@ class Block(nn.Module):
 
 CASES = {"MLP 784-512-512-10, batch 128": (Mlp, lambda: torch.randn(128, 784), 128),
          "transformer block, 64 positions, batch 32": (Block, lambda: torch.randint(0, 256, (32, 64)), 32)}
-
-
-def timed_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, tracker=None) -> float:
-    start = time.thread_time()
-    model.zero_grad(set_to_none=True)
-    F.cross_entropy(model(x), y).backward()
-    if tracker is not None:
-        tracker.pop()
-    return time.thread_time() - start
 
 
 def tracked(model: nn.Module, batch: int) -> PerExampleNormTracker:

@@ -52,3 +52,30 @@ def reference_sq_norms() -> ReferenceFn:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def assert_subset_reads_exactly(monkeypatch, reference_sq_norms) -> Callable[[nn.Module], None]:
+    """``check(model)`` for a model taking (10, 8) inputs to 3 outputs: with a subset of 4 examples forced, the
+    measured examples' norms and ``|Σ_{i unmeasured} g_i|²`` equal the brute-force ones, as for a layer's."""
+    from gns_callback.per_example import PerExampleNormTracker
+    from gns_callback.per_example import tracker as tracker_module
+
+    monkeypatch.setattr(tracker_module, "subset_is_cheaper", lambda *args: True)
+
+    def check(model: nn.Module) -> None:
+        x, weights = torch.randn(10, 8), torch.randn(10, 3)
+        tracker = PerExampleNormTracker(model, max_examples=4).attach()
+        model.zero_grad()
+        (model(x) * weights).sum().backward()
+        (record,) = tracker.pop_passes()
+        assert record.subset and tracker.coverage_fraction() == 1.0
+        torch.testing.assert_close(record.sq_norms, reference_sq_norms(model, x, weights).float()[:4], rtol=1e-4,
+                                   atol=0)
+        model.zero_grad()
+        (model(x[4:]) * weights[4:]).sum().backward()
+        rest = sum(p.grad.double().square().sum() for p in model.parameters())
+        torch.testing.assert_close(record.unmeasured_sq.double(), rest, rtol=1e-4, atol=0)
+
+    return check
+

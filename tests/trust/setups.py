@@ -9,8 +9,8 @@ import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 
-from gns_callback import GradientNoiseScaleMeter
-from tests.helpers import quiet_trainer
+from gns_callback import GradientNoiseScaleCallback, GradientNoiseScaleMeter
+from tests.helpers import Classifier, assert_matches_exact, quiet_trainer, with_replacement_loader
 
 BASELINE_STEPS = 5
 
@@ -83,3 +83,31 @@ def scaled_and_unscaled(make_model: Callable[[], Any], x: Any, y: Any, steps: in
             results.append((meter.run_estimate, meter.coverage["fraction"]))
     assert scaler.get_scale() > 1.0
     return results
+
+
+def float32_and_bf16(make_model: Callable[[], Any], x: Any, y: Any, report_dir: Any, steps: int = 40) -> list[Any]:
+    """Run estimates of two Lightning fits at the defaults on the same ``steps`` batches of 32, at "32-true" and
+    "bf16-mixed", each covering the whole model."""
+    estimates = []
+    for precision in ("32-true", "bf16-mixed"):
+        callback = GradientNoiseScaleCallback(report_path=str(report_dir / "report.json"), verbose=False)
+        quiet_trainer(callbacks=[callback], precision=precision).fit(
+            Classifier(make_model()), with_replacement_loader(x, y, 32, 32 * steps, seed=0))
+        assert callback.meter.coverage["fraction"] == 1.0
+        estimates.append(callback.run_estimate)
+    assert estimates[1].steps == steps
+    return estimates
+
+
+def assert_fit_measures_whole(make_model: Callable[[], Any], x: Any, y: Any, exact_gns: Callable[..., Any],
+                              report_dir: Any, steps: int = 150) -> None:
+    """A Lightning fit at the defaults, one micro-batch of 32 per step for ``steps`` steps at fixed parameters (the
+    run the same with and without the callback): per-example norms cover the whole model, the exact value lies in
+    the interval, and a batch is recommended."""
+    callback = GradientNoiseScaleCallback(report_path=str(report_dir / "report.json"), verbose=False)
+    with_and_without(lambda: Classifier(make_model()), lambda: with_replacement_loader(x, y, 32, 32 * steps),
+                     callback)
+    assert callback.run_estimate.method == "per_example" and callback.meter.coverage["fraction"] == 1.0
+    assert_matches_exact(callback.run_estimate, exact_gns(make_model(), F.cross_entropy, x, y)[0], max_ci_ratio=3.0)
+    assert callback.recommendation.status not in ("partial_coverage", "too_wide")
+

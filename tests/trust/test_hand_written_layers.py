@@ -5,38 +5,26 @@ them was measured on those alone (``partial_coverage``): benchmarks/RESULTS.md, 
 products"."""
 
 import pytest
-import torch.nn.functional as F
 
 from gns_callback import GradientNoiseScaleCallback
-from tests.helpers import Classifier, assert_matches_exact, quiet_trainer, with_replacement_loader
+from tests.helpers import Classifier, with_replacement_loader
 from tests.trust.models import EinsumOnly
 from tests.trust.models import seeded_hand_written as hand_written
-from tests.trust.setups import assert_withheld, messages, scaled_and_unscaled, with_and_without
+from tests.trust.setups import (assert_fit_measures_whole, assert_withheld, float32_and_bf16, messages,
+                                scaled_and_unscaled, with_and_without)
 
 
 def test_one_micro_batch_per_step_measures_hand_written_layers_whole(digits, exact_gns, tmp_path):
     x, y = digits
-    callback = GradientNoiseScaleCallback(report_path=str(tmp_path / "report.json"), verbose=False)
-    with_and_without(lambda: Classifier(hand_written()), lambda: with_replacement_loader(x, y, 32, 32 * 150), callback)
-    assert callback.run_estimate.method == "per_example" and callback.meter.coverage["fraction"] == 1.0
-    exact = exact_gns(hand_written(), F.cross_entropy, x, y)[0]
-    assert_matches_exact(callback.run_estimate, exact, max_ci_ratio=3.0)
-    assert callback.recommendation.status not in ("partial_coverage", "too_wide")
+    assert_fit_measures_whole(hand_written, x, y, exact_gns, tmp_path)
 
 
 def test_bf16_autocast_reads_what_float32_reads(digits, tmp_path):
     """Under bf16 autocast each weight is cast before its product; read through the cast, the estimate matches
     float32's on the same batches to bf16's rounding."""
     x, y = digits
-    estimates = []
-    for precision in ("32-true", "bf16-mixed"):
-        callback = GradientNoiseScaleCallback(report_path=str(tmp_path / "report.json"), verbose=False)
-        quiet_trainer(callbacks=[callback], precision=precision).fit(
-            Classifier(hand_written()), with_replacement_loader(x, y, 32, 32 * 40, seed=0))
-        assert callback.meter.coverage["fraction"] == 1.0
-        estimates.append(callback.run_estimate)
-    assert estimates[1].steps == 40
-    assert estimates[1].b_simple == pytest.approx(estimates[0].b_simple, rel=0.05)
+    float32, bf16 = float32_and_bf16(hand_written, x, y, tmp_path)
+    assert bf16.b_simple == pytest.approx(float32.b_simple, rel=0.05)
 
 
 def test_a_gradient_scaler_s_scale_is_taken_out(digits):
