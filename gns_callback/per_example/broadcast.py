@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from .matmul import (ADDMM_BIAS_INDEX, MATRIX_PRODUCTS, VIEWS, Factors, bias_example_grads, is_bias, row_shape,
-                     rows_batch_dim, weight_factors)
+                     rows_are_parameter, rows_batch_dim, weight_factors)
 from .param_path import ParameterPath, back_through, parameter_behind
 
 __all__ = ["CONSUMERS", "Consumer", "adds_up_to", "batch_dim", "example_grads", "examples_dim", "find_consumers"]
@@ -116,6 +116,8 @@ def examples_dim(consumer: Consumer, grad_output: Tensor, batch_size: Optional[i
     """The dim of ``grad_output`` (the hooked node's output gradient) that holds the examples: for a broadcast,
     :func:`batch_dim`; for a matrix product, that of the shape its rows are folded from. None where no dim fits."""
     if consumer.is_product:
+        if rows_are_parameter(consumer.node):
+            return None
         return rows_batch_dim(row_shape(consumer.node, grad_output), batch_size, sequence_first)
     return batch_dim(grad_output.shape, torch.Size(consumer.operand_shape), batch_size, sequence_first)
 

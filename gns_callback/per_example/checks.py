@@ -49,7 +49,8 @@ from gns_callback.batch_size import first_half_rows
 from .layout import LayoutError, batch_dim, is_sequence_first, position_dims
 from .sketch import restart_probes
 from .sum_check import Extra, SumCheck
-from .tracker import MICRO_BATCH_HINT, SUPPORTED_MODULES, PerExampleNormTracker, is_parameter
+from .param_path import is_parameter
+from .tracker import MICRO_BATCH_HINT, SUPPORTED_MODULES, PerExampleNormTracker
 from .transposed_linear import layer_kind
 
 __all__ = ["PerExampleCheck", "check_per_example"]

@@ -29,9 +29,10 @@ from torch import Tensor
 
 from .layout import LayoutError, batch_dim
 from .linear import linear_part_sq_norms
+from .param_path import is_parameter
 
 __all__ = ["ADDMM_BIAS_INDEX", "MATRIX_PRODUCTS", "MAX_ROWS_ELEMENTS", "VIEWS", "Factors", "bias_example_grads",
-           "is_bias", "product_shape", "row_shape", "rows_batch_dim", "weight_factors"]
+           "is_bias", "product_shape", "row_shape", "rows_are_parameter", "rows_batch_dim", "weight_factors"]
 
 #: Matrix-product nodes, their saved left factor, and the input index of their right factor (the weight).
 MATRIX_PRODUCTS: dict[str, tuple[str, int]] = {"MmBackward0": ("_saved_self", 1),
@@ -62,6 +63,13 @@ def row_shape(node: Any, grad: Tensor) -> tuple[int, ...]:
     if grad.dim() >= 2 and grad.shape[-1] == width and math.prod(grad.shape[:-1]) == rows:
         return tuple(grad.shape[:-1])
     return (rows,)
+
+
+def rows_are_parameter(node: Any) -> bool:
+    """Whether the product ``node``'s rows are a parameter's (``self.prototypes @ W``), not the examples', whose
+    count they may match by chance."""
+    attribute, _ = MATRIX_PRODUCTS[type(node).__name__]
+    return is_parameter(getattr(node, attribute))
 
 
 def rows_batch_dim(shape: tuple[int, ...], expected: Optional[int], sequence_first: bool) -> Optional[int]:

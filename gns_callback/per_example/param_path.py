@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["CASTS", "RESHAPES", "SLICES", "TRANSPOSES", "ParameterPath", "back_through", "parameter_behind",
-           "shape_after"]
+__all__ = ["CASTS", "RESHAPES", "SLICES", "TRANSPOSES", "ParameterPath", "back_through", "is_parameter",
+           "parameter_behind", "shape_after"]
 
 #: Nodes that transpose a 2-D parameter (before a matrix product): the norm does not see them.
 TRANSPOSES = frozenset({"TBackward0", "TransposeBackward0", "PermuteBackward0"})
@@ -110,3 +110,12 @@ def _back(node: Any, in_shape: tuple[int, ...], grads: Tensor) -> Tensor:
         window = slice(*slice(node._saved_start, node._saved_end, node._saved_step).indices(in_shape[dim]))
         full[(slice(None),) * (dim + 1) + (window,)] = grads
     return full
+
+
+def is_parameter(tensor: Tensor) -> bool:
+    """Whether ``tensor`` is a parameter or a view of one (a row block, a transpose), not broadcast over a batch:
+    ``latents.expand(B, ...)`` (learned queries) gives every example the table, and each example its own rows."""
+    if isinstance(tensor, nn.Parameter):
+        return True
+    return isinstance(tensor._base, nn.Parameter) and tensor.dim() > 0 and tensor.stride(0) != 0
+

@@ -44,6 +44,7 @@ from .cells import (
 )
 from .broadcast import Consumer, adds_up_to, example_grads, examples_dim, find_consumers
 from .matmul import MAX_ROWS_ELEMENTS, Factors
+from .param_path import is_parameter
 from .conv import conv_sq_norms, conv_summed_grads
 from .conv_transpose import conv_transpose_sq_norms, conv_transpose_summed_grads
 from .cost import COSTS, CostFunction, subset_is_cheaper
@@ -299,14 +300,6 @@ def _no_grad() -> ContextManager[Any]:
     """``torch.no_grad()`` where gradients are on; nothing where they are off already, as in every hook that runs
     inside a backward pass without ``create_graph`` (entering ``torch.no_grad()`` costs about 8 µs)."""
     return torch.no_grad() if torch.is_grad_enabled() else nullcontext()
-
-
-def is_parameter(tensor: Tensor) -> bool:
-    """Whether ``tensor`` is a parameter or a view of one (a row block, a transpose), not broadcast over a batch:
-    ``latents.expand(B, ...)`` (learned queries) gives every example the table, and each example its own rows."""
-    if isinstance(tensor, nn.Parameter):
-        return True
-    return isinstance(tensor._base, nn.Parameter) and tensor.dim() > 0 and tensor.stride(0) != 0
 
 
 def _recurrent_outputs(output: Any) -> list[tuple[int, Tensor]]:

@@ -236,3 +236,22 @@ def test_under_bf16_autocast_the_cast_weight_is_read(transposed, reference_sq_no
     got = tracker.pop()
     assert tracker.coverage_fraction() == 1.0 and not tracker.excluded_reasons
     torch.testing.assert_close(got, reference_sq_norms(model, x, weights).float(), rtol=5e-2, atol=0)
+
+
+def test_a_weight_multiplying_a_learned_table_is_left_out():
+    """``self.prototypes @ W``: the rows are a table's, not the examples' (here as many as the batch), so the
+    weight is left out, never measured per prototype."""
+    class Prototypes(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.prototypes, self.weight = nn.Parameter(torch.randn(6, 8)), nn.Parameter(torch.randn(8, 4))
+
+        def forward(self, x):
+            return x @ (self.prototypes @ self.weight).T
+
+    model = nn.Sequential(nn.Linear(8, 4), Prototypes())
+    tracker = PerExampleNormTracker(model).attach()
+    tracker.expected_batch_size = 6
+    with pytest.warns(UserWarning, match="left the bare parameter"):
+        _pass(tracker, model, torch.randn(6, 8), torch.randn(6, 6))
+    assert "1.weight" in tracker.excluded_reasons and tracker.coverage_fraction() < 1.0
