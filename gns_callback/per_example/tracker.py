@@ -1075,6 +1075,8 @@ class PerExampleNormTracker:
     def _before_owner_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """The graph made before this forward (its inputs' nodes, taken before it may change them in place):
         where the walk for its bare parameters' uses stops."""
+        if compiled.tracing():  # the post-hook refuses the compiled forward (:meth:`_refuses_compiled`)
+            return
         nodes = [t.grad_fn for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor) and t.grad_fn is not None]
         self._owner_inputs.setdefault(module, []).append(nodes)
 
