@@ -135,3 +135,117 @@ def test_a_layer_scale_and_a_subset_of_examples(assert_subset_reads_exactly):
     assert_subset_reads_exactly(nn.Sequential(nn.Linear(8, 8), LayerScale(8), nn.Tanh(), nn.Linear(8, 3)))
 
 
+def test_a_parameter_used_through_an_unread_op_stays_left_out(reference_sq_norms):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), Mixer(8), nn.Tanh(), nn.Linear(8, 3))
+    x, weights = torch.randn(6, 8), torch.randn(6, 3)
+    tracker = PerExampleNormTracker(model).attach()
+    assert tracker.coverage_fraction() + tracker.bare_parameter_fraction() == 1.0  # what fit start counts on
+    with pytest.warns(UserWarning, match=r"left the bare parameter '1.weight' out.*SumBackward0.*cover 60.7%"):
+        got = _pass(tracker, model, x, weights)
+    names = ["0.weight", "0.bias", "3.weight", "3.bias"]
+    torch.testing.assert_close(got, reference_sq_norms(model, x, weights, param_names=names).float(), rtol=1e-4,
+                               atol=0)
+    assert "SumBackward0" in tracker.excluded_reasons["1.weight"]
+
+
+class Offset(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.offset = nn.Parameter(torch.randn(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.offset
+
+
+def test_a_second_use_inside_the_forward_leaves_the_parameter_out():
+    class Penalised(Offset):
+        def forward(self, x):
+            return x + self.offset + self.offset.square().sum()
+
+    model = nn.Sequential(Penalised(8), nn.Linear(8, 3))
+    tracker = PerExampleNormTracker(model).attach()
+    model(torch.randn(6, 8)).sum().backward()
+    tracker.pop()
+    assert "PowBackward0" in tracker.excluded_reasons["0.offset"] and tracker.coverage_fraction() < 1.0
+
+
+def test_a_parameter_whose_broadcast_is_not_its_whole_gradient_stays_left_out(reference_sq_norms):
+    """Used again outside its module (a penalty in the loss): the examples' gradients at the broadcast do not add
+    up to its gradient, so it stays out, and the pass's norms are the rest's."""
+    torch.manual_seed(0)
+    model, x, weights = nn.Sequential(Offset(8), nn.Linear(8, 3)), torch.randn(6, 8), torch.randn(6, 3)
+    tracker = PerExampleNormTracker(model).attach()
+    ((model(x) * weights).sum() + model[0].offset.square().sum()).backward()
+    got = tracker.pop()
+    torch.testing.assert_close(got, reference_sq_norms(model, x, weights, param_names=["1.weight", "1.bias"]).float(),
+                               rtol=1e-4, atol=0)
+    assert "do not add up" in tracker.excluded_reasons["0.offset"] and tracker.coverage_fraction() < 1.0
+
+
+def test_a_measured_parameter_later_used_another_way_is_left_out_with_a_warning(reference_sq_norms):
+    """Measured from its first pass; when a later forward uses it through another op, it is left out from that
+    pass on (never half-measured), and the user is told once."""
+    class Switching(Offset):
+        exp = False
+
+        def forward(self, x):
+            return x + (self.offset.exp() if self.exp else self.offset)
+
+    torch.manual_seed(0)
+    model, x, weights = nn.Sequential(Switching(8), nn.Linear(8, 3)), torch.randn(6, 8), torch.randn(6, 3)
+    tracker = PerExampleNormTracker(model).attach()
+    torch.testing.assert_close(_pass(tracker, model, x, weights), reference_sq_norms(model, x, weights).float(),
+                               rtol=1e-4, atol=0)
+    assert tracker.coverage_fraction() == 1.0
+    model[0].exp = True
+    with pytest.warns(UserWarning, match="'0.offset' out of both norms from now on.*ExpBackward0"):
+        got = _pass(tracker, model, x, weights)
+    torch.testing.assert_close(got, reference_sq_norms(model, x, weights, param_names=["1.weight", "1.bias"]).float(),
+                               rtol=1e-4, atol=0)
+    assert tracker.coverage_fraction() < 1.0 and "ExpBackward0" in tracker.excluded_reasons["0.offset"]
+
+
+def test_an_overflowing_first_pass_leaves_the_check_to_the_next(reference_sq_norms):
+    """fp16 with a gradient scaler: the first steps often overflow (the scaler skips them). Such a pass's gradient
+    tells nothing, so the bare parameter is neither measured nor left out for good on it."""
+    torch.manual_seed(0)
+    model, x, weights = nn.Sequential(Offset(8), nn.Linear(8, 3)), torch.randn(6, 8), torch.randn(6, 3)
+    tracker = PerExampleNormTracker(model).attach()
+    model.zero_grad()
+    ((model(x) * weights).sum() * float("inf")).backward()
+    tracker.pop()
+    assert "0.offset" in tracker.excluded_reasons and tracker.bare_parameter_fraction() > 0
+    torch.testing.assert_close(_pass(tracker, model, x, weights), reference_sq_norms(model, x, weights).float(),
+                               rtol=1e-4, atol=0)
+    assert tracker.coverage_fraction() == 1.0
+
+
+def test_a_parameter_added_in_place_to_the_module_s_input_is_found(reference_sq_norms):
+    """The walk stops at the graph made before the forward: its inputs' nodes as they were before it, not after an
+    in-place ``x += p`` made the consumer their node."""
+    class InPlace(Offset):
+        def forward(self, x):
+            x += self.offset
+            return x
+
+    torch.manual_seed(0)
+    model, x, weights = nn.Sequential(nn.Linear(8, 8), InPlace(8), nn.Linear(8, 3)), torch.randn(6, 8), torch.randn(6, 3)
+    tracker = PerExampleNormTracker(model).attach()
+    torch.testing.assert_close(_pass(tracker, model, x, weights), reference_sq_norms(model, x, weights).float(),
+                               rtol=1e-4, atol=0)
+    assert tracker.coverage_fraction() == 1.0
+
+
+def test_a_position_table_sliced_to_the_sequence_is_measured_whole(reference_sq_norms):
+    """minGPT's ``x + self.pos_emb[:, :T]``: the table's rows past ``T`` get no gradient; each example's gradient of
+    the first ``T`` is read at the add and placed in its window."""
+    from benchmarks.model_scan import MinGptStyle
+
+    torch.manual_seed(0)
+    model, tokens, weights = MinGptStyle(), torch.randint(0, 17, (6, 12)), torch.randn(6, 10)
+    tracker = PerExampleNormTracker(model).attach()
+    assert "pos_emb" in tracker.excluded_reasons
+    torch.testing.assert_close(_pass(tracker, model, tokens, weights), reference_sq_norms(model, tokens, weights).float(),
+                               rtol=1e-4, atol=0)
+    assert tracker.coverage_fraction() == 1.0 and not tracker.excluded_reasons
