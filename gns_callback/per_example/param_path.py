@@ -1,6 +1,6 @@
 """What lies between a bare parameter and the op that reads its per-example gradients (:mod:`.broadcast`,
 :mod:`.matmul`): transposes and autocast's cast before a matrix product, slices and reshapes before a broadcast
-(minGPT's ``x + self.pos_emb[:, :T]``, ``self.table[None]``, ``self.scale.squeeze(0)``).
+(minGPT's ``x + self.pos_emb[:, :T]``, ``self.table[None]``, ``x * self.gamma.view(1, -1, 1, 1)``).
 
 None of these involves the examples, so each example's gradient of the parameter is the op's backward applied to
 that example's gradient of the op's output: a slice's places it in its window of zeros, a select's in its row, a
@@ -26,9 +26,13 @@ CASTS = frozenset({"ToCopyBackward0"})
 #: Nodes that take a window or a row of a parameter.
 SLICES = frozenset({"SliceBackward0", "SelectBackward0"})
 
-#: Nodes that only reshape a parameter (its elements in the same order) and whose output shape follows from their
-#: input's (a ``view``'s does not: it is not saved, so a viewed parameter is not read).
-RESHAPES = frozenset({"UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1"})
+#: Nodes that only reshape a parameter (its elements in the same order).
+RESHAPES = frozenset({"UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1", "ViewBackward0",
+                      "ReshapeAliasBackward0", "UnsafeViewBackward0"})
+
+#: Of those, the ones whose output shape is not saved: read from the node's record of the gradient it takes
+#: (:func:`_shape_taken`; a parameter behind one is not read where torch keeps no such record).
+_VIEWS = frozenset({"ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0"})
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,18 @@ def parameter_behind(node: Any, params: dict[int, Tensor]) -> Optional[Parameter
     variable = getattr(node, "variable", None)
     if variable is None or id(variable) not in params:
         return None
+    if any(type(view).__name__ in _VIEWS and _shape_taken(view) is None for view in views):
+        return None
     return ParameterPath(params[id(variable)], transposed, tuple(views))
+
+
+def _shape_taken(node: Any) -> Optional[tuple[int, ...]]:
+    """The shape of the gradient ``node`` takes (its forward output's), from torch's record of it (a private
+    attribute, so None where a torch version lacks it)."""
+    try:
+        return tuple(int(n) for n in node._input_metadata[0].shape)
+    except (AttributeError, IndexError, TypeError):
+        return None
 
 
 def shape_after(node: Any, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -80,6 +95,8 @@ def shape_after(node: Any, shape: tuple[int, ...]) -> tuple[int, ...]:
     if kind == "UnsqueezeBackward0":
         dim = node._saved_dim % (len(shape) + 1)
         return shape[:dim] + (1,) + shape[dim:]
+    if kind in _VIEWS:
+        return _shape_taken(node)
     if kind == "SqueezeBackward0":
         return tuple(n for n in shape if n != 1)
     dim = node._saved_dim % len(shape)  # SqueezeBackward1: one dim

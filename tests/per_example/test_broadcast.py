@@ -34,6 +34,8 @@ USES = [
     ("x + p[None]", (T, D), lambda x, p: x + p[None]),
     ("x ⊙ p[1], a row", (3, T, D), lambda x, p: x * p[1]),
     ("x + p.squeeze(0)[:T].unsqueeze(0)", (1, T + 2, D), lambda x, p: x + p.squeeze(0)[:T].unsqueeze(0)),
+    ("x ⊙ p.view(1, T, 1) (a per-channel scale)", (T,), lambda x, p: x * p.view(1, T, 1)),
+    ("x + p.reshape(T, D)[:T - 1] over a flat table", (T * D,), lambda x, p: x[:, :T - 1] + p.reshape(T, D)[:T - 1]),
 ]
 
 
@@ -247,5 +249,25 @@ def test_a_position_table_sliced_to_the_sequence_is_measured_whole(reference_sq_
     tracker = PerExampleNormTracker(model).attach()
     assert "pos_emb" in tracker.excluded_reasons
     torch.testing.assert_close(_pass(tracker, model, tokens, weights), reference_sq_norms(model, tokens, weights).float(),
+                               rtol=1e-4, atol=0)
+    assert tracker.coverage_fraction() == 1.0 and not tracker.excluded_reasons
+
+
+def test_a_per_channel_scale_viewed_to_the_feature_map_is_measured_whole(reference_sq_norms):
+    """``x * self.gamma.view(1, -1, 1, 1)`` after a convolution: a view's output shape is read from torch's record
+    of the gradient it takes."""
+    class ChannelScale(nn.Module):
+        def __init__(self, channels):
+            super().__init__()
+            self.gamma = nn.Parameter(torch.rand(channels) + 0.5)
+
+        def forward(self, x):
+            return x * self.gamma.view(1, -1, 1, 1)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 4, 3), ChannelScale(4), nn.Tanh(), nn.Flatten(), nn.Linear(16, 3))
+    x, weights = torch.randn(6, 2, 4, 4), torch.randn(6, 3)
+    tracker = PerExampleNormTracker(model).attach()
+    torch.testing.assert_close(_pass(tracker, model, x, weights), reference_sq_norms(model, x, weights).float(),
                                rtol=1e-4, atol=0)
     assert tracker.coverage_fraction() == 1.0 and not tracker.excluded_reasons
