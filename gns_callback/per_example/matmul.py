@@ -94,8 +94,8 @@ class Factors:
 
     def joined(self, other: Factors) -> Factors:
         """Both products' positions as one (each example's gradient is the sum of both)."""
-        if other.transposed != self.transposed:
-            other = Factors(other.left, other.delta, self.transposed)  # the norm and the sum don't see the layout
+        if other.transposed != self.transposed:  # Gᵀ's factors, swapped, are G's (a tied autoencoder: x @ W, h @ Wᵀ)
+            other = Factors(other.delta, other.left, self.transposed)
         return Factors(torch.cat([self.left, other.left], 1), torch.cat([self.delta, other.delta], 1),
                        self.transposed)
 
