@@ -25,8 +25,8 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
-from .matmul import (ADDMM_BIAS_INDEX, MATRIX_PRODUCTS, VIEWS, Factors, bias_example_grads, is_bias, row_shape,
-                     rows_are_parameter, rows_batch_dim, weight_factors)
+from .matmul import (ADDMM_BIAS_INDEX, MATRIX_PRODUCTS, ROW_VIEWS, Factors, bias_example_grads, is_bias,
+                     row_shape, rows_are_parameter, rows_batch_dim, weight_factors)
 from .param_path import ParameterPath, back_through, parameter_behind
 
 __all__ = ["CONSUMERS", "Consumer", "adds_up_to", "batch_dim", "example_grads", "examples_dim", "find_consumers"]
@@ -105,7 +105,7 @@ def _reads(kind: str, index: int, path: ParameterPath) -> bool:
 def _with_view_above(consumer: Consumer, parents: Mapping[int, list[Any]]) -> Consumer:
     """A matrix product whose rows only one view uses is read at that view (:mod:`.matmul`)."""
     above = parents.get(id(consumer.node), [])
-    if not consumer.is_product or len(above) != 1 or type(above[0]).__name__ not in VIEWS:
+    if not consumer.is_product or len(above) != 1 or type(above[0]).__name__ not in ROW_VIEWS:
         return consumer
     return Consumer(consumer.node, consumer.index, consumer.param, consumer.transposed, above[0], consumer.views,
                     consumer.operand_shape)

@@ -9,7 +9,9 @@ same sum :mod:`.linear` reads at a module's input), transposed for ``W.T``; ``b`
 Which rows belong to which example is read from the shape the rows are folded from: the product's output is
 viewed back to (B, *, L) by the node above it, whose output gradient has that shape (:func:`row_shape`); the
 examples' dim of it is told by :func:`~.layout.batch_dim`, as for a layer's input, and nothing is guessed. A
-weight taken as the left factor (``W @ x``), or through a batched product (``einsum``, ``bmm``), is not read.
+weight taken as the left factor of a 2-D product (``W @ x.T``; ``W @ xᵀ`` on 3-D ``x`` torch folds as ``x @ Wᵀ``,
+which is read) or through ``einsum`` is not read; ``bmm`` with ``W.expand(B, ...)`` is read at the expand
+(:mod:`.broadcast`).
 
 A weight's per-example gradients are kept as their two factors (:class:`Factors`), and their norms taken as a
 layer's are (:func:`~.linear.linear_part_sq_norms`: ``|a_i|²·|δ_i|²`` for one row per example, else the Gram form,
@@ -31,8 +33,9 @@ from .layout import LayoutError, batch_dim
 from .linear import linear_part_sq_norms
 from .param_path import is_parameter
 
-__all__ = ["ADDMM_BIAS_INDEX", "MATRIX_PRODUCTS", "MAX_ROWS_ELEMENTS", "VIEWS", "Factors", "bias_example_grads",
-           "is_bias", "product_shape", "row_shape", "rows_are_parameter", "rows_batch_dim", "weight_factors"]
+__all__ = ["ADDMM_BIAS_INDEX", "MATRIX_PRODUCTS", "MAX_ROWS_ELEMENTS", "ROW_VIEWS", "Factors",
+           "bias_example_grads", "is_bias", "product_shape", "row_shape", "rows_are_parameter", "rows_batch_dim",
+           "weight_factors"]
 
 #: Matrix-product nodes, their saved left factor, and the input index of their right factor (the weight).
 MATRIX_PRODUCTS: dict[str, tuple[str, int]] = {"MmBackward0": ("_saved_self", 1),
@@ -42,7 +45,7 @@ MATRIX_PRODUCTS: dict[str, tuple[str, int]] = {"MmBackward0": ("_saved_self", 1)
 ADDMM_BIAS_INDEX = 0
 
 #: Nodes that view a product's rows back to the shape of its input (``torch.matmul``, ``F.linear`` on 3-D+ input).
-VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
+ROW_VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
 
 #: The most per-example gradient elements (examples × parameter elements) materialised for one parameter:
 #: 128 MiB in float32.
