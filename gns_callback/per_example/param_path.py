@@ -61,7 +61,7 @@ def parameter_behind(node: Any, params: dict[int, Tensor]) -> Optional[Parameter
         if kind in SLICES | RESHAPES:
             views.append(node)
         elif kind in TRANSPOSES:
-            transposed = not transposed
+            transposed ^= _swaps(node)
         elif kind not in CASTS:
             return None
         node = node.next_functions[0][0]
@@ -80,6 +80,17 @@ def _shape_taken(node: Any) -> Optional[tuple[int, ...]]:
         return tuple(int(n) for n in node._input_metadata[0].shape)
     except (AttributeError, IndexError, TypeError):
         return None
+
+
+def _swaps(node: Any) -> bool:
+    """Whether a transpose node of a 2-D tensor swaps its dims (``permute(0, 1)`` and ``transpose(0, 0)`` do not).
+    Dims are read mod 2: a negative dim is saved as its unsigned 64-bit value, whose parity is the same."""
+    kind = type(node).__name__
+    if kind == "PermuteBackward0":
+        return tuple(int(d) % 2 for d in node._saved_dims) == (1, 0)
+    if kind == "TransposeBackward0":
+        return int(node._saved_dim0) % 2 != int(node._saved_dim1) % 2
+    return True  # TBackward0
 
 
 def shape_after(node: Any, shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -33,6 +33,8 @@ USES = [
      lambda x, w: w @ x.transpose(-1, -2)),
     ("bmm with W expanded over the batch (read at the expand)", (B, T, K), [(K, L)],
      lambda x, w: torch.bmm(x, w.expand(x.shape[0], K, L))),
+    ("x @ W.transpose(-1, -2) and x @ W.permute(0, 1)", (B, K), [(K, K)],
+     lambda x, w: x @ w.transpose(-1, -2) + x @ w.permute(0, 1)),
     ("x @ W, then h @ W.T (a tied autoencoder)", (B, T, K), [(K, L)], lambda x, w: torch.tanh(x @ w) @ w.T),
     ("x @ W + W (a broadcast too)", (B, K, K), [(K, K)], lambda x, w: x @ w + w),
 ]
