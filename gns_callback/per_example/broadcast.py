@@ -19,17 +19,18 @@ where they differ.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
 
-from .matmul import (ADDMM_BIAS_INDEX, MATRIX_PRODUCTS, ROW_VIEWS, Factors, bias_example_grads, is_bias,
-                     row_shape, rows_are_parameter, rows_batch_dim, weight_factors)
-from .param_path import ParameterPath, back_through, parameter_behind
+from .matmul import (MATRIX_PRODUCTS, Factors, bias_example_grads, is_bias, row_shape, rows_are_parameter,
+                     rows_batch_dim, weight_factors)
+from .param_path import VIEWS, ParameterPath, back_through, parameter_behind
 
-__all__ = ["CONSUMERS", "Consumer", "adds_up_to", "batch_dim", "example_grads", "examples_dim", "find_consumers"]
+__all__ = ["CONSUMERS", "Consumer", "ExampleGrads", "Rows", "adds_up_to", "batch_dim", "example_grads", "examples_dim",
+           "find_consumers"]
 
 #: The autograd nodes whose output gradient gives a broadcast parameter's per-example gradient.
 CONSUMERS = frozenset({"AddBackward0", "SubBackward0", "MulBackward0", "ExpandBackward0"})
@@ -37,18 +38,19 @@ CONSUMERS = frozenset({"AddBackward0", "SubBackward0", "MulBackward0", "ExpandBa
 
 @dataclass(frozen=True)
 class Consumer:
-    """A node of this forward's graph that takes ``param`` as its input ``index``: a broadcast
-    (:data:`CONSUMERS`), maybe of a slice of it (``views``, :mod:`.param_path`), or a matrix product
-    (:mod:`.matmul`), which may take it ``transposed`` and whose rows may be viewed back to the examples' shape by
-    the node ``above`` it, hooked instead."""
+    """A node of this forward's graph that takes a parameter (reached by ``path``: maybe transposed or a slice of
+    it, :mod:`.param_path`) as its input ``index``: a broadcast (:data:`CONSUMERS`) or a matrix product
+    (:mod:`.matmul`), whose rows may be viewed back to the examples' shape by the node ``above`` it, hooked
+    instead."""
 
     node: Any  # torch.autograd.graph.Node
     index: int
-    param: Tensor
-    transposed: bool = False
+    path: ParameterPath
     above: Any = None
-    views: tuple[Any, ...] = ()
-    operand_shape: tuple[int, ...] = ()  # what the node takes: the parameter's shape after its views
+
+    @property
+    def param(self) -> Tensor:
+        return self.path.param
 
     @property
     def hooked(self) -> Any:
@@ -58,6 +60,42 @@ class Consumer:
     @property
     def is_product(self) -> bool:
         return type(self.node).__name__ in MATRIX_PRODUCTS
+
+
+@dataclass(frozen=True)
+class Rows:
+    """A bare parameter's per-example gradients materialised: ``values`` (B, numel), float32. The same reads as a
+    matrix product's :class:`~.matmul.Factors`, so that the tracker treats both alike."""
+
+    values: Tensor
+
+    @property
+    def examples(self) -> int:
+        return self.values.shape[0]
+
+    def joined(self, other: Rows) -> Rows:
+        """Both uses' gradients, each example's summed (in place)."""
+        self.values.add_(other.values)
+        return self
+
+    def first(self, count: int) -> Rows:
+        """The first ``count`` examples' gradients."""
+        return Rows(self.values[:count])
+
+    def sq_norms(self) -> Tensor:
+        """``|g_i|²`` (B,)."""
+        return self.values.square().sum(dim=1)
+
+    def summed(self) -> Tensor:
+        """``Σ_i g_i`` (numel,): the gradient these examples contribute."""
+        return self.values.sum(dim=0)
+
+    def rows(self) -> Tensor:
+        return self.values
+
+
+#: A bare parameter's per-example gradients, as read at one of its uses.
+ExampleGrads = Union[Rows, Factors]
 
 
 def find_consumers(outputs: Iterable[Tensor], params: Mapping[int, Tensor],
@@ -81,8 +119,7 @@ def find_consumers(outputs: Iterable[Tensor], params: Mapping[int, Tensor],
             path = parameter_behind(child, params)
             if path is not None:
                 if _reads(kind, index, path):
-                    found.append(Consumer(node, index, path.param, path.transposed, views=path.views,
-                                          operand_shape=path.shape))
+                    found.append(Consumer(node, index, path))
                 else:
                     unread[id(path.param)] = kind if not path.views else type(path.views[0]).__name__
             elif child is not None and getattr(child, "variable", None) is None:
@@ -95,20 +132,19 @@ def _reads(kind: str, index: int, path: ParameterPath) -> bool:
     """Whether a parameter reached by ``path`` at input ``index`` of a ``kind`` node is read: at a broadcast as it
     is or a slice of it; at a matrix product as its weight, either way round, or (``addmm``) as the bias added to
     its rows."""
-    if kind in MATRIX_PRODUCTS:
-        weight = index == MATRIX_PRODUCTS[kind][1] and not path.views
-        return weight or (kind == "AddmmBackward0" and index == ADDMM_BIAS_INDEX and not path.transposed
-                          and not path.views)
-    return kind in CONSUMERS and not path.transposed
+    if kind not in MATRIX_PRODUCTS:
+        return kind in CONSUMERS and not path.transposed
+    if path.views:
+        return False
+    return index == MATRIX_PRODUCTS[kind][1] or (is_bias(kind, index) and not path.transposed)
 
 
 def _with_view_above(consumer: Consumer, parents: Mapping[int, list[Any]]) -> Consumer:
     """A matrix product whose rows only one view uses is read at that view (:mod:`.matmul`)."""
     above = parents.get(id(consumer.node), [])
-    if not consumer.is_product or len(above) != 1 or type(above[0]).__name__ not in ROW_VIEWS:
+    if not consumer.is_product or len(above) != 1 or type(above[0]).__name__ not in VIEWS:
         return consumer
-    return Consumer(consumer.node, consumer.index, consumer.param, consumer.transposed, above[0], consumer.views,
-                    consumer.operand_shape)
+    return replace(consumer, above=above[0])
 
 
 def examples_dim(consumer: Consumer, grad_output: Tensor, batch_size: Optional[int],
@@ -119,7 +155,7 @@ def examples_dim(consumer: Consumer, grad_output: Tensor, batch_size: Optional[i
         if rows_are_parameter(consumer.node):
             return None
         return rows_batch_dim(row_shape(consumer.node, grad_output), batch_size, sequence_first)
-    return batch_dim(grad_output.shape, torch.Size(consumer.operand_shape), batch_size, sequence_first)
+    return batch_dim(grad_output.shape, torch.Size(consumer.path.shape), batch_size, sequence_first)
 
 
 def batch_dim(out_shape: torch.Size, param_shape: torch.Size, batch_size: Optional[int],
@@ -141,24 +177,25 @@ def batch_dim(out_shape: torch.Size, param_shape: torch.Size, batch_size: Option
     return fits[0] if len(fits) == 1 else None
 
 
-def example_grads(consumer: Consumer, grad_output: Tensor, dim: int) -> Union[Tensor, Factors]:
-    """(B, P.numel()) float32: example ``i``'s gradient of ``P`` through ``consumer``, from the hooked node's output
-    gradient ``grad_output`` with the examples along ``dim`` (:func:`examples_dim`; module docstring); for a
-    matrix product's weight, its two factors (:class:`~.matmul.Factors`)."""
+def example_grads(consumer: Consumer, grad_output: Tensor, dim: int) -> ExampleGrads:
+    """Example ``i``'s gradient of ``P`` through ``consumer``, from the hooked node's output gradient ``grad_output``
+    with the examples along ``dim`` (:func:`examples_dim`; module docstring): (B, P.numel()) float32
+    :class:`Rows`, or a matrix product's weight's two factors (:class:`~.matmul.Factors`)."""
     if consumer.is_product:
-        if is_bias(consumer.node, consumer.index):
-            return bias_example_grads(consumer.node, grad_output, dim)
-        return weight_factors(consumer.node, consumer.transposed, grad_output, dim)
+        if is_bias(type(consumer.node).__name__, consumer.index):
+            return Rows(bias_example_grads(consumer.node, grad_output, dim))
+        return weight_factors(consumer.node, consumer.path.transposed, grad_output, dim)
+    path = consumer.path
     delta = _input_grad(consumer, grad_output.float())
-    padded = _padded(torch.Size(consumer.operand_shape), delta.dim())
+    padded = _padded(torch.Size(path.shape), delta.dim())
     summed = [d for d, (n, p) in enumerate(zip(delta.shape, padded)) if d != dim and p == 1 and n != 1]
     if summed:
         delta = delta.sum(dim=summed, keepdim=True)
-    rows = delta.movedim(dim, 0).reshape(delta.shape[dim], -1)
-    if not consumer.views:
-        return rows
-    operand = rows.reshape(rows.shape[0], *consumer.operand_shape)
-    return back_through(consumer.views, tuple(consumer.param.shape), operand).reshape(rows.shape[0], -1)
+    examples = delta.shape[dim]
+    rows = delta.movedim(dim, 0).reshape(examples, -1)
+    if path.views:
+        rows = back_through(path, rows.reshape(examples, *path.shape)).reshape(examples, -1)
+    return Rows(rows)
 
 
 def _padded(shape: torch.Size, dims: int) -> tuple[int, ...]:

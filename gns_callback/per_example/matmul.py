@@ -33,9 +33,8 @@ from .layout import LayoutError, batch_dim
 from .linear import linear_part_sq_norms
 from .param_path import is_parameter
 
-__all__ = ["ADDMM_BIAS_INDEX", "MATRIX_PRODUCTS", "MAX_ROWS_ELEMENTS", "ROW_VIEWS", "Factors",
-           "bias_example_grads", "is_bias", "product_shape", "row_shape", "rows_are_parameter", "rows_batch_dim",
-           "weight_factors"]
+__all__ = ["ADDMM_BIAS_INDEX", "MATRIX_PRODUCTS", "MAX_ROWS_ELEMENTS", "Factors", "bias_example_grads", "is_bias",
+           "product_shape", "row_shape", "rows_are_parameter", "rows_batch_dim", "weight_factors"]
 
 #: Matrix-product nodes, their saved left factor, and the input index of their right factor (the weight).
 MATRIX_PRODUCTS: dict[str, tuple[str, int]] = {"MmBackward0": ("_saved_self", 1),
@@ -44,18 +43,20 @@ MATRIX_PRODUCTS: dict[str, tuple[str, int]] = {"MmBackward0": ("_saved_self", 1)
 #: Input index of ``addmm``'s added term (a bias ``b`` broadcast over the rows).
 ADDMM_BIAS_INDEX = 0
 
-#: Nodes that view a product's rows back to the shape of its input (``torch.matmul``, ``F.linear`` on 3-D+ input).
-ROW_VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
-
 #: The most per-example gradient elements (examples × parameter elements) materialised for one parameter:
 #: 128 MiB in float32.
 MAX_ROWS_ELEMENTS = 2**25
 
 
+def _left(node: Any) -> Tensor:
+    """The product ``node``'s saved left factor ``a`` (n, K)."""
+    return getattr(node, MATRIX_PRODUCTS[type(node).__name__][0])
+
+
 def product_shape(node: Any) -> tuple[int, int]:
     """(n, L): the rows and width of the matrix product ``node``'s output."""
-    left = node._saved_self_sym_sizes if type(node).__name__ == "MmBackward0" else node._saved_mat1_sym_sizes
-    return int(left[0]), int(node._saved_mat2_sym_sizes[1])
+    rows = getattr(node, MATRIX_PRODUCTS[type(node).__name__][0] + "_sym_sizes")[0]
+    return int(rows), int(node._saved_mat2_sym_sizes[1])
 
 
 def row_shape(node: Any, grad: Tensor) -> tuple[int, ...]:
@@ -71,8 +72,7 @@ def row_shape(node: Any, grad: Tensor) -> tuple[int, ...]:
 def rows_are_parameter(node: Any) -> bool:
     """Whether the product ``node``'s rows are a parameter's (``self.prototypes @ W``), not the examples', whose
     count they may match by chance."""
-    attribute, _ = MATRIX_PRODUCTS[type(node).__name__]
-    return is_parameter(getattr(node, attribute))
+    return is_parameter(_left(node))
 
 
 def rows_batch_dim(shape: tuple[int, ...], expected: Optional[int], sequence_first: bool) -> Optional[int]:
@@ -127,30 +127,29 @@ class Factors:
         return grads.reshape(self.examples, -1)
 
 
-def is_bias(node: Any, index: int) -> bool:
-    """Whether input ``index`` of ``node`` is ``addmm``'s added term."""
-    return index == ADDMM_BIAS_INDEX and type(node).__name__ == "AddmmBackward0"
+def is_bias(kind: str, index: int) -> bool:
+    """Whether input ``index`` of a ``kind`` node is ``addmm``'s added term."""
+    return index == ADDMM_BIAS_INDEX and kind == "AddmmBackward0"
 
 
 def bias_example_grads(node: Any, grad: Tensor, dim: int) -> Tensor:
     """(B, L) float32: each example's gradient of the bias ``addmm`` adds to its rows, ``β·Σ_t δ_{i,t}``, from the
     hooked node's output gradient ``grad``, the examples in ``dim`` of the rows' shape."""
-    return _rows(node, grad, dim).sum(dim=1) * float(node._saved_beta)
+    return _rows(node, grad, row_shape(node, grad), dim).sum(dim=1) * float(node._saved_beta)
 
 
 def weight_factors(node: Any, transposed: bool, grad: Tensor, dim: int) -> Factors:
     """The factors of each example's gradient of the weight of the product ``node`` (module docstring), from the
     hooked node's output gradient ``grad``, the examples in ``dim`` of the rows' shape."""
-    attribute, _ = MATRIX_PRODUCTS[type(node).__name__]
-    left = getattr(node, attribute).float()
-    left = _examples_first(left.reshape(*row_shape(node, grad), left.shape[-1]), dim)
+    shape, left = row_shape(node, grad), _left(node).float()
+    left = _examples_first(left.reshape(*shape, left.shape[-1]), dim)
     alpha = float(getattr(node, "_saved_alpha", 1))
-    return Factors(left if alpha == 1 else left * alpha, _rows(node, grad, dim), transposed)
+    return Factors(left if alpha == 1 else left * alpha, _rows(node, grad, shape, dim), transposed)
 
 
-def _rows(node: Any, grad: Tensor, dim: int) -> Tensor:
-    """The product's output gradient as (B, positions, L), float32."""
-    return _examples_first(grad.float().reshape(*row_shape(node, grad), product_shape(node)[1]), dim)
+def _rows(node: Any, grad: Tensor, shape: tuple[int, ...], dim: int) -> Tensor:
+    """The product's output gradient, its rows folded from ``shape``, as (B, positions, L), float32."""
+    return _examples_first(grad.float().reshape(*shape, product_shape(node)[1]), dim)
 
 
 def _examples_first(values: Tensor, dim: int) -> Tensor:

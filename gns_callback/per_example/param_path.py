@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from torch import Tensor, nn
 
-__all__ = ["CASTS", "RESHAPES", "SLICES", "TRANSPOSES", "ParameterPath", "back_through", "is_parameter",
+__all__ = ["CASTS", "RESHAPES", "SLICES", "TRANSPOSES", "VIEWS", "ParameterPath", "back_through", "is_parameter",
            "parameter_behind", "shape_after"]
 
 #: Nodes that transpose a 2-D parameter (before a matrix product): the norm does not see them.
@@ -30,31 +30,28 @@ SLICES = frozenset({"SliceBackward0", "SelectBackward0"})
 RESHAPES = frozenset({"UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1", "ViewBackward0",
                       "ReshapeAliasBackward0", "UnsafeViewBackward0"})
 
-#: Of those, the ones whose output shape is not saved: read from the node's record of the gradient it takes
-#: (:func:`_shape_taken`; a parameter behind one is not read where torch keeps no such record).
-_VIEWS = frozenset({"ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0"})
+#: Of those, the views proper: their output shape is not saved, and is read from the node's record of the gradient
+#: it takes (:func:`_shape_taken`; a parameter behind one is not read where torch keeps no such record). The same
+#: nodes view a matrix product's rows back to its input's shape (:mod:`.matmul`).
+VIEWS = frozenset({"ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0"})
 
 
 @dataclass(frozen=True)
 class ParameterPath:
-    """A parameter reached through ``views`` (slices and reshapes, outermost first), ``transposed`` or not."""
+    """A parameter reached through ``views`` (slices and reshapes, outermost first), ``transposed`` or not:
+    ``view_inputs`` holds each view's input shape (outermost first), ``shape`` what the consuming op takes."""
 
     param: Tensor
     transposed: bool
     views: tuple[Any, ...]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The shape of what the consuming op takes: the parameter's after its views."""
-        shape = tuple(self.param.shape)
-        for node in reversed(self.views):
-            shape = shape_after(node, shape)
-        return shape
+    view_inputs: tuple[tuple[int, ...], ...]
+    shape: tuple[int, ...]
 
 
 def parameter_behind(node: Any, params: dict[int, Tensor]) -> Optional[ParameterPath]:
     """The parameter among ``params`` (by ``id``) that ``node`` hands on through transposes, casts, slices and
-    reshapes alone (each node with that one input); None if ``node`` leads to anything else."""
+    reshapes alone (each node with that one input); None if ``node`` leads to anything else, or through a view
+    whose output shape is not recorded."""
     transposed, views = False, []
     while node is not None and len(node.next_functions) == 1:
         kind = type(node).__name__
@@ -68,9 +65,13 @@ def parameter_behind(node: Any, params: dict[int, Tensor]) -> Optional[Parameter
     variable = getattr(node, "variable", None)
     if variable is None or id(variable) not in params:
         return None
-    if any(type(view).__name__ in _VIEWS and _shape_taken(view) is None for view in views):
-        return None
-    return ParameterPath(params[id(variable)], transposed, tuple(views))
+    shape, inputs = tuple(variable.shape), []
+    for view in reversed(views):  # from the parameter up
+        inputs.append(shape)
+        shape = shape_after(view, shape)
+        if shape is None:
+            return None
+    return ParameterPath(params[id(variable)], transposed, tuple(views), tuple(reversed(inputs)), shape)
 
 
 def _shape_taken(node: Any) -> Optional[tuple[int, ...]]:
@@ -93,8 +94,9 @@ def _swaps(node: Any) -> bool:
     return True  # TBackward0
 
 
-def shape_after(node: Any, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The shape of the output of the view ``node`` (:data:`SLICES`, :data:`RESHAPES`) of a tensor of ``shape``."""
+def shape_after(node: Any, shape: tuple[int, ...]) -> Optional[tuple[int, ...]]:
+    """The shape of the output of the view ``node`` (:data:`SLICES`, :data:`RESHAPES`) of a tensor of ``shape``;
+    None for a view whose output shape is not recorded."""
     kind = type(node).__name__
     if kind == "SliceBackward0":
         dim = node._saved_dim % len(shape)
@@ -106,7 +108,7 @@ def shape_after(node: Any, shape: tuple[int, ...]) -> tuple[int, ...]:
     if kind == "UnsqueezeBackward0":
         dim = node._saved_dim % (len(shape) + 1)
         return shape[:dim] + (1,) + shape[dim:]
-    if kind in _VIEWS:
+    if kind in VIEWS:
         return _shape_taken(node)
     if kind == "SqueezeBackward0":
         return tuple(n for n in shape if n != 1)
@@ -114,13 +116,10 @@ def shape_after(node: Any, shape: tuple[int, ...]) -> tuple[int, ...]:
     return shape[:dim] + shape[dim + 1:] if shape[dim] == 1 else shape
 
 
-def back_through(views: tuple[Any, ...], param_shape: tuple[int, ...], grads: Tensor) -> Tensor:
-    """Per-example gradients ``grads`` (B, *what the consuming op took) carried back through ``views``
-    (outermost first) to the parameter of ``param_shape``: (B, *param_shape)."""
-    shapes = [tuple(param_shape)]  # each view's input shape, the parameter's first
-    for node in reversed(views[1:]):
-        shapes.append(shape_after(node, shapes[-1]))
-    for node, in_shape in zip(views, reversed(shapes)):
+def back_through(path: ParameterPath, grads: Tensor) -> Tensor:
+    """Per-example gradients ``grads`` (B, *``path.shape``) carried back through the path's views to its parameter:
+    (B, *its shape)."""
+    for node, in_shape in zip(path.views, path.view_inputs):
         grads = _back(node, in_shape, grads)
     return grads
 

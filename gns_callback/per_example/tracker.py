@@ -10,7 +10,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from types import TracebackType
-from typing import Any, ContextManager, Optional, Union
+from typing import Any, ContextManager, Optional
 import warnings
 
 import torch
@@ -42,7 +42,7 @@ from .cells import (
     is_cell,
     state_feeds_output,
 )
-from .broadcast import Consumer, adds_up_to, example_grads, examples_dim, find_consumers
+from .broadcast import Consumer, ExampleGrads, Rows, adds_up_to, example_grads, examples_dim, find_consumers
 from .matmul import MAX_ROWS_ELEMENTS, Factors
 from .param_path import is_parameter
 from .conv import conv_sq_norms, conv_summed_grads
@@ -166,9 +166,9 @@ class PassNorms:
     tied_logits: dict = field(default_factory=dict)
     #: ... whose embedding side came first: embedding → (tokens, output gradient).
     tied_lookups: dict = field(default_factory=dict)
-    #: Per bare parameter (:mod:`.broadcast`), its per-example gradients (B, numel) so far, until its gradient comes.
+    #: Per bare parameter (:mod:`.broadcast`), its per-example gradients at its broadcasts so far (``Rows``), and
+    #: at its matrix products (``Factors``, :mod:`.matmul`), until its gradient comes.
     broadcast: dict = field(default_factory=dict)
-    #: Per bare weight of matrix products (:mod:`.matmul`), its per-example gradients' factors so far.
     products: dict = field(default_factory=dict)
     #: The bare parameters whose per-example gradients were read from half-precision tensors (autocast).
     half_inputs: set = field(default_factory=set)
@@ -186,10 +186,9 @@ class PassNorms:
             return self
         self.fired |= inner.fired
         self.subset_grads.update(inner.subset_grads)
-        for name, rows in inner.broadcast.items():
-            self.broadcast[name] = rows + self.broadcast[name] if name in self.broadcast else rows
-        for name, factors in inner.products.items():
-            self.products[name] = factors.joined(self.products[name]) if name in self.products else factors
+        for kept, more in ((self.broadcast, inner.broadcast), (self.products, inner.products)):
+            for name, grads in more.items():
+                kept[name] = kept[name].joined(grads) if name in kept else grads
         self.half_inputs |= inner.half_inputs
         self.calls.update(inner.calls)
         if inner.sq_norms is not None:
@@ -289,11 +288,6 @@ def _holds_bare_parameters(module: nn.Module) -> bool:
 def _is_bag(module: nn.Module) -> bool:
     """Exactly ``nn.EmbeddingBag`` (:mod:`.embedding_bag`)."""
     return type(module) is nn.EmbeddingBag
-
-
-def _examples(found: Union[Tensor, Factors]) -> int:
-    """How many examples a bare parameter's per-example gradients (rows, or a product's factors) are of."""
-    return found.examples if isinstance(found, Factors) else found.shape[0]
 
 
 def _no_grad() -> ContextManager[Any]:
@@ -1069,7 +1063,7 @@ class PerExampleNormTracker:
         those."""
         owners = {id(bare.owner): bare.owner for bare in self._bare.values()}.values()
         return ([owner.register_forward_pre_hook(self._before_owner_forward, with_kwargs=True) for owner in owners]
-                + [owner.register_forward_hook(self._on_owner_forward, with_kwargs=True) for owner in owners]
+                + [owner.register_forward_hook(self._on_owner_forward) for owner in owners]
                 + [bare.param.register_hook(partial(self._on_bare_grad, bare)) for bare in self._bare.values()])
 
     def _before_owner_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -1080,8 +1074,7 @@ class PerExampleNormTracker:
         nodes = [t.grad_fn for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor) and t.grad_fn is not None]
         self._owner_inputs.setdefault(module, []).append(nodes)
 
-    def _on_owner_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                          output: Any) -> None:
+    def _on_owner_forward(self, module: nn.Module, _inputs: tuple[Any, ...], output: Any) -> None:
         """Find where this forward broadcast the module's bare parameters, and hook those nodes."""
         running = self._owner_inputs.get(module)
         stop_at = running.pop() if running else []
@@ -1118,15 +1111,10 @@ class PerExampleNormTracker:
             found = example_grads(consumer, grad_output, dim)
         kept = record.products if isinstance(found, Factors) else record.broadcast
         before = kept.get(bare.name)
-        if before is not None and _examples(before) != _examples(found):
+        if before is not None and before.examples != found.examples:
             return self._refuse(bare, "its uses in one pass saw batches of different sizes")
         with _no_grad():
-            if before is None:
-                kept[bare.name] = found
-            elif isinstance(found, Factors):
-                kept[bare.name] = before.joined(found)
-            else:
-                before.add_(found)
+            kept[bare.name] = found if before is None else before.joined(found)
         if grad_output.dtype in (torch.float16, torch.bfloat16):
             record.half_inputs.add(bare.name)
 
@@ -1141,18 +1129,17 @@ class PerExampleNormTracker:
             return
         if not bare.measured:
             with _no_grad():
-                summed = found.summed() if isinstance(found, Factors) else found.sum(dim=0)
-            verdict = adds_up_to(summed, grad, half_inputs=bare.name in record.half_inputs)
+                verdict = adds_up_to(found.summed(), grad, half_inputs=bare.name in record.half_inputs)
             if verdict is None:  # an overflow step a gradient scaler skips: the next pass decides
                 return
             if not verdict:
                 return self._refuse(bare, "its examples' gradients at its broadcasts and products do not add up to "
                                           "its gradient (it is used elsewhere too)")
             self._promote(bare)
-        if self._check_batch_size(record, _examples(found), bare.name):
+        if self._check_batch_size(record, found.examples, bare.name):
             self._add_bare_norms(record, found, grad)
 
-    def _bare_example_grads(self, bare: _BareParameter, record: PassNorms) -> Optional[Union[Tensor, Factors]]:
+    def _bare_example_grads(self, bare: _BareParameter, record: PassNorms) -> Optional[ExampleGrads]:
         """The pass's per-example gradients of ``bare``: rows (B, numel), or a matrix product's factors where it
         was used at products alone; None (and ``bare`` left out) where they were not read."""
         rows, factors = record.broadcast.pop(bare.name, None), record.products.pop(bare.name, None)
@@ -1160,24 +1147,23 @@ class PerExampleNormTracker:
             return self._refuse(bare, "its gradient came without passing through a broadcast the hooks saw")
         if rows is None or factors is None:
             return factors if rows is None else rows
-        if _examples(factors) != _examples(rows):
+        if factors.examples != rows.examples:
             return self._refuse(bare, "its uses in one pass saw batches of different sizes")
-        if rows.numel() > MAX_ROWS_ELEMENTS:
+        if rows.values.numel() > MAX_ROWS_ELEMENTS:
             return self._refuse(bare, f"its per-example gradients, used at both broadcasts and products, would take "
-                                      f"{rows.shape[0]} × {rows.shape[1]} elements, more than {MAX_ROWS_ELEMENTS} "
-                                      "are held")
+                                      f"{rows.examples} × {rows.values.shape[1]} elements, more than "
+                                      f"{MAX_ROWS_ELEMENTS} are held")
         with _no_grad():
-            return rows.add_(factors.rows())
+            return rows.joined(Rows(factors.rows()))
 
-    def _add_bare_norms(self, record: PassNorms, found: Union[Tensor, Factors], grad: Tensor) -> None:
+    def _add_bare_norms(self, record: PassNorms, found: ExampleGrads, grad: Tensor) -> None:
         """``|g_i|²`` of the measured examples; with a subset, ``|Σ_{i unmeasured} g_i|²`` too."""
         with _no_grad():
-            if self._measures_subset(record, _examples(found)):
-                found = found.first(self.max_examples) if isinstance(found, Factors) else found[: self.max_examples]
-                summed = found.summed() if isinstance(found, Factors) else found.sum(dim=0)
-                rest = squared_norm(grad.detach().float().reshape(-1) - summed)
+            if self._measures_subset(record, found.examples):
+                found = found.first(self.max_examples)
+                rest = squared_norm(grad.detach().float().reshape(-1) - found.summed())
                 record.unmeasured_sq = rest if record.unmeasured_sq is None else record.unmeasured_sq + rest
-            record.add(found.sq_norms() if isinstance(found, Factors) else found.square().sum(dim=1))
+            record.add(found.sq_norms())
 
     def _promote(self, bare: _BareParameter) -> None:
         """From left out to measured."""

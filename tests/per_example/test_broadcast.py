@@ -55,7 +55,7 @@ def test_example_grads_at_each_broadcast_match_torch_func(name, shape, use):
     rows = []
     for consumer in consumers:
         consumer.node.register_prehook(lambda g, c=consumer: rows.append(
-            example_grads(c, g[0], examples_dim(c, g[0], B))))
+            example_grads(c, g[0], examples_dim(c, g[0], B)).rows()))
     (out * weights).sum().backward()
     total = sum(rows)
     torch.testing.assert_close(total, _exact_example_grads(use, x, p, weights), rtol=1e-5, atol=1e-6)
@@ -68,7 +68,7 @@ def test_sequence_first_activations_hold_the_examples_in_dim_1():
     (consumer,), _ = find_consumers([out], {id(p): p})
     rows = []
     consumer.node.register_prehook(lambda g: rows.append(
-        example_grads(consumer, g[0], batch_dim(g[0].shape, p.shape, B, sequence_first=True))))
+        example_grads(consumer, g[0], batch_dim(g[0].shape, p.shape, B, sequence_first=True)).rows()))
     out.sum().backward()
     exact = vmap(grad(lambda p_, xi: torch.tanh(xi[:, None] + p_).sum()), in_dims=(None, 1))(p.detach(), x)
     torch.testing.assert_close(rows[0], exact.reshape(B, -1))

@@ -85,7 +85,7 @@ def _joined(factors: list[Factors]) -> Factors:
 
 
 def _rows(found: list) -> torch.Tensor:
-    return sum(f.rows() if isinstance(f, Factors) else f for f in found)
+    return sum(f.rows() for f in found)
 
 
 def test_sequence_first_rows_hold_the_examples_in_dim_1():
