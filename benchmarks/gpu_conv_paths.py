@@ -38,7 +38,7 @@ if str(REPO) not in sys.path:
 
 from benchmarks.sketch_accuracy import exact_norms_only, sketches_only  # noqa: E402
 from gns_callback.per_example import conv, linear  # noqa: E402
-from gns_callback.per_example.launches import launch_cost  # noqa: E402
+from gns_callback.per_example.launches import launch_cost_per_example  # noqa: E402
 
 BATCH = 64
 #: The CNN of benchmarks/overhead.py: (layer, input shape) at batch 64.
@@ -115,7 +115,7 @@ def layer_table(device: torch.device, layers=LAYERS) -> list[dict]:
         sizes = (positions, module.weight[0].numel(), module.out_channels)
         rows.append({"layer": f"Conv2d {module.in_channels}→{module.out_channels} s{module.stride[0]} "
                               f"{shape[2]}×{shape[3]} ({shape[0]})", "cost model": conv.sequence_norm_method(*sizes),
-                     "on this device": conv.sequence_norm_method(*sizes, launch_cost(device) / shape[0]),
+                     "on this device": conv.sequence_norm_method(*sizes, launch_cost_per_example(device, shape[0])),
                      "ms": times})
     return rows
 
@@ -133,7 +133,8 @@ def sequence_table(device: torch.device) -> list[dict]:
                  "package's pick": lambda: linear.sequence_sq_norms(a, d)}
         rows.append({"layer": f"Linear {k}→{l} over {positions} positions ({batch})",
                      "cost model": linear.sequence_norm_method(positions, k, l),
-                     "on this device": linear.sequence_norm_method(positions, k, l, launch_cost(device) / batch),
+                     "on this device": linear.sequence_norm_method(positions, k, l,
+                                                                   launch_cost_per_example(device, batch)),
                      "ms": {name: timed_ms(call, device) for name, call in calls.items()}})
     return rows
 

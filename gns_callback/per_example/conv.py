@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .launches import launch_cost
+from .launches import launch_cost_per_example
 from .linear import includes_param, sequence_norm_method, sequence_sq_norms, upcast
 from .sketch import PROBES, probe_signs
 
@@ -107,8 +107,8 @@ def conv_weight_sq_norms(module: ConvNd, inp: Tensor, grad_output: Tensor) -> Te
     batch_size, groups = inp.shape[0], module.groups
     out_per_group = module.out_channels // groups
     positions = grad_output[0, 0].numel()
-    launch_share = launch_cost(inp.device) / max(batch_size * groups, 1)
-    method = sequence_norm_method(positions, module.weight[0].numel(), out_per_group, launch_share)
+    method = sequence_norm_method(positions, module.weight[0].numel(), out_per_group,
+                                  launch_cost_per_example(inp.device, batch_size * groups))
     if module.in_channels // groups >= _GROUPED_CONV_MIN_CHANNELS and method != "gram":
         if method == "sketch":
             return _sketched_weight_sq_norms(module, inp, grad_output)

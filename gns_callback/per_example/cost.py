@@ -23,7 +23,7 @@ from typing import Callable
 from torch import Tensor, nn
 
 from .conv import ConvNd
-from .launches import launch_cost
+from .launches import launch_cost_per_example
 from .linear import sequence_norm_cost
 from .transposed_linear import TransposedLinear
 
@@ -44,19 +44,20 @@ def sequence_costs(positions: float, in_features: float, out_features: float,
 
 def linear_costs(module: nn.Linear, inp: Tensor, output: Tensor, batch: int) -> tuple[float, float]:
     positions = 1.0 if inp.dim() == 2 else inp.numel() / (batch * module.in_features)
-    return sequence_costs(positions, module.in_features, module.out_features, launch_cost(inp.device) / batch)
+    return sequence_costs(positions, module.in_features, module.out_features,
+                          launch_cost_per_example(inp.device, batch))
 
 
 def transposed_linear_costs(module: nn.Module, inp: Tensor, output: Tensor, batch: int) -> tuple[float, float]:
     """As :func:`linear_costs` for ``transformers``' ``Conv1D`` (:mod:`.transposed_linear`): ``nx`` in, ``nf`` out."""
     positions = 1.0 if inp.dim() == 2 else inp.numel() / (batch * module.nx)
-    return sequence_costs(positions, module.nx, module.nf, launch_cost(inp.device) / batch)
+    return sequence_costs(positions, module.nx, module.nf, launch_cost_per_example(inp.device, batch))
 
 
 def conv_costs(module: ConvNd, inp: Tensor, output: Tensor, batch: int) -> tuple[float, float]:
     positions = output.numel() / (batch * module.out_channels)
     norm, summed = sequence_costs(positions, module.weight[0].numel(), module.out_channels // module.groups,
-                                  launch_cost(inp.device) / (batch * module.groups))
+                                  launch_cost_per_example(inp.device, batch * module.groups))
     return module.groups * norm, module.groups * summed
 
 
@@ -65,7 +66,7 @@ def conv_transpose_costs(module: nn.Module, inp: Tensor, output: Tensor, batch: 
     (:mod:`.conv_transpose`): over its input positions, ``out/groups·kernel`` in and ``in/groups`` out."""
     positions = inp.numel() / (batch * module.in_channels)
     norm, summed = sequence_costs(positions, module.weight[0].numel(), module.in_channels // module.groups,
-                                  launch_cost(inp.device) / (batch * module.groups))
+                                  launch_cost_per_example(inp.device, batch * module.groups))
     return module.groups * norm, module.groups * summed
 
 

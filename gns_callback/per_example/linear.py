@@ -13,7 +13,7 @@ from collections.abc import Collection
 import torch
 from torch import Tensor, nn
 
-from .launches import launch_cost
+from .launches import launch_cost_per_example
 from .sketch import SKETCH_EXTRA_LAUNCHES, SKETCH_MARGIN, sketch_cost, sketched_sq_norms
 
 __all__ = ["linear_part_sq_norms", "linear_sq_norms", "linear_summed_grads", "prefers_gram", "row_sq_norms",
@@ -89,8 +89,8 @@ def sequence_sq_norms(activations: Tensor, grad_outputs: Tensor) -> Tensor:
     :func:`sequence_norm_method` picks for these shapes on this device. Returns shape (N,).
     """
     examples, seq_len, in_features = activations.shape
-    launch_share = launch_cost(activations.device) / max(examples, 1)
-    method = sequence_norm_method(seq_len, in_features, grad_outputs.shape[-1], launch_share)
+    method = sequence_norm_method(seq_len, in_features, grad_outputs.shape[-1],
+                                  launch_cost_per_example(activations.device, examples))
     if method == "sketch":
         return sketched_sq_norms(activations, grad_outputs)
     if method == "gram":

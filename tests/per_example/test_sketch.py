@@ -14,8 +14,7 @@ from torch import nn
 
 from benchmarks.sketch_accuracy import PixelSequence, stream_estimates, train
 from gns_callback.exact import exact_noise_scale, per_example_gradients
-from gns_callback.per_example import conv as conv_layers
-from gns_callback.per_example import linear, sketch
+from gns_callback.per_example import launches, linear, sketch
 from gns_callback.per_example.conv import conv_sq_norms, per_example_weight_grads
 from gns_callback.per_example.launches import ACCELERATOR_LAUNCH_COST
 from gns_callback.per_example.linear import sequence_norm_method
@@ -122,8 +121,7 @@ def test_on_an_accelerator_a_sketch_pays_for_its_extra_launches():
 def test_on_an_accelerator_the_cnn_layers_norms_are_exact(monkeypatch, reference_sq_norms):
     """The norms themselves ask the device: with its tensors' device taken for an accelerator, a convolution and a
     sequence the CPU sketches give the exact norms (a sketch would be off by its noise)."""
-    monkeypatch.setattr(conv_layers, "launch_cost", lambda device: ACCELERATOR_LAUNCH_COST)
-    monkeypatch.setattr(linear, "launch_cost", lambda device: ACCELERATOR_LAUNCH_COST)
+    monkeypatch.setattr(launches, "launch_cost", lambda device: ACCELERATOR_LAUNCH_COST)
     layer = nn.Conv2d(32, 64, 3, stride=2, padding=1)
     x = torch.randn(8, 32, 32, 32)
     grad = torch.randn_like(layer(x))
