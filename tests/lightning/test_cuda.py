@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from gns_callback import GradientNoiseScaleCallback
 from tests.helpers import assert_matches_exact, fit_with_gns, mlp
-from tests.trust.models import seeded_vit
+from tests.trust.models import seeded_hand_written, seeded_min_gpt, seeded_vit
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (runs on a GPU machine only)")
 
@@ -42,6 +42,20 @@ def test_a_vit_s_bare_parameters_are_read_on_cuda(digits, exact_gns, precision):
                             accelerator="gpu", precision=precision)
     assert cb.meter.coverage["fraction"] == 1.0 and cb.run_estimate.method == "per_example"
     assert_matches_exact(cb.run_estimate, exact_gns(seeded_vit(), F.cross_entropy, images, y)[0], max_ci_ratio=3.0)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed", "bf16-mixed"])
+@pytest.mark.parametrize("case", ["hand_written", "min_gpt"])
+def test_weights_written_out_as_products_and_a_sliced_table_are_read_on_cuda(digits, exact_gns, case, precision):
+    """Weights applied as matrix products (``x @ W + b``, a hand-written attention head: cuBLAS's mm/addmm nodes,
+    autocast's casts) and minGPT's sliced position table, read per example on CUDA in each precision."""
+    x, y = digits
+    make, inputs = {"hand_written": (seeded_hand_written, x), "min_gpt": (seeded_min_gpt, (x * 16).round().long())}[case]
+    callback = GradientNoiseScaleCallback(method="per_example", verbose=False)
+    cb, _, _ = fit_with_gns(make(), inputs, y, accumulate=1, batch_size=32, steps=150, callback=callback,
+                            accelerator="gpu", precision=precision)
+    assert cb.meter.coverage["fraction"] == 1.0 and cb.run_estimate.method == "per_example"
+    assert_matches_exact(cb.run_estimate, exact_gns(make(), F.cross_entropy, inputs, y)[0], max_ci_ratio=4.0)
 
 
 def test_probe_inside_fit_measures_the_allocator_peak(digits):

@@ -8,6 +8,7 @@ import pytest
 from gns_callback.probe.memory_model import (
     BACKOFF,
     BISECT,
+    EXTEND,
     FIT,
     VERIFY,
     LinearMemoryModel,
@@ -18,7 +19,7 @@ from gns_callback.probe.memory_model import (
 )
 from gns_callback.probe.result import Trial
 
-MEMORY_PHASES = {FIT, VERIFY, BACKOFF, BISECT}
+MEMORY_PHASES = {FIT, VERIFY, EXTEND, BACKOFF, BISECT}
 
 
 def run_search(measure, *, limit, cap=65536, fit_sizes=(2, 8, 32), rel_tol=0.05):
@@ -113,6 +114,60 @@ def test_a_failed_verification_backs_off_a_little_then_more():
     phases = [(t.phase, t.size, t.ok) for t in trials]
     assert phases[3:6] == [(VERIFY, 1000, False), (BACKOFF, 975, False), (BACKOFF, 877, True)]
     assert 905 <= answer <= 950
+
+
+#: EfficientNet-B0 at 32×32 on an H200 (benchmarks/gpu_results/probe_truth_h200.json): the allocator's peak at
+#: the three fit sizes, the straight line through the verified step at 17,040 (125.96 GB), the budget, and the
+#: largest size that ran (found by doubling and bisection to a real CUDA OOM).
+B0_FIT_BYTES = {2: 143_908_352, 8: 190_487_552, 32: 404_670_464}
+B0_BUDGET, B0_TRUTH = 149_370_830_848, 20_448
+
+
+def b0_measure(b):
+    if b > B0_TRUTH:
+        return None
+    return B0_FIT_BYTES.get(b, 142_970_037 + 7_383_704 * b)
+
+
+def test_a_verified_prediction_far_under_the_limit_is_extended_by_the_secant():
+    """The fit over 2, 8 and 32 samples charges 8.8 MB a sample where large batches take 7.4: the verified
+    prediction (17,040) is 16.7% under the truth. One extension lands within 5% of it."""
+    answer, trials = run_search(b0_measure, limit=B0_BUDGET)
+    phases = [(t.phase, t.size, t.ok) for t in trials]
+    assert phases[3] == (VERIFY, 17_040, True)
+    assert phases[4][:2] == (EXTEND, answer) and len(trials) - 3 <= 3
+    assert 0.95 * B0_TRUTH <= answer <= B0_TRUTH
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_memory_that_is_dearer_per_sample_at_small_sizes_is_found_within_5_percent_in_three_trials(seed):
+    """A workspace that stops growing at ``k`` samples makes small sizes dearer per sample than large ones
+    (the linear fit over-charges, the verified prediction falls short); extensions close the gap."""
+    rng = random.Random(seed)
+    fixed, per_sample = rng.uniform(1e6, 1e9), rng.uniform(1e4, 1e7)
+    workspace, k = rng.uniform(0.0, 0.5) * per_sample, rng.choice([4, 16, 32, 64, 256])
+    limit = fixed + per_sample * rng.uniform(200, 50_000)
+
+    def measure(b):
+        return fixed + per_sample * b + workspace * min(b, k)
+
+    answer, trials = run_search(measure, limit=limit, cap=10**6)
+    best = true_max(measure, limit, 10**6) if limit < fixed + per_sample * 70_000 else None
+    assert best is not None and 0.95 * best <= answer <= best
+    assert len(trials) - 3 <= 3 and {t.phase for t in trials} <= MEMORY_PHASES
+
+
+def test_an_extension_that_fails_backs_off_below_it():
+    """An OOM the memory does not foretell, above the verified size: the extension fails and the search backs
+    off and bisects below it, within the tolerance, never answering a size that did not run."""
+    def measure(b):
+        return None if b > 5000 else 1000 + 100 * b + 200 * min(b, 32)
+
+    answer, trials = run_search(measure, limit=1e6)
+    phases = [t.phase for t in trials]
+    assert phases[3] == VERIFY and phases[4] == EXTEND and not trials[4].ok
+    assert phases[5] == BACKOFF and phases[-1] in (BACKOFF, BISECT)
+    assert 5000 / 1.05 - 1 <= answer <= 5000 and any(t.size == answer and t.ok for t in trials)
 
 
 def test_throughput_ladder():

@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from gns_callback.probe import measure_micro_batch, probe_micro_batch
-from gns_callback.probe.memory_model import BACKOFF, BISECT, FIT, VERIFY
+from gns_callback.probe.memory_model import BACKOFF, BISECT, EXTEND, FIT, VERIFY
 from tests.helpers import bn_mlp, mlp, small_cnn, token_model
 
-MEMORY_PHASES = {FIT, VERIFY, BACKOFF, BISECT}
+MEMORY_PHASES = {FIT, VERIFY, EXTEND, BACKOFF, BISECT}
 HEADROOM = 0.85
 
 
