@@ -25,7 +25,7 @@ from gns_callback.probe.config import ProbeConfig
 from gns_callback.probe.result import ProbeResult
 from gns_callback.probe.search import SplitRequest, search
 from gns_callback.probe.state import local_batch_norm, preserved_state
-from gns_callback.probe.trial import SplitHandle, StepFn, TrialRunner
+from gns_callback.probe.trial import SplitHandle, StepFn, TrialRunner, free_memory
 
 
 @dataclass
@@ -105,6 +105,8 @@ def run_probe(
     """Search with every piece of state restored on exit (also on errors and Ctrl-C)."""
     started = time.perf_counter()
     measure = resolve_measure(config.measure, session.device)
+    if measure == "cuda":  # tensors of earlier runs held only by reference cycles would count in every peak
+        free_memory(session.device, after_failure=True)
     params = list({id(p): p for p in session.module.parameters()}.values())
     budget = resolve_budget(config, session.device, params, session.optimizers)
     bar = _progress_bar(config.progress_bar and ranks.rank_zero)

@@ -98,3 +98,29 @@ def test_a_real_cuda_out_of_memory_is_survived_and_the_answer_fits():
     x = torch.randn(result.max_micro_batch, 32768, 64, device="cuda")  # the answer really runs a step
     net(x).sum().backward()
     optimizer.step()
+
+
+def test_tensors_held_only_by_garbage_cycles_do_not_count_against_the_budget():
+    """A finished run's tensors can stay on the device until a collection frees their reference cycle (a
+    Lightning ``Trainer`` is full of them). The probe collects before it measures, so its answer is the one a
+    clean process gets."""
+    import gc
+
+    net = bn_net()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    batch = conv_batch()
+    trained(net, optimizer, batch)
+
+    def probe():
+        return probe_micro_batch(net, optimizer, batch, loss_of(net), memory_budget_bytes=256 * MiB, headroom=0.9,
+                                 throughput=False, progress_bar=False).max_micro_batch
+
+    clean = probe()
+    gc.disable()  # the cycle must survive until the probe runs
+    try:
+        cycle: list = [torch.empty(160 * MiB, dtype=torch.uint8, device="cuda")]
+        cycle.append(cycle)
+        del cycle
+        assert probe() >= 0.9 * clean
+    finally:
+        gc.enable()
