@@ -256,13 +256,13 @@ def environment() -> dict[str, Any]:
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
 
-def measure(bit_sizes: dict[str, int]) -> dict[str, Any]:
+def measure(bit_sizes: dict[str, int], identity: bool = True) -> dict[str, Any]:
     cases = [efficientnet_case(), gpt_case()]
     out: dict[str, Any] = {"environment": environment(), "truth": [], "identity": []}
     for case in cases:
         out["truth"].append(probe_against_truth(case))
         print(json.dumps(out["truth"][-1], default=str), flush=True)
-    for case in cases:
+    for case in cases if identity else []:
         out["identity"].append(bit_identity(case, bit_sizes[case.name]))
         print(json.dumps(out["identity"][-1]), flush=True)
     return out
@@ -304,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the measurements here")
     parser.add_argument("--from-json", type=Path, help="no measuring: render a saved --json file")
     parser.add_argument("--out", type=Path, help="write/replace this benchmark's section of this markdown file")
+    parser.add_argument("--no-identity", action="store_true", help="the probe against the truth only")
     args = parser.parse_args(argv)
     command = "python benchmarks/gpu_probe_truth.py --json probe_truth.json"
     if args.from_json:
@@ -311,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if not torch.cuda.is_available():
             parser.error("needs a CUDA GPU (use --from-json to render saved measurements)")
-        run = measure({"EfficientNet-B0": 64, "GPT-2 small, seq 512": 8})
+        run = measure({"EfficientNet-B0": 64, "GPT-2 small, seq 512": 8}, identity=not args.no_identity)
         if args.json:
             args.json.write_text(json.dumps(run, indent=1, default=str))
     section = render(run, command)
