@@ -1,7 +1,7 @@
 """The search: local memory search, agreement, confirmation and timing of the agreed sizes, split search.
 
-1. Every rank searches alone (:func:`gns_callback.probe.memory_model.next_trial`: fit, predict, verify, back
-   off, bisect), with no collective inside a trial.
+1. Every rank searches alone (:func:`gns_callback.probe.memory_model.next_trial`: fit, predict, verify,
+   extend, back off, bisect), with no collective inside a trial.
 2. The ranks agree (:mod:`gns_callback.probe.agreement`): the smallest maximum and budget, the largest memory
    model.
 3. Every rank runs the agreed maximum (and the throughput sizes below it) once, times them round-robin
@@ -47,7 +47,7 @@ class AgreedMemory:
 def local_memory_search(
     runner: TrialRunner, config: ProbeConfig, limit: float
 ) -> tuple[list[Trial], Optional[Exception]]:
-    """This rank's trials (fit, verify, back off, bisect) until the planner is done; an error stops it and is
+    """This rank's trials (fit, verify, extend, back off, bisect) until the planner is done; an error stops it and is
     returned, to be raised at the next agreement."""
     trials: list[Trial] = []
     try:

@@ -107,8 +107,9 @@ def probe_micro_batch(
     """The largest micro-batch that fits, and samples/s per micro-batch size; no Trainer needed.
 
     Memory is modelled as ``bytes(b) = fixed + per_sample·b`` from steps at ``fit_sizes``; the largest ``b``
-    with ``bytes(b) ≤ headroom × budget`` is predicted, verified with one real step, and on failure the search
-    backs off (2.5%, then 10%, then bisection) between the largest size that worked and the smallest that failed. The
+    with ``bytes(b) ≤ headroom × budget`` is predicted and verified with real steps (two on CUDA), extended
+    upward by the secant while it ran well under the limit, and on failure the search backs off (2.5%, then 10%,
+    then bisection) between the largest size that worked and the smallest that failed. The
     model, optimizer state, BatchNorm statistics, ``.grad``, training flags and RNG states are exactly as
     before when it returns (also on errors, which propagate).
 

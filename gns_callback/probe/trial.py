@@ -28,10 +28,14 @@ from gns_callback.probe.accounting import (
 )
 from gns_callback.probe.batches import batch_size_of, resize_batch
 from gns_callback.probe.config import ProbeConfig
+from gns_callback.probe.memory_model import FIT
 from gns_callback.probe.oom import is_oom, short_message
 from gns_callback.probe.result import Trial
 from gns_callback.probe.state import ProbeState
 from gns_callback.probe.timing import Timing, precise_enough, summarize
+
+#: Full steps a trial that may decide the answer runs on CUDA (the fit's small sizes run one).
+DECIDING_STEPS = 2
 
 #: A step function: ``step(batch) -> loss`` (the probe runs backward and the optimizer step), or ``None`` when
 #: it did both itself (manual optimization).
@@ -128,12 +132,14 @@ class TrialRunner:
         if self._forward_backward(batch):
             self._optimizer_step()
 
-    def _measured_step(self, batch: Any) -> int:
-        """One full step; its bytes (CUDA peak, or params + grads + optimizer state + saved activations)."""
+    def _measured_step(self, batch: Any, steps: int = 1) -> int:
+        """``steps`` full steps on CUDA (their peak), else one (params + grads + optimizer state + saved
+        activations: the same at every step)."""
         self._zero_grad()
         if self.measure == "cuda":
             cuda_peak_start(self.device)
-            self._full_step(batch)
+            for _ in range(steps):
+                self._full_step(batch)
             return cuda_peak_bytes(self.device)
         before = static_bytes(self.params, self.optimizers)
         with SavedTensorsMeter(exclude=self._param_keys, abort_above=self.limit_bytes - before) as meter:
@@ -221,8 +227,14 @@ class TrialRunner:
         trial.error = None if trial.ok else "over budget"
 
     def _attempt(self, trial: Trial, batch: Any, timed: bool) -> None:
-        """The measured step, then (if it fits and ``timed``) repeated timing for a quarter of the budget."""
-        self._fits(trial, self._measured_step(batch))
+        """The measured step, then (if it fits and ``timed``) repeated timing for a quarter of the budget.
+
+        A size that may be the answer runs two steps on CUDA, as a run takes many and the truth it is compared
+        with takes two: what the first step's frees leave fragmented can fail the next. (GPT-2 small on an H100:
+        one step at 133 ran out of memory on one machine and ran on another, where the exhaustive search's two
+        steps a size failed from 131 up; benchmarks/RESULTS.md, "GPU, fourth lease".)"""
+        steps = 1 if trial.phase == FIT else DECIDING_STEPS
+        self._fits(trial, self._measured_step(batch, steps))
         if trial.ok and timed:
             trial.timing = self._timing_rounds({trial.size: batch}, self.config.timing_budget_s / 4)[trial.size]
 

@@ -139,6 +139,32 @@ def test_a_verified_prediction_far_under_the_limit_is_extended_by_the_secant():
     assert 0.95 * B0_TRUTH <= answer <= B0_TRUTH
 
 
+#: The same model on an H100 (benchmarks/gpu_results/probe_truth_h100_extend.json): the peaks of the sizes that ran
+#: after the fit, read between them linearly, and the largest size that ran. Between 9,608 and 10,482 the peak
+#: grew 1.2 MB a sample (cuDNN's workspaces shrinking to fit), where the activations take 7.4.
+H100_PEAKS = {9_608: 76_486_747_136, 10_482: 77_538_188_288, 11_236: 83_119_470_080}
+H100_BUDGET, H100_TRUTH = 84_278_444_032, 11_507
+
+
+def h100_measure(b):
+    if b > H100_TRUTH:
+        return None
+    if b in B0_FIT_BYTES:
+        return B0_FIT_BYTES[b]
+    points = sorted({32: B0_FIT_BYTES[32], **H100_PEAKS, H100_TRUTH: H100_BUDGET}.items())
+    (b1, m1), (b2, m2) = next(pair for pair in zip(points, points[1:]) if pair[0][0] <= b <= pair[1][0])
+    return m1 + (m2 - m1) * (b - b1) / (b2 - b1)
+
+
+def test_a_slope_that_falls_near_the_limit_does_not_throw_the_extension_past_it():
+    """The local secant alone (1.2 MB a sample) sent the second extension to 15,384, and five more trials found
+    11,236; the long secant from the smallest size bounds the slope, and the third trial lands within 5%."""
+    answer, trials = run_search(h100_measure, limit=H100_BUDGET)
+    assert [(t.phase, t.size, t.ok) for t in trials[3:5]] == [(VERIFY, 9_608, True), (EXTEND, 10_482, True)]
+    assert len(trials) - 3 <= 3 and all(t.ok for t in trials)
+    assert 0.95 * H100_TRUTH <= answer <= H100_TRUTH
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_memory_that_is_dearer_per_sample_at_small_sizes_is_found_within_5_percent_in_three_trials(seed):
     """A workspace that stops growing at ``k`` samples makes small sizes dearer per sample than large ones

@@ -112,3 +112,32 @@ def test_nothing_fits(digits):
     result = probe_micro_batch(net, opt, batch, step, memory_budget_bytes=1000, progress_bar=False)
     assert result.max_micro_batch == 0 and result.throughput == {}
     assert [t.size for t in result.trials] == [2, 1] and not any(t.ok for t in result.trials)
+
+
+def test_on_cuda_a_size_that_may_be_the_answer_must_run_two_steps(digits, monkeypatch):
+    """The allocator's peak is faked on the CPU: from 300 examples up the second step of a trial goes over the
+    limit (fragmentation), the first never does. The fit's small sizes run one step; every later trial runs two,
+    so the answer is a size whose second step fitted, where one step each answered 1000."""
+    import gns_callback.probe.session as session
+    import gns_callback.probe.trial as trial
+
+    steps_since_start: list[int] = []
+
+    def fake_start(device):
+        steps_since_start.clear()
+
+    def fake_peak(device):
+        return max(1e6 * b + (1e9 if i >= 1 and b >= 300 else 0) for i, b in enumerate(steps_since_start))
+
+    net = mlp()
+    forward = net.forward
+    net.forward = lambda x: (steps_since_start.append(x.shape[0]), forward(x))[1]
+    monkeypatch.setattr(session, "resolve_measure", lambda measure, device: "cuda")
+    monkeypatch.setattr(trial, "cuda_peak_start", fake_start)
+    monkeypatch.setattr(trial, "cuda_peak_bytes", fake_peak)
+    x, y = digits
+    result = probe_micro_batch(net, torch.optim.SGD(net.parameters(), lr=0.1), (x[:32], y[:32]),
+                               lambda b: F.cross_entropy(net(b[0]), b[1]), memory_budget_bytes=1e9, headroom=1.0,
+                               max_batch_size=1000, throughput=False, progress_bar=False)
+    assert 280 <= result.max_micro_batch < 300
+    assert all(t.ok == (t.size < 300) for t in result.trials)
