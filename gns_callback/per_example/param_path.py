@@ -1,10 +1,11 @@
 """What lies between a bare parameter and the op that reads its per-example gradients (:mod:`.broadcast`,
 :mod:`.matmul`): transposes and autocast's cast before a matrix product, slices and reshapes before a broadcast
-(minGPT's ``x + self.pos_emb[:, :T]``, ``self.table[None]``, ``x * self.gamma.view(1, -1, 1, 1)``).
+(minGPT's ``x + self.pos_emb[:, :T]``, ``self.table[None]``, ``x * self.gamma.view(1, -1, 1, 1)``), and a
+table's lookup on indices that are not the examples' (nanoGPT's ``self.wpe(torch.arange(T))``).
 
 None of these involves the examples, so each example's gradient of the parameter is the op's backward applied to
 that example's gradient of the op's output: a slice's places it in its window of zeros, a select's in its row, a
-reshape's reshapes it (:func:`back_through`). Torch only.
+reshape's reshapes it, a lookup's adds each position's into its row (:func:`back_through`). Torch only.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from typing import Any, Optional
 
 from torch import Tensor, nn
 
-__all__ = ["CASTS", "RESHAPES", "SLICES", "TRANSPOSES", "VIEWS", "ParameterPath", "back_through", "is_parameter",
-           "parameter_behind", "shape_after"]
+__all__ = ["CASTS", "LOOKUPS", "RESHAPES", "SLICES", "TRANSPOSES", "VIEWS", "ParameterPath", "back_through",
+           "is_parameter", "parameter_behind", "shape_after"]
 
 #: Nodes that transpose a 2-D parameter (before a matrix product): the norm does not see them.
 TRANSPOSES = frozenset({"TBackward0", "TransposeBackward0", "PermuteBackward0"})
@@ -25,6 +26,11 @@ CASTS = frozenset({"ToCopyBackward0"})
 
 #: Nodes that take a window or a row of a parameter.
 SLICES = frozenset({"SliceBackward0", "SelectBackward0"})
+
+#: A table's lookup (``F.embedding``): rows of the parameter picked by indices it saved. Read only where those
+#: indices hold no examples; the tracker hands a table on here only where they are ``arange(T)``
+#: (:func:`~.embedding.shared_table_reason`), and the sum check catches any other use.
+LOOKUPS = frozenset({"EmbeddingBackward0"})
 
 #: Nodes that only reshape a parameter (its elements in the same order).
 RESHAPES = frozenset({"UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1", "ViewBackward0",
@@ -55,7 +61,7 @@ def parameter_behind(node: Any, params: dict[int, Tensor]) -> Optional[Parameter
     transposed, views = False, []
     while node is not None and len(node.next_functions) == 1:
         kind = type(node).__name__
-        if kind in SLICES | RESHAPES:
+        if kind in SLICES | RESHAPES or (kind in LOOKUPS and not node._saved_scale_grad_by_freq):
             views.append(node)
         elif kind in TRANSPOSES:
             transposed ^= _swaps(node)
@@ -98,6 +104,8 @@ def shape_after(node: Any, shape: tuple[int, ...]) -> Optional[tuple[int, ...]]:
     """The shape of the output of the view ``node`` (:data:`SLICES`, :data:`RESHAPES`) of a tensor of ``shape``;
     None for a view whose output shape is not recorded."""
     kind = type(node).__name__
+    if kind in LOOKUPS:
+        return tuple(node._saved_indices.shape) + shape[1:]
     if kind == "SliceBackward0":
         dim = node._saved_dim % len(shape)
         window = range(*slice(node._saved_start, node._saved_end, node._saved_step).indices(shape[dim]))
@@ -127,6 +135,8 @@ def back_through(path: ParameterPath, grads: Tensor) -> Tensor:
 def _back(node: Any, in_shape: tuple[int, ...], grads: Tensor) -> Tensor:
     """One view's backward, batched over the examples in dim 0."""
     kind, examples = type(node).__name__, grads.shape[0]
+    if kind in LOOKUPS:
+        return _back_lookup(node, in_shape, grads)
     if kind not in SLICES:
         return grads.reshape(examples, *in_shape)
     full = grads.new_zeros(examples, *in_shape)
@@ -137,6 +147,17 @@ def _back(node: Any, in_shape: tuple[int, ...], grads: Tensor) -> Tensor:
         window = slice(*slice(node._saved_start, node._saved_end, node._saved_step).indices(in_shape[dim]))
         full[(slice(None),) * (dim + 1) + (window,)] = grads
     return full
+
+
+def _back_lookup(node: Any, in_shape: tuple[int, ...], grads: Tensor) -> Tensor:
+    """A lookup's backward, batched over the examples: each position's gradient added into its index's row of a
+    table of zeros, the ``padding_idx`` row left at zero (it takes no gradient)."""
+    indices = node._saved_indices.reshape(-1)
+    rows = grads.reshape(grads.shape[0], indices.numel(), *in_shape[1:])
+    padding = int(node._saved_padding_idx)
+    if 0 <= padding < in_shape[0]:
+        rows = rows.masked_fill((indices == padding).reshape(1, -1, *([1] * (len(in_shape) - 1))), 0)
+    return grads.new_zeros(grads.shape[0], *in_shape).index_add_(1, indices.to(grads.device), rows)
 
 
 def is_parameter(tensor: Tensor) -> bool:

@@ -278,6 +278,17 @@ def _replaced_reason(param_name: str) -> str:
             f"per-example gradients are no longer the parameter's; {MICRO_BATCH_HINT}")
 
 
+def _calling_module(model: nn.Module, module: nn.Module) -> Optional[nn.Module]:
+    """The module whose forward presumably calls ``module``: its parent in ``model``, or the nearest ancestor with a
+    forward of its own (a ``ModuleDict`` or ``ModuleList`` has none). None for ``model`` itself or a module outside
+    it. A wrong guess is safe: no broadcast is seen, or the sum check fails, and the table stays left out."""
+    parents = {id(child): parent for parent in model.modules() for child in parent.children()}
+    parent = parents.get(id(module))
+    while parent is not None and type(parent).forward is nn.Module.forward:
+        parent = parents.get(id(parent))
+    return parent
+
+
 def _holds_bare_parameters(module: nn.Module) -> bool:
     """Whether ``module``'s own parameters are used by code of its own rather than by a layer this package knows:
     their per-example gradients can be read only where they are broadcast (:mod:`.broadcast`)."""
@@ -946,18 +957,44 @@ class PerExampleNormTracker:
         return tokens
 
     def _left_out(self, module: nn.Module, inp: Tensor) -> bool:
-        """Whether ``module`` is no longer measured: an embedding found, at its first forward, to be a position table
-        shared by every example (:func:`~.embedding.shared_table_reason`) is left out of both norms, as an
-        unsupported layer would be, while the rest keeps :data:`MIN_COVERAGE` of the trainable parameters (else its
-        backward fails the pass with the reason and the fix)."""
+        """Whether ``module`` is no longer measured as a layer: an embedding found, at its first forward, to be a
+        position table shared by every example (:func:`~.embedding.shared_table_reason`) is read from then on
+        where its rows are broadcast over the batch, as a bare parameter of the module that calls it
+        (:meth:`_adopt_shared_table`); where no such module can be told, it is left out of both norms while the
+        rest keeps :data:`MIN_COVERAGE` of the trainable parameters (else its backward fails the pass with the
+        reason and the fix)."""
         if module not in self._covered_modules:
             return True
         if isinstance(module, nn.Embedding) and module not in self._shared_tables and module not in self._tied:
             reason = self._shared_table(module, inp)
+            if reason is not None and self._adopt_shared_table(module, reason):
+                return True
             if reason is not None and self._coverage_without(module) >= MIN_COVERAGE:
                 self._exclude(module, reason)
                 return True
         return False
+
+    def _adopt_shared_table(self, module: nn.Module, reason: str) -> bool:
+        """Hand a shared position table over to the bare parameters (:mod:`.broadcast`: its lookup is a view,
+        :data:`~.param_path.LOOKUPS`), owned by the module whose forward calls it (:meth:`_table_callers`, hooked
+        at attach, so its first pass is read). False where it has none."""
+        owner = self._table_callers().get(module)
+        if owner is None or not self._attached:
+            return False
+        moved = self._covered_params_of(module)
+        self._covered_modules.pop(module)
+        self._leave_out(moved, f"{reason} (read where its rows are broadcast over the batch)")
+        for name, param in moved:
+            bare = _BareParameter(name, param, owner)
+            self._bare[id(param)] = bare
+            self._handles.append(param.register_hook(partial(self._on_bare_grad, bare)))
+        return True
+
+    def _table_callers(self) -> dict[nn.Module, nn.Module]:
+        """Per measured embedding, the module whose forward presumably calls it (:func:`_calling_module`): the
+        owner it would have as a shared position table."""
+        return {m: caller for m in self._covered_modules if type(m) is nn.Embedding and m not in self._tied
+                and (caller := _calling_module(self.model, m)) is not None}
 
     def _covered_params_of(self, module: nn.Module) -> list[tuple[str, nn.Parameter]]:
         """``(qualified name, parameter)`` of the covered parameters that ``module`` owns."""
@@ -1059,11 +1096,13 @@ class PerExampleNormTracker:
     # ------------------------------------------------------------------ bare parameters (:mod:`.broadcast`)
 
     def _bare_hooks(self) -> list[RemovableHandle]:
-        """Forward pre-hooks and hooks on each module holding bare parameters, and a gradient hook on each of
-        those."""
-        owners = {id(bare.owner): bare.owner for bare in self._bare.values()}.values()
-        return ([owner.register_forward_pre_hook(self._before_owner_forward, with_kwargs=True) for owner in owners]
-                + [owner.register_forward_hook(self._on_owner_forward) for owner in owners]
+        """Forward pre-hooks and hooks on each module holding bare parameters or calling an embedding (which may
+        turn out to be a shared position table), and a gradient hook on each bare parameter."""
+        owners = {id(bare.owner): bare.owner for bare in self._bare.values()}
+        owners.update({id(caller): caller for caller in self._table_callers().values()})
+        return ([owner.register_forward_pre_hook(self._before_owner_forward, with_kwargs=True)
+                 for owner in owners.values()]
+                + [owner.register_forward_hook(self._on_owner_forward) for owner in owners.values()]
                 + [bare.param.register_hook(partial(self._on_bare_grad, bare)) for bare in self._bare.values()])
 
     def _before_owner_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

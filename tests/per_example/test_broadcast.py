@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.func import grad, vmap
 
@@ -36,6 +37,12 @@ USES = [
     ("x + p.squeeze(0)[:T].unsqueeze(0)", (1, T + 2, D), lambda x, p: x + p.squeeze(0)[:T].unsqueeze(0)),
     ("x ⊙ p.view(1, T, 1) (a per-channel scale)", (T,), lambda x, p: x * p.view(1, T, 1)),
     ("x + p.reshape(T, D)[:T - 1] over a flat table", (T * D,), lambda x, p: x[:, :T - 1] + p.reshape(T, D)[:T - 1]),
+    ("x + F.embedding(arange(T), p) (nanoGPT's wpe)", (T + 2, D),
+     lambda x, p: x + F.embedding(torch.arange(x.shape[1]), p)),
+    ("x + F.embedding(arange(T), p, padding_idx=1)", (T + 2, D),
+     lambda x, p: x + F.embedding(torch.arange(x.shape[1]), p, padding_idx=1)),
+    ("x + F.embedding(indices that repeat, p)[None]", (2, D),
+     lambda x, p: x + F.embedding(torch.tensor([0, 1, 0])[: x.shape[1]], p)[None]),
 ]
 
 
@@ -271,3 +278,55 @@ def test_a_per_channel_scale_viewed_to_the_feature_map_is_measured_whole(referen
     torch.testing.assert_close(_pass(tracker, model, x, weights), reference_sq_norms(model, x, weights).float(),
                                rtol=1e-4, atol=0)
     assert tracker.coverage_fraction() == 1.0 and not tracker.excluded_reasons
+
+
+class NanoGptTables(nn.Module):
+    """nanoGPT's layout: the token and position tables in a ``ModuleDict`` (no forward of its own), the position
+    table looked up on ``arange(T)`` by the root's forward and broadcast over the batch; here half the model."""
+
+    def __init__(self, padding_idx=None):
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(wte=nn.Embedding(17, 8), wpe=nn.Embedding(40, 8, padding_idx=padding_idx)))
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, tokens):
+        h = self.transformer.wte(tokens) + self.transformer.wpe(torch.arange(tokens.shape[1]))
+        return self.head(torch.tanh(h).mean(1))
+
+
+@pytest.mark.parametrize("padding_idx", [None, 3])
+def test_a_position_table_looked_up_on_arange_is_measured_whole_from_its_first_pass(reference_sq_norms, padding_idx):
+    """Its lookup's output is broadcast over the batch, so its own output gradient is already summed over the
+    examples; read at the add instead, as a bare parameter of the module that calls it (the root here: the
+    ``ModuleDict`` has no forward). Before, its backward failed the pass ("not measured") where it was over a tenth
+    of the model, and it was left out elsewhere."""
+    torch.manual_seed(0)
+    model, tokens, weights = NanoGptTables(padding_idx), torch.randint(0, 17, (6, 12)), torch.randn(6, 10)
+    tracker = PerExampleNormTracker(model).attach()
+    for _ in range(2):
+        torch.testing.assert_close(_pass(tracker, model, tokens, weights),
+                                   reference_sq_norms(model, tokens, weights).float(), rtol=1e-4, atol=0)
+        assert tracker.coverage_fraction() == 1.0 and not tracker.excluded_reasons
+
+
+def test_a_shared_table_used_where_its_examples_gradients_are_not_read_is_left_out_with_a_warning():
+    """The table's rows are summed before they meet the examples: no broadcast of them is read, so the table is
+    left out for good, with the reason, and the rest is measured (its share said in the warning)."""
+    class SummedTable(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos, self.head = nn.Embedding(20, 4), nn.Linear(12, 3)
+
+        def forward(self, tokens):
+            return self.head(self.pos(torch.arange(tokens.shape[1])).sum(-1) + tokens.float())
+
+    model = SummedTable()
+    tracker = PerExampleNormTracker(model).attach()
+    tokens, weights = torch.randint(0, 5, (6, 12)), torch.randn(6, 3)
+    with pytest.warns(UserWarning, match="left the bare parameter 'pos.weight' out"):
+        for _ in range(2):
+            model.zero_grad()
+            (model(tokens) * weights).sum().backward()
+            (record,) = tracker.pop_passes()
+            assert record.failure is None
+    assert tracker.coverage_fraction() < 1.0 and "arange" in tracker.excluded_reasons["pos.weight"]

@@ -539,43 +539,27 @@ class SharedPositions(nn.Module):
         return self.head(self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1])))
 
 
+@pytest.mark.parametrize("vocab", [11, 50])
 @pytest.mark.parametrize("batch", [6, 4])
-def test_a_shared_position_table_is_refused_even_when_its_length_equals_the_batch(batch):
-    """With T == B the table's (T, d) output gradient looks like a batch of T examples: reading it as one would
-    give wrong per-example norms. Where leaving the table out would cover less than 90% of the parameters (here
-    80%), the pass is refused with the reason and the fix, at any batch size."""
+def test_a_shared_position_table_is_read_at_its_broadcast_even_when_its_length_equals_the_batch(vocab, batch):
+    """With T == B the table's (T, d) output gradient looks like a batch of T examples: reading it as one would give
+    wrong per-example norms. It is read where its rows are broadcast over the batch instead (as a bare parameter
+    of the module calling it): the norms are the brute-force ones over every parameter, at any batch size and
+    whatever its share (20% or 5%), with no warning. Before, it was left out (5%) or the pass refused (20%)."""
     torch.manual_seed(0)
-    net = SharedPositions()
-    tracker = PerExampleNormTracker(net)
-    tracker.attach()
-    tokens = torch.randint(0, 11, (batch, 6))
-    net(tokens).sum().backward()
-    with pytest.raises(RuntimeError, match=r"'wpe' \(Embedding\): its indices are arange.*expand"):
-        tracker.pop_passes()
-
-
-@pytest.mark.parametrize("batch", [6, 4])
-def test_a_shared_position_table_is_left_out_of_both_norms_when_the_rest_keeps_the_coverage(batch):
-    """The table holds 5% of the parameters: it is left out at its first forward (one warning, listed in the
-    coverage), and the per-example norms are exactly those of the other parameters, also at T == B."""
-    torch.manual_seed(0)
-    net = SharedPositions(vocab=50).double()
+    net = SharedPositions(vocab=vocab).double()
     tracker = PerExampleNormTracker(net).attach()
-    tokens, weights = torch.randint(0, 50, (batch, 6)), torch.randn(batch, 6, 50, dtype=torch.float64)
-    with pytest.warns(UserWarning, match=r"left the embedding 'wpe' \(24 parameters\) out of both norms.*94\.9%"):
-        (net(tokens) * weights).sum().backward()
-    (record,) = tracker.pop_passes()
-    others = {"wte.weight", "head.weight", "head.bias"}
-    expected = per_example_sq_norms_reference(net, tokens, weights, others)
-    torch.testing.assert_close(record.sq_norms.double(), expected, rtol=1e-6, atol=0)  # summed in float32
-    assert set(dict(tracker.uncovered_parameters())) == {"wpe.weight"}
-    assert "arange" in tracker.excluded_reasons["wpe.weight"]
-    assert {id(p) for p in tracker.covered_parameters()} == {id(p) for n, p in net.named_parameters() if n in others}
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # later passes: no second warning, the same coverage
-        (net(tokens) * weights).sum().backward()
-    assert tracker.pop_passes()[0].sq_norms.shape == (batch,)
-    tracker.attach()  # re-attaching decides coverage afresh, the table included until its next forward
+    tokens, weights = torch.randint(0, vocab, (batch, 6)), torch.randn(batch, 6, vocab, dtype=torch.float64)
+    for _ in range(2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            (net(tokens) * weights).sum().backward()
+        (record,) = tracker.pop_passes()
+        expected = per_example_sq_norms_reference(net, tokens, weights)
+        torch.testing.assert_close(record.sq_norms.double(), expected, rtol=1e-6, atol=0)  # summed in float32
+        assert tracker.coverage_fraction() == 1.0 and not tracker.excluded_reasons
+        net.zero_grad()
+    tracker.attach()  # re-attaching decides coverage afresh: the table is a layer again until its next forward
     assert len(tracker.covered_parameters()) == 4
 
 

@@ -2,15 +2,13 @@
 first backward crashed, even with ``accumulate_grad_batches=2`` where ``micro_batch`` works. Now the hooks record
 the problem; under ``auto`` with several micro-batches per step the meter switches to ``micro_batch`` at the first
 failed step (warning once) and measures the whole model; with one micro-batch it withholds the estimate with the
-reason and the fix. A position table shared by every example (``wpe(arange(T))``) is left out of both norms at its
-first forward instead, as an unsupported layer would be, while the rest covers at least 90% of the parameters."""
+reason and the fix. A position table shared by every example (``wpe(arange(T))``) was among them; it is now read
+where its rows are broadcast over the batch, and measured whole."""
 
 import pytest
-import torch
 import torch.nn.functional as F
 
 from gns_callback import GradientNoiseScaleCallback
-from gns_callback.exact import exact_noise_scale, per_example_gradients
 from tests.helpers import Classifier, assert_matches_exact, with_replacement_loader
 from tests.trust.models import ConvTwice, LinearOnLearnedTable, PooledPositions, PositionalEmbedding
 from tests.trust.setups import assert_withheld, messages, single, with_and_without
@@ -18,9 +16,8 @@ from tests.trust.setups import assert_withheld, messages, single, with_and_witho
 STEPS = 150
 MODELS = {"conv_twice": ConvTwice, "positional_embedding": PositionalEmbedding,
           "linear_on_learned_table": LinearOnLearnedTable, "pooled_positions": PooledPositions}
-UNMEASURABLE = ("linear_on_learned_table", "conv_twice", "pooled_positions")
-WHY = {"conv_twice": "applied more than once", "linear_on_learned_table": "module 'net.project'",
-       "pooled_positions": "its indices are arange(...) with no batch"}
+UNMEASURABLE = ("linear_on_learned_table", "conv_twice")
+WHY = {"conv_twice": "applied more than once", "linear_on_learned_table": "module 'net.project'"}
 TOKENS = ("positional_embedding", "pooled_positions")
 
 
@@ -65,26 +62,18 @@ def test_one_micro_batch_per_step_withholds_with_the_reason_and_the_fix(data, na
     single(messages(caught, "stopped measuring"))
 
 
-def exact_without_positions(data) -> float:
-    """The exact B_simple of every trainable parameter but the position table (brute force over the data set)."""
-    net = PositionalEmbedding()
-    rows = per_example_gradients(net, F.cross_entropy, *inputs(data, "positional_embedding"))
-    keep = torch.cat([torch.full((p.numel(),), not name.startswith("positions"))
-                      for name, p in net.named_parameters() if p.requires_grad])
-    return exact_noise_scale(rows[:, keep])[0]
-
-
+@pytest.mark.parametrize("name", TOKENS)
 @pytest.mark.parametrize("accumulate, batch_size", [(1, 32), (1, 64), (4, 8)])
-def test_a_position_table_is_left_out_and_the_rest_matches_the_exact_value(data, accumulate, batch_size):
-    """The table (256 of 2,894 parameters) is left out at its first forward, with one warning; ``per_example``
-    goes on measuring the rest (91.2%), with or without accumulation, and at 64 positions in a batch of 64, where
-    the table's (64, d) output gradient has the batch's shape and reading it as one would give wrong norms. The
-    exact value of the rest lies inside the interval (the whole model's differs by 0.1% here)."""
-    callback, caught = run(data, "positional_embedding", accumulate, batch_size, STEPS)
-    single(messages(caught, "left the embedding 'net.positions' (256 parameters) out of both norms"))
+def test_a_position_table_looked_up_on_arange_is_measured_whole(data, exact_gns, name, accumulate, batch_size):
+    """nanoGPT's ``wpe(torch.arange(T))``: the table's output is broadcast over the batch, so its own output
+    gradient is summed over the examples already; its rows are read at the broadcast instead, by the module that
+    calls it. Before, the table was left out (9% of
+    ``positional_embedding``) or, at 68% of ``pooled_positions``, the run was not measured. At 64 positions in a
+    batch of 64 the table's (64, d) output gradient has the batch's shape: it is not read as one."""
+    callback, caught = run(data, name, accumulate, batch_size, STEPS)
     assert not messages(caught, "stopped measuring") and not messages(caught, "switched from")
+    assert not messages(caught, "left the")
     run_estimate = callback.run_estimate
     assert run_estimate.method == "per_example" and run_estimate.steps == STEPS
-    assert_matches_exact(run_estimate, exact_without_positions(data))
-    coverage = callback.meter.coverage
-    assert coverage["uncovered"] == ["net.positions.weight"] and abs(coverage["fraction"] - 2638 / 2894) < 1e-12
+    assert_matches_exact(run_estimate, exact_gns(MODELS[name](), F.cross_entropy, *inputs(data, name))[0])
+    assert callback.meter.coverage["fraction"] == 1.0 and not callback.meter.coverage["uncovered"]
