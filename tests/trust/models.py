@@ -121,6 +121,13 @@ class PooledPositions(PositionalEmbedding):
         return self.head(torch.tanh(h).mean(1))
 
 
+class PixelPositions(PooledPositions):
+    """:class:`PooledPositions` fed pixels in [0, 1], made tokens 0..16 inside (the DDP fits feed pixels)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward((x * 16).round().long())
+
+
 class LinearOnLearnedTable(nn.Module):
     """A Linear applied both to the data and to a learned table (e.g. class prototypes) in the same forward."""
 

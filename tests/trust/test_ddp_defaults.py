@@ -56,7 +56,7 @@ def test_ddp_spawn_with_the_default_report_path(tmp_path, model, logger, method)
     assert_matches_exact(run, load_exact(model))
 
 
-@pytest.mark.parametrize("model", ["vit", "hand_written"])
+@pytest.mark.parametrize("model", ["vit", "hand_written", "position_table"])
 def test_ddp_spawn_reads_bare_parameters_per_example(tmp_path, model):
     ddp_fit(str(tmp_path), "ddp_spawn", model, False, with_callback=True, steps=STEPS, method="per_example")
     (report,) = reports(str(tmp_path))
