@@ -28,8 +28,8 @@ class Trial:
         ok: it ran and its measured bytes were within ``headroom × budget``.
         measured_bytes: the step's bytes (CUDA peak or accounting); ``None`` when it raised an OOM or was stopped
             early for exceeding the budget.
-        phase: ``fit``, ``verify``, ``extend``, ``backoff``, ``bisect`` (memory search), ``throughput``/``confirm`` (after
-            the ranks agreed), ``split`` (split-factor search).
+        phase: ``fit``, ``verify``, ``extend``, ``backoff``, ``bisect`` (memory search), ``throughput`` or
+            ``confirm`` (after the ranks agreed), ``split`` (split-factor search).
         split: ``batch_split_factor`` set during the trial (split search only).
         error: why it failed (the OOM message, or ``"over budget"``).
         timing: its repeated timing on this rank (:class:`~gns_callback.probe.timing.Timing`), when timed.

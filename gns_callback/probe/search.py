@@ -47,8 +47,8 @@ class AgreedMemory:
 def local_memory_search(
     runner: TrialRunner, config: ProbeConfig, limit: float
 ) -> tuple[list[Trial], Optional[Exception]]:
-    """This rank's trials (fit, verify, extend, back off, bisect) until the planner is done; an error stops it and is
-    returned, to be raised at the next agreement."""
+    """This rank's trials (fit, verify, extend, back off, bisect) until the planner is done; an error stops it and
+    is returned, to be raised at the next agreement."""
     trials: list[Trial] = []
     try:
         while len(trials) < config.max_trials:
