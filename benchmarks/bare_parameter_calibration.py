@@ -12,8 +12,8 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
-from benchmarks.model_scan import HandWrittenAttention, HandWrittenLayer, MinGptStyle  # noqa: E402
+from benchmarks.model_scan import (HandWrittenAttention, HandWrittenLayer, MinGptStyle,  # noqa: E402
+                                   digits_and_tokens)
 from gns_callback import GradientNoiseScaleMeter  # noqa: E402
 from gns_callback.exact import exact_b_simple  # noqa: E402
 
@@ -44,12 +44,11 @@ def main() -> None:
     orders = int(sys.argv[1]) if len(sys.argv) > 1 else 40
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    data = load_digits()
-    pixels, labels = torch.tensor(data.data, dtype=torch.float32) / 16, torch.tensor(data.target)
+    pixels, tokens, labels = digits_and_tokens()
     print("| model | exact B_simple | coverage | intervals holding it | run average / exact: median | mean ± s.e. |\n"
           "|---|---|---|---|---|---|")
     for name, make, inputs in [("hand-written attention", HandWrittenAttention, pixels),
-                               ("minGPT-style (sliced table)", MinGptStyle, (pixels * 16).round().long()),
+                               ("minGPT-style (sliced table)", MinGptStyle, tokens),
                                ("hand-written layer, nn.Linear head", HandWrittenLayer, pixels)]:
         print(f"| {name} | {calibrate(make, inputs, labels, orders)}", flush=True)
 

@@ -27,10 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks.model_scan import HandWrittenLayer, MinGptStyle  # noqa: E402
+from benchmarks.model_scan import HandWrittenLayer, MinGptStyle, digits_and_tokens  # noqa: E402
 from gns_callback.exact import exact_noise_scale, per_example_gradients  # noqa: E402
 from gns_callback.smoothing import step_values, summarize_ratio  # noqa: E402
 
@@ -74,12 +73,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    data = load_digits()
-    pixels, labels = torch.tensor(data.data, dtype=torch.float32) / 16, torch.tensor(data.target)
+    pixels, tokens, labels = digits_and_tokens()
     print("| model | exact B_simple | data orders | intervals holding it | exact below | exact above "
           "| spread of mean |G|² / its reported s.e. |\n|---|---|---|---|---|---|---|")
     for name, make, inputs in [("MLP 64-32-10", mlp, pixels),
-                               ("minGPT-style (sliced table)", MinGptStyle, (pixels * 16).round().long()),
+                               ("minGPT-style (sliced table)", MinGptStyle, tokens),
                                ("hand-written layer, nn.Linear head", HandWrittenLayer, pixels)]:
         torch.manual_seed(0)
         grads = per_example_gradients(make(), F.cross_entropy, inputs, labels).double()

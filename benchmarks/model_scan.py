@@ -31,8 +31,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from sklearn.datasets import load_digits  # noqa: E402
-
+from benchmarks.sketch_accuracy import digits  # noqa: E402
 from gns_callback import GradientNoiseScaleCallback  # noqa: E402
 from gns_callback.exact import exact_noise_scale, per_example_gradients  # noqa: E402
 
@@ -265,6 +264,13 @@ class HuggingFaceGpt2(nn.Module):
         return self.gpt(input_ids=tokens).logits.mean(1)[:, :10]
 
 
+def digits_and_tokens() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The 1797 digits: pixels in [0, 1], the same pixels as tokens 0..16 (for the models that read tokens), and
+    the labels."""
+    pixels, labels = digits()
+    return pixels, (pixels * 16).round().long(), labels
+
+
 MODELS: dict[str, tuple[Callable[[], nn.Module], bool]] = {  # name → (model, reads tokens)
     "LSTM": (LstmNet, True), "GRU (2 layers, bidirectional, sequence-first)": (GruNet, True),
     "nn.TransformerEncoderLayer": (EncoderNet, True),
@@ -333,9 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     for logger in ("pytorch_lightning", "lightning", "lightning.pytorch", "lightning_fabric"):
         logging.getLogger(logger).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
-    data = load_digits()
-    pixels, y = torch.tensor(data.data, dtype=torch.float32) / 16, torch.tensor(data.target)
-    tokens = (pixels * 16).round().long()
+    pixels, tokens, y = digits_and_tokens()
     print("| model | seed | run average [95%] | exact, covered | exact, whole model | holds | coverage | method "
           "| recommendation |\n|---|---|---|---|---|---|---|---|---|")
     for name, (make, reads_tokens) in MODELS.items():

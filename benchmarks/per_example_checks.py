@@ -29,9 +29,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from sklearn.datasets import load_digits  # noqa: E402
 
-from benchmarks.model_scan import MODELS  # noqa: E402
+from benchmarks.model_scan import MODELS, digits_and_tokens  # noqa: E402
 from benchmarks.results import publish_section  # noqa: E402
 from gns_callback.batch_size import first_half_copied  # noqa: E402
 from gns_callback.per_example.checks import IMPACT, TOLERANCE, check_per_example  # noqa: E402
@@ -166,9 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    data = load_digits()
-    pixels, y = torch.tensor(data.data[:BATCH], dtype=torch.float32) / 16, torch.tensor(data.target[:BATCH])
-    tokens = (pixels * 16).round().long()
+    pixels, tokens, y = (t[:BATCH] for t in digits_and_tokens())
     rows = ["| model, loss | expected | read | spread or share | check, CPU ms | one forward + backward, CPU ms |",
             "|---|---|---|---|---|---|"]
     for name, make, loss, reads_tokens, expected in CASES:

@@ -278,11 +278,11 @@ def _replaced_reason(param_name: str) -> str:
             f"per-example gradients are no longer the parameter's; {MICRO_BATCH_HINT}")
 
 
-def _calling_module(model: nn.Module, module: nn.Module) -> Optional[nn.Module]:
-    """The module whose forward presumably calls ``module``: its parent in ``model``, or the nearest ancestor with a
-    forward of its own (a ``ModuleDict`` or ``ModuleList`` has none). None for ``model`` itself or a module outside
-    it. A wrong guess is safe: no broadcast is seen, or the sum check fails, and the table stays left out."""
-    parents = {id(child): parent for parent in model.modules() for child in parent.children()}
+def _calling_module(parents: dict[int, nn.Module], module: nn.Module) -> Optional[nn.Module]:
+    """The module whose forward presumably calls ``module``: its parent (``parents``: by child ``id``), or the
+    nearest ancestor with a forward of its own (a ``ModuleDict`` or ``ModuleList`` has none). None for the root or
+    a module outside the model. A wrong guess is safe: no broadcast is seen, or the sum check fails, and the table
+    stays left out."""
     parent = parents.get(id(module))
     while parent is not None and type(parent).forward is nn.Module.forward:
         parent = parents.get(id(parent))
@@ -421,6 +421,8 @@ class PerExampleNormTracker:
         self._covered_params = []
         self._uncovered_params = []
         self._bare: dict[int, _BareParameter] = {}
+        #: Per measured embedding, its caller, hooked at attach: its owner should it be a shared position table.
+        self._table_callers: dict[nn.Module, nn.Module] = {}
         #: Per module holding bare parameters, its running forwards' input nodes (a stack: calls may nest).
         self._owner_inputs: dict[nn.Module, list[list[Any]]] = {}
         covered_names: dict[nn.Module, tuple[str, set[str]]] = {}
@@ -524,6 +526,7 @@ class PerExampleNormTracker:
                 qualified = _qualified(covered.name, local_name)
                 self._handles.append(param.register_hook(
                     partial(self._on_param_grad, owners, qualified, id(param), local_name)))
+        self._table_callers = self._find_table_callers()
         self._handles += self._bare_hooks()
         # Bare parameters too: a model may hold nothing else (its layers written out as matrix products).
         self._passes.watch([*self.covered_parameters(), *(bare.param for bare in self._bare.values())])
@@ -550,6 +553,7 @@ class PerExampleNormTracker:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._table_callers = {}
         self._passes.unwatch()
         self._attached = False
         self._reset_state()
@@ -976,10 +980,10 @@ class PerExampleNormTracker:
 
     def _adopt_shared_table(self, module: nn.Module, reason: str) -> bool:
         """Hand a shared position table over to the bare parameters (:mod:`.broadcast`: its lookup is a view,
-        :data:`~.param_path.LOOKUPS`), owned by the module whose forward calls it (:meth:`_table_callers`, hooked
-        at attach, so its first pass is read). False where it has none."""
-        owner = self._table_callers().get(module)
-        if owner is None or not self._attached:
+        :data:`~.param_path.LOOKUPS`), owned by the module whose forward calls it (:meth:`_find_table_callers`,
+        hooked at attach, so its first pass is read). False where it has none."""
+        owner = self._table_callers.get(module)
+        if owner is None:
             return False
         moved = self._covered_params_of(module)
         self._covered_modules.pop(module)
@@ -990,11 +994,12 @@ class PerExampleNormTracker:
             self._handles.append(param.register_hook(partial(self._on_bare_grad, bare)))
         return True
 
-    def _table_callers(self) -> dict[nn.Module, nn.Module]:
+    def _find_table_callers(self) -> dict[nn.Module, nn.Module]:
         """Per measured embedding, the module whose forward presumably calls it (:func:`_calling_module`): the
         owner it would have as a shared position table."""
+        parents = {id(child): parent for parent in self.model.modules() for child in parent.children()}
         return {m: caller for m in self._covered_modules if type(m) is nn.Embedding and m not in self._tied
-                and (caller := _calling_module(self.model, m)) is not None}
+                and (caller := _calling_module(parents, m)) is not None}
 
     def _covered_params_of(self, module: nn.Module) -> list[tuple[str, nn.Parameter]]:
         """``(qualified name, parameter)`` of the covered parameters that ``module`` owns."""
@@ -1099,7 +1104,7 @@ class PerExampleNormTracker:
         """Forward pre-hooks and hooks on each module holding bare parameters or calling an embedding (which may
         turn out to be a shared position table), and a gradient hook on each bare parameter."""
         owners = {id(bare.owner): bare.owner for bare in self._bare.values()}
-        owners.update({id(caller): caller for caller in self._table_callers().values()})
+        owners.update({id(caller): caller for caller in self._table_callers.values()})
         return ([owner.register_forward_pre_hook(self._before_owner_forward, with_kwargs=True)
                  for owner in owners.values()]
                 + [owner.register_forward_hook(self._on_owner_forward) for owner in owners.values()]
