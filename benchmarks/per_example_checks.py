@@ -11,6 +11,12 @@ two passes (above 0.1% reads as coupled), the second pass on the batch with its 
 first, as the Lightning callback runs it; and the check's CPU time against one forward and backward of the same
 batch (medians of 7, one thread). Losses of per-example terms, whatever they draw at random, should read 0 or
 rounding; losses and layers over the batch should read well above 0.1%.
+
+A second table is for your own loop without ``meter.check_per_example``: there the meter checks the sums on its
+first measured step alone. For the cases with a gradient part no norm carries and an exact value (a functional head
+on the token table; L2 terms, whose exact per-example gradient is the loss term's plus the penalty's), 5 streams of
+300 steps of batch 32 at the model's initial parameters: what the run average read with that first-step check off
+(as every version before it did) against the exact ``B_simple`` over all 1797 digits, and what the meter does now.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.model_scan import MODELS, digits_and_tokens  # noqa: E402
 from benchmarks.results import publish_section  # noqa: E402
 from gns_callback.batch_size import first_half_copied  # noqa: E402
+from gns_callback.exact import exact_noise_scale, per_example_gradients  # noqa: E402
+from gns_callback.meter import GradientNoiseScaleMeter  # noqa: E402
 from gns_callback.per_example.checks import IMPACT, TOLERANCE, check_per_example  # noqa: E402
 from gns_callback.probe.state import preserved_state  # noqa: E402
 
@@ -159,13 +167,79 @@ def measure(make: Callable[[], nn.Module], loss: Loss, x: torch.Tensor, y: torch
     return check(), cpu_ms(check), cpu_ms(step)
 
 
+#: Own-loop cases: name, model, loss, tokens, the L2 strength in the loss (its gradient is added to every example's).
+OWN_LOOP: list[tuple[str, Callable[[], nn.Module], Loss, bool, float]] = [
+    ("MLP, cross-entropy", mlp, cross_entropy, False, 0.0),
+    ("MLP, cross-entropy + 1e-4·‖θ‖²", mlp, l2_penalised(1e-4), False, 1e-4),
+    ("MLP, cross-entropy + 1e-3·‖θ‖²", mlp, l2_penalised(1e-3), False, 1e-3),
+    ("MLP, cross-entropy + 0.1·‖θ‖²", mlp, l2_penalised(0.1), False, 0.1),
+    ("tokens, head on the embedding table (h @ E.T)", HeadOnTheTable, cross_entropy, True, 0.0),
+]
+STREAMS, STEPS = 5, 300
+
+
+def exact_with_penalty(model: nn.Module, x: torch.Tensor, y: torch.Tensor, strength: float) -> float:
+    """Exact ``B_simple`` of cross-entropy plus ``strength·|θ|²``: each example's gradient plus ``2·strength·θ``."""
+    grads = per_example_gradients(model, F.cross_entropy, x, y)
+    theta = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
+    return exact_noise_scale(grads + 2 * strength * theta)[0]
+
+
+def own_loop_reading(model: nn.Module, loss: Loss, x: torch.Tensor, y: torch.Tensor, seed: int,
+                     first_step_check: bool) -> GradientNoiseScaleMeter:
+    draws = torch.Generator().manual_seed(seed)
+    with GradientNoiseScaleMeter(model) as meter:
+        if not first_step_check:
+            meter._arm_sum_check(False)  # the meter as it was before the check
+        for _ in range(STEPS):
+            i = torch.randint(0, len(x), (BATCH,), generator=draws)
+            loss(model, x[i], y[i]).backward()
+            meter.step()
+            model.zero_grad()
+    return meter
+
+
+def own_loop_row(name: str, make: Callable[[], nn.Module], loss: Loss, x: torch.Tensor, y: torch.Tensor,
+                 strength: float) -> str:
+    model = make()
+    exact = exact_with_penalty(model, x, y, strength)
+    before = [own_loop_reading(model, loss, x, y, seed, False) for seed in range(STREAMS)]
+    estimates = [meter.run_estimate for meter in before]
+    holds = sum(e.ci_low <= exact <= e.ci_high for e in estimates)
+    mean = statistics.fmean(e.b_simple for e in estimates)
+    now = own_loop_reading(model, loss, x, y, 0, True)
+    check = now.per_example_check
+    if now.failure is None:
+        same = "same numbers" if now.run_estimate == before[0].run_estimate else "**numbers differ**"
+        read = f"measured ({check.status}), {same} as stream 0 before"
+    elif check.detail.startswith("a part of the gradient the same for every example"):
+        read = f"not measured ({check.status}): a penalty moving tr Σ by {check.spread:.1%}"
+    else:
+        read = f"not measured ({check.status}): {check.spread:.1%} of a parameter's gradient not in the norms"
+    first = estimates[0]
+    return (f"| {name} | {exact:.1f} | {mean:.1f} | {first.b_simple:.1f} [{first.ci_low:.1f}, {first.ci_high:.1f}] | "
+            f"{holds} of {STREAMS} | {read} |")
+
+
+def own_loop_section(pixels: torch.Tensor, tokens: torch.Tensor, y: torch.Tensor) -> str:
+    rows = ["| model, loss | exact B_simple | before: mean reading | before: stream 0 [95% CI] | before: interval "
+            "holds exact | now |", "|---|---|---|---|---|---|"]
+    for name, make, loss, reads_tokens, strength in OWN_LOOP:
+        rows.append(own_loop_row(name, make, loss, tokens if reads_tokens else pixels, y, strength))
+    return ("In your own loop without `meter.check_per_example` (`GradientNoiseScaleMeter`, `per_example`, the "
+            f"defaults): {STREAMS} streams of {STEPS} steps of batch {BATCH} at the initial parameters, all 1797 "
+            "digits; \"before\" is the meter with its first-step check switched off, as every version before it.\n\n"
+            + "\n".join(rows))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="replace this section of a markdown file (e.g. benchmarks/RESULTS.md)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    pixels, tokens, y = (t[:BATCH] for t in digits_and_tokens())
+    all_pixels, all_tokens, all_y = digits_and_tokens()
+    pixels, tokens, y = all_pixels[:BATCH], all_tokens[:BATCH], all_y[:BATCH]
     rows = ["| model, loss | expected | read | spread or share | check, CPU ms | one forward + backward, CPU ms |",
             "|---|---|---|---|---|---|"]
     for name, make, loss, reads_tokens, expected in CASES:
@@ -176,7 +250,8 @@ def main(argv: list[str] | None = None) -> None:
              f"torch {torch.__version__}. Thresholds: a norm-ratio spread > {TOLERANCE:g} reads as coupled; a gradient "
              f"part no norm carries is refused where it changes with the examples, or moves tr Σ by > {IMPACT:g}. "
              "The check's time includes putting the state back between and after its two passes.")
-    publish_section(intro + "\n\n" + "\n".join(rows), args.out,
+    own_loop = own_loop_section(all_pixels, all_tokens, all_y)
+    publish_section(intro + "\n\n" + "\n".join(rows) + "\n\n" + own_loop, args.out,
                     "## The first batch's checks of per-example norms")
 
 

@@ -38,15 +38,17 @@ from gns_callback.accumulation import (PACKED_FIELDS, SCALE_MARGIN, Accumulation
                                       step_estimates)
 from gns_callback.backward_passes import measurement_paused
 from gns_callback.blend import PairBlend
-from gns_callback.collectors import COLLECTORS, MIN_COVERAGE, Collector
+from gns_callback.collectors import BATCH_NORM_COUPLES, COLLECTORS, MIN_COVERAGE, Collector
 from gns_callback.critical_batch import CriticalBatchAccumulator, CriticalBatchEstimate
 from gns_callback.deferred import DeferredReads
 from gns_callback.estimate import GNSEstimate
 from gns_callback.grad_watch import PROBLEM as GRADIENTS_CHANGED, GradientWatch, StaleGradients
 from gns_callback.left_out import LeftOutShare
 from gns_callback.norms import squared_norm_sum
-from gns_callback.per_example.checks import PerExampleCheck, check_per_example
+from gns_callback.per_example.checks import SUMS_CHECKED, PerExampleCheck, check_per_example, first_step_check
+from gns_callback.per_example.tracker import MICRO_BATCH_HINT
 from gns_callback.per_example.sketch import reseed_probes
+from gns_callback.per_example.sum_check import SumCheck
 from gns_callback.probe.state import preserved_state
 from gns_callback.sampling import population_from, without_replacement
 from gns_callback.scalar_ops import host_errors_ignored
@@ -214,7 +216,18 @@ class GradientNoiseScaleMeter:
         # whole model's, so its interval makes room for the parameters left out (:mod:`gns_callback.left_out`).
         self._widens_for_left_out = self.collector.coverage().fraction >= MIN_COVERAGE
         self._attached = True
+        self._arm_sum_check(self.per_example_check is None or self.per_example_check.status == SUMS_CHECKED)
         return self
+
+    def _arm_sum_check(self, armed: bool) -> None:
+        """Where :meth:`check_per_example` has not run, the first measured step's passes are checked on their own:
+        each parameter's gradient must be its layers' summed per-example gradients (check 1 of
+        :mod:`gns_callback.per_example.checks`; one more weight gradient per layer, once). Without it, a parameter
+        also used outside its layer (``h @ embedding.weight.T``) or an L2 term in the loss reached ``|G_B|²`` but no
+        example's norm, and the interval knew nothing of it."""
+        tracker = getattr(self.collector, "tracker", None)  # per_example's
+        if tracker is not None:
+            tracker.sum_check = SumCheck(keep_tensors=False) if armed else None
 
     def detach(self) -> None:
         """Take every hook off."""
@@ -304,6 +317,7 @@ class GradientNoiseScaleMeter:
         model (mixup) is caught too. Without it, rows are copied at the model's first measured layer."""
         if self.method != "per_example" or self.failure is not None:
             return PerExampleCheck("not checked", detail=f"method={self.method!r}")
+        self._arm_sum_check(False)  # this check includes the first step's
         try:
             with self.paused(), preserved_state(self.model, [], **preserve) as state:
                 self.per_example_check = check_per_example(self.model, run_pass, batch_size, reset=state.restore,
@@ -412,6 +426,8 @@ class GradientNoiseScaleMeter:
         if stale is not None and self._stale_step(stale):
             return
         window = self._collect(_as_sizes(micro_batch_size), loss_divisor)
+        if not window.empty:
+            self._read_sum_check(window)
         if self._gradients_changed(loss_scale) and self.reduce is None:
             return self.stop(GRADIENTS_CHANGED)
         if self.reduce is not None:
@@ -426,6 +442,26 @@ class GradientNoiseScaleMeter:
         elif self._may_say_unmeasurable:
             self._say_unmeasurable(window)
         self._may_say_unmeasurable = False
+
+    def _read_sum_check(self, window: AccumulationWindow) -> None:
+        """The first measured step's own checks (:meth:`_arm_sum_check`), once they could tell; BatchNorm in
+        training mode is found here too (its batch statistics couple the examples). A refusal is a problem found at
+        this step: the meter switches to ``fallback_method`` or stops, every rank at once."""
+        tracker = getattr(self.collector, "tracker", None)
+        sum_check = None if tracker is None else tracker.sum_check
+        if sum_check is None:
+            return
+        verdict = first_step_check(sum_check, int(window.micro_size_sum) if window.micro_count == 1 else None)
+        if tracker.has_batchnorm_in_training():
+            verdict = PerExampleCheck("coupled", detail=f"{BATCH_NORM_COUPLES}: the noise scale read from them would "
+                                                        f"be wrong. Instead, {MICRO_BATCH_HINT}, or normalise without "
+                                                        "batch statistics (GroupNorm, LayerNorm)")
+        self._arm_sum_check(verdict is None and bool(sum_check.rests))  # a step that couldn't tell: the next one
+        if verdict is None:
+            return
+        self.per_example_check = verdict
+        if verdict.refused:
+            self._problem = self._problem or verdict.detail
 
     def _trainable_changed(self) -> bool:
         """Every :data:`TRAINABLE_CHECK_EVERY` steps: whether the trainable parameters differ from those measured."""

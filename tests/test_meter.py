@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gns_callback.exact import exact_noise_scale, per_example_gradients
 from gns_callback.meter import TRAINABLE_CHECK_EVERY, GradientNoiseScaleMeter
 from gns_callback.smoothing import RatioAccumulator
 from tests.helpers import mlp
@@ -768,3 +769,167 @@ def test_coupled_examples_stop_the_next_step_with_the_reason(digits):
         with pytest.warns(UserWarning, match="stopped measuring.*the examples of a batch are coupled"):
             meter.step()
     assert not meter.run_estimate.measured and "coupled" in meter.failure
+
+
+class FunctionalTiedHead(nn.Module):
+    """Digits as 64 pixel tokens; the head reuses the token table functionally (``F.linear(h, tok.weight)``), a use
+    no hook of the ``Embedding`` sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok, self.fc = nn.Embedding(17, 24), nn.Linear(24, 24)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.linear(torch.tanh(self.fc(self.tok(tokens).mean(1))), self.tok.weight)
+
+
+def _plain_steps(meter: GradientNoiseScaleMeter, model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor,
+                 steps: int, seed: int = 0, scaler=None) -> None:
+    draws = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        i = torch.randint(0, len(x), (32,), generator=draws)
+        if scaler is None:
+            loss_fn(model, x[i], y[i]).backward()
+            meter.step()
+            model.zero_grad()
+            continue
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_fn(model, x[i], y[i])
+        scaler.scale(loss).backward()
+        scale = scaler.get_scale()
+        scaler.unscale_(optimizer := torch.optim.SGD(model.parameters(), lr=0.0))
+        meter.step(loss_scale=scale)
+        scaler.step(optimizer)
+        scaler.update()
+        model.zero_grad()
+
+
+def _cross_entropy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x), y)
+
+
+def _l2_term(weight: float):
+    def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model(x), y) + weight * sum(p.pow(2).sum() for p in model.parameters())
+    return loss
+
+
+def test_a_table_reused_outside_its_layer_is_refused_at_the_first_step_without_the_check(digits):
+    """No ``check_per_example`` in the loop (as in the README's examples): the first measured step checks its own
+    sums. Before, this model read a number from norms that missed part of the table's gradient."""
+    tokens, y = (digits[0] * 16).round().long(), digits[1]
+    model = FunctionalTiedHead()
+    with GradientNoiseScaleMeter(model) as meter:
+        with pytest.warns(UserWarning, match="stopped measuring.*'tok.weight'.*used outside its layer"):
+            _plain_steps(meter, model, _cross_entropy, tokens, y, steps=3)
+    assert meter.per_example_check.status == "extra gradient" and meter.per_example_check.spread > 0.1
+    assert not meter.run_estimate.measured and meter.run_estimate.steps == 0
+
+
+def _l1_term(weight: float):
+    def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model(x), y) + weight * sum(p.abs().sum() for p in model.parameters())
+    return loss
+
+
+def test_a_small_l2_term_is_measured_as_is_and_its_exact_value_is_inside_the_interval(digits):
+    """An L2 term's rest is a multiple of its parameter: the same for every example, sized on the first step."""
+    x, y = digits
+    model = mlp()
+    with GradientNoiseScaleMeter(model) as meter:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _plain_steps(meter, model, _l2_term(1e-3), x, y, steps=300)
+    check = meter.per_example_check
+    assert check.status == "sums checked" and "L2 term" in check.detail and 0 < check.spread < 0.01
+    theta = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
+    exact = exact_noise_scale(per_example_gradients(model, F.cross_entropy, x, y) + 2e-3 * theta)[0]
+    estimate = meter.run_estimate
+    assert estimate.ci_low <= exact <= estimate.ci_high, (estimate, exact)
+
+
+def test_a_large_l2_term_or_another_penalty_is_refused_alone_and_the_full_check_measures_a_small_one(digits):
+    x, y = digits
+    for loss, says in [(_l2_term(0.1), "an L2 term: use the optimizer's weight_decay"),
+                       (_l1_term(1e-4), "other than an L2 term.*meter.check_per_example")]:
+        model = mlp()
+        with GradientNoiseScaleMeter(model) as meter:
+            with pytest.warns(UserWarning, match=f"stopped measuring.*{says}"):
+                _plain_steps(meter, model, loss, x, y, steps=2)
+        assert meter.per_example_check.status == "extra gradient" and meter.failure is not None
+    model = mlp()
+    with GradientNoiseScaleMeter(model) as meter:
+        check = meter.check_per_example(lambda: _l1_term(1e-4)(model, x[:32], y[:32]).backward(), batch_size=32)
+        assert check.status == "independent" and "penalty" in check.detail
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _plain_steps(meter, model, _l1_term(1e-4), x, y, steps=5)
+    assert meter.failure is None and meter.run_estimate.steps == 5 and meter.per_example_check is check
+
+
+def test_an_l2_term_in_a_step_of_several_passes_can_t_be_sized_and_is_refused(digits):
+    x, y = digits
+    model = mlp()
+    with GradientNoiseScaleMeter(model) as meter:
+        with pytest.warns(UserWarning, match="stopped measuring.*other than an L2 term in a step of one backward"):
+            for start in (0, 16):
+                (_l2_term(1e-3)(model, x[start:start + 16], y[start:start + 16]) / 2).backward()
+            meter.step()
+    assert meter.per_example_check.status == "extra gradient"
+
+
+def test_the_first_step_check_passes_an_exact_model_and_changes_no_number(digits):
+    x, y = digits
+
+    def run(checked: bool) -> GradientNoiseScaleMeter:
+        model = mlp()
+        with GradientNoiseScaleMeter(model) as meter:
+            if not checked:
+                meter._arm_sum_check(False)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                _plain_steps(meter, model, _cross_entropy, x, y, steps=40)
+        return meter
+
+    checked, unchecked = run(True), run(False)
+    assert checked.per_example_check.status == "sums checked" and checked.per_example_check.spread < 1e-5
+    assert unchecked.per_example_check is None
+    assert checked.run_estimate == unchecked.run_estimate and checked.estimate == unchecked.estimate
+
+
+def test_the_first_step_check_waits_for_finite_gradients_and_allows_for_autocast(digits):
+    """fp16 autocast with a real GradScaler whose first scale overflows: the steps it skips can't tell, and the
+    check runs at the first finite one, in the layers' precision (float16 products, float32 gradients)."""
+    x, y = digits
+    model = mlp()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24)
+    with GradientNoiseScaleMeter(model) as meter:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _plain_steps(meter, model, _cross_entropy, x, y, steps=40, scaler=scaler)
+    assert scaler.get_scale() < 2.0 ** 24  # the first steps overflowed and were skipped
+    assert meter.per_example_check.status == "sums checked" and meter.failure is None
+    assert meter.run_estimate.measured
+
+
+def test_batchnorm_in_training_mode_is_refused_at_the_first_step_and_measured_in_eval_mode(digits):
+    """Before, the plain meter read BatchNorm's coupled examples without a word (B_simple = inf, 95% CI 0 – inf,
+    with |G|² < 0, on this model after 50 steps)."""
+    x, y = digits
+
+    def bn_mlp() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 10))
+
+    model = bn_mlp()
+    with GradientNoiseScaleMeter(model) as meter:
+        with pytest.warns(UserWarning, match="stopped measuring.*BatchNorm in training mode.*method='micro_batch'"):
+            _plain_steps(meter, model, _cross_entropy, x, y, steps=3)
+    assert meter.per_example_check.status == "coupled" and not meter.run_estimate.measured
+    model = bn_mlp().eval()
+    with GradientNoiseScaleMeter(model) as meter:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _plain_steps(meter, model, _cross_entropy, x, y, steps=3)
+    assert meter.per_example_check.status == "sums checked" and meter.run_estimate.steps == 3

@@ -61,6 +61,10 @@ COLLECTORS: dict[str, Callable[..., Collector]] = {
 }
 
 
+BATCH_NORM_COUPLES = ("the model has BatchNorm in training mode, which couples the examples of a batch, so per-example "
+                      "gradients are not independent samples")
+
+
 class UnmeasurableSetup(ValueError):
     """The model/run can't be measured with the requested method; the message says why and what works."""
 
@@ -88,10 +92,7 @@ def per_example_problem(model: nn.Module, compiled: bool = False,
     if coverage.measured_parameters == 0 and bare == 0:
         return _nothing_measurable(collector.tracker.excluded_reasons), 0.0, bare
     if batch_norm and collector.tracker.has_batchnorm_in_training():
-        return (
-            "the model has BatchNorm in training mode, which couples the examples of a batch, so per-example "
-            "gradients are not independent samples"
-        ), coverage.fraction, bare
+        return BATCH_NORM_COUPLES, coverage.fraction, bare
     return None, coverage.fraction, bare
 
 

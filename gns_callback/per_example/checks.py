@@ -48,12 +48,12 @@ from gns_callback.batch_size import first_half_rows
 
 from .layout import LayoutError, batch_dim, is_sequence_first, position_dims
 from .sketch import restart_probes
-from .sum_check import Extra, SumCheck
+from .sum_check import Extra, Rest, SumCheck
 from .param_path import is_parameter
 from .tracker import MICRO_BATCH_HINT, SUPPORTED_MODULES, PerExampleNormTracker
 from .transposed_linear import layer_kind
 
-__all__ = ["PerExampleCheck", "check_per_example"]
+__all__ = ["PerExampleCheck", "check_per_example", "first_step_check"]
 
 #: Largest relative difference read as rounding: of a parameter's gradient from its layers' summed per-example
 #: gradients, and of one example's norm ratio from the median ratio (``max_i |r_i / median(r) − 1|``).
@@ -62,6 +62,8 @@ TOLERANCE = 1e-3
 EXAMPLES = 16
 #: Outcomes that make per-example norms unusable for this model and loss.
 REFUSED = ("extra gradient", "coupled")
+#: Check 1 alone passed, on a training step (:func:`first_step_check`); check 2 was not run.
+SUMS_CHECKED = "sums checked"
 #: Largest share of ``tr Σ`` a gradient part common to every example (a penalty on the parameters) may move.
 IMPACT = 1e-2
 
@@ -69,7 +71,8 @@ IMPACT = 1e-2
 @dataclass(frozen=True)
 class PerExampleCheck:
     """The outcome: ``status`` is ``"independent"`` (both checks passed), ``"extra gradient"`` (check 1 failed),
-    ``"coupled"`` (check 2 failed) or ``"not checked"``; ``spread`` the largest relative difference the failed or
+    ``"coupled"`` (check 2 failed), ``"sums checked"`` (check 1 alone passed, on a training step) or
+    ``"not checked"``; ``spread`` the largest relative difference the failed or
     last check read (NaN when not checked); ``detail`` says why: the reason to stop measuring, why nothing was
     checked, or for a pass a note (a penalty on the parameters measured as is, and what it moves)."""
 
@@ -131,6 +134,43 @@ def check_per_example(model: nn.Module, run_pass: Callable[[], None], batch_size
     return replace(result, detail=note) if note and not result.refused else result
 
 
+def first_step_check(sum_check: SumCheck, batch_size: Optional[int]) -> Optional[PerExampleCheck]:
+    """Check 1 on one training step's passes alone (the meter's own, where :func:`check_per_example` was not run):
+    ``"sums checked"``, or ``"extra gradient"``; None where the step can't tell (nothing compared, or a gradient not
+    finite, as on a step the GradScaler skips).
+
+    One pass can't tell a rest that varies with the examples (``h @ embedding.weight.T``) from one that doesn't,
+    except by its shape: a rest that is a multiple of its parameter (``|R − cθ|`` within rounding) is an L2 term,
+    the same for every example, and is sized as :func:`check_per_example` sizes a penalty (over ``batch_size``
+    examples, one pass: None where the step ran several); any other rest is refused, and the reason names that check
+    as one way on."""
+    rests = sum_check.rests
+    if not rests or not all(rest.finite for rest in rests.values()):
+        return None
+    beyond = {name: rest for name, rest in rests.items() if rest.beyond_rounding}
+    if not beyond:
+        return PerExampleCheck(SUMS_CHECKED, max(_rest_share(rest) for rest in rests.values()), _SUMS_NOTE)
+    varying = [name for name, rest in beyond.items() if rest.off_parameter > max(rest.rounding, TOLERANCE * rest.norm)]
+    if varying or batch_size is None:
+        share, name = max((_rest_share(beyond[name]), name) for name in (varying or beyond))
+        return PerExampleCheck("extra gradient", share, _one_pass_reason(name, share))
+    shift = sum(2 * rest.summed_dot_rest + rest.norm ** 2 for rest in beyond.values())
+    trace = batch_size * sum_check.summed_sq_norms - sum(rest.summed_sq for rest in rests.values())
+    impact = abs(shift) / trace if trace > 0 else math.inf
+    if impact > IMPACT:
+        return PerExampleCheck("extra gradient", impact, _fixed_reason(impact))
+    return PerExampleCheck(SUMS_CHECKED, impact, f"{_SUMS_NOTE}; an L2 term in the loss reaches |G_B|² but no "
+                                                 f"example's norm and moves tr Σ by {impact:.2%}, measured as is")
+
+
+_SUMS_NOTE = ("each parameter's gradient is its layers' summed per-example gradients (on the first measured step); "
+              "whether the examples are coupled was not checked: meter.check_per_example(...) checks that")
+
+
+def _rest_share(rest: Rest) -> float:
+    return rest.norm / max(rest.whole, 1e-30)
+
+
 def _extra_gradient(first: dict[str, Extra], second: dict[str, Extra], scale: float,
                     tolerance: float) -> tuple[Optional[PerExampleCheck], str]:
     """Check 1: ``(refusal or None, note)`` from each parameter's ``(S, R, rounding)`` in the two passes.
@@ -177,6 +217,17 @@ def _fixed_reason(impact: float) -> str:
     return ("a part of the gradient the same for every example (a penalty on the parameters in the loss, e.g. an L2 "
             f"term: use the optimizer's weight_decay instead) reaches |G_B|² but no example's norm, and moves tr Σ by "
             f"{impact:.1%}, so the noise scale read from these norms would be wrong. Instead, {MICRO_BATCH_HINT}")
+
+
+def _one_pass_reason(name: str, share: float) -> str:
+    return (f"{share:.1%} of parameter '{name}''s gradient is not carried by its layers' per-example gradients (on "
+            "the first measured step): the parameter is used outside its layer (e.g. h @ embedding.weight.T: tie it "
+            "to an nn.Linear instead), a gradient hook changes it, or the loss holds a penalty on the parameters "
+            "other than an L2 term in a step of one backward pass (use the optimizer's weight_decay instead). No "
+            "example's norm sees that part, so the noise scale read from them would be wrong. A penalty that moves "
+            "tr Σ by under 1% is measured as is if meter.check_per_example(lambda: loss_fn(model(x), y).backward(), "
+            "batch_size=len(x)) runs before the first step (it tells a penalty from a part that varies with the "
+            f"examples). Or {MICRO_BATCH_HINT}")
 
 
 def _norms(model: nn.Module, tracker: PerExampleNormTracker, run_pass: Callable[[], None]) -> Optional[Tensor]:

@@ -353,7 +353,7 @@ class PerExampleNormTracker:
     return immediately. Coverage is decided at :meth:`attach`; re-attach after changing
     ``requires_grad``. A parameter used *both* by its module and functionally elsewhere (e.g.
     ``logits = h @ embedding.weight.T``) is not detected at each step: :attr:`sum_check` (run once, by
-    :mod:`.checks`) finds it; tie weights by sharing the Parameter between an Embedding and a Linear instead, which
+    :mod:`.checks` or on the meter's first measured step) finds it; tie weights by sharing the Parameter between an Embedding and a Linear instead, which
     is measured.
     """
 
@@ -1075,12 +1075,13 @@ class PerExampleNormTracker:
         if not self._active() or not any(m in self._covered_modules for m in modules):
             return
         record = self._pass_record()
-        if id(_own_parameter(modules[0], local_name)) != param_id:
+        param = _own_parameter(modules[0], local_name)
+        if id(param) != param_id:
             return self._fail_pass(record, _replaced_reason(param_name))
         for module in modules:
             self._measure_calls(record, module)
         if self.sum_check is not None:
-            self.sum_check.compare(param_name, param_id, grad, record.batch_size or 1)
+            self.sum_check.compare(param_name, param_id, grad, record.batch_size or 1, param)
         if param_name in record.subset_grads:
             with _no_grad():
                 record.add_unmeasured(param_name, grad)

@@ -17,3 +17,14 @@ def test_each_mlp_case_reads_as_expected(bench, digits):
             result, check_ms, step_ms = bench.measure(make, loss, inputs, y)
             assert result.status == expected, (name, result)
             assert check_ms > 0 and step_ms > 0
+
+
+def test_the_own_loop_rows_refuse_what_the_first_step_finds_and_measure_the_rest(bench, digits, monkeypatch):
+    monkeypatch.setattr(bench, "STREAMS", 1)
+    monkeypatch.setattr(bench, "STEPS", 20)
+    x, y = digits
+    tokens = (x * 16).round().long()
+    plain = bench.own_loop_row(*bench.OWN_LOOP[0][:3], x, y, 0.0)
+    assert "measured (sums checked), same numbers as stream 0 before" in plain
+    name, make, loss, _, strength = bench.OWN_LOOP[-1]
+    assert "not measured (extra gradient)" in bench.own_loop_row(name, make, loss, tokens, y, strength)
