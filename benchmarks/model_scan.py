@@ -234,6 +234,40 @@ class HandWrittenAttention(nn.Module):
         return F.linear(h.mean(1), self.head, self.head_bias)
 
 
+class RelativeBiasAttention(nn.Module):
+    """Two-head attention over the 64 tokens with a learned relative-position bias added to its logits: T5's (an
+    ``nn.Embedding`` of 16 clamped distance buckets, looked up on an (L, L) matrix with no batch dim; Raffel et al.
+    2020) or Swin's (a bare table of every distance, indexed by a buffer; Liu et al. 2021). Before, T5's stopped the
+    measurement and Swin's was left out (``IndexBackward0``)."""
+
+    def __init__(self, swin: bool = False, length: int = 64, heads: int = 2, width: int = 16) -> None:
+        super().__init__()
+        self.emb, self.qkv, self.head = nn.Embedding(17, width), nn.Linear(width, 3 * width), nn.Linear(width, 10)
+        self.heads = heads
+        pos = torch.arange(length)
+        distance = pos[None, :] - pos[:, None]
+        if swin:
+            self.table = nn.Parameter(torch.randn(2 * length - 1, heads) * 0.5)
+            self.register_buffer("index", (distance + length - 1).reshape(-1))
+        else:
+            self.rel = nn.Embedding(16, heads)
+            self.register_buffer("buckets", distance.clamp(-7, 8) + 7)
+
+    def bias(self, length: int) -> torch.Tensor:
+        """(heads, L, L)."""
+        if hasattr(self, "table"):
+            return self.table[self.index].view(length, length, -1).permute(2, 0, 1)
+        return self.rel(self.buckets).permute(2, 0, 1)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        batch, length = tokens.shape
+        q, k, v = (t.view(batch, length, self.heads, -1).transpose(1, 2)
+                   for t in self.qkv(self.emb(tokens)).chunk(3, -1))
+        logits = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5 + self.bias(length)
+        out = (logits.softmax(-1) @ v).transpose(1, 2).reshape(batch, length, -1)
+        return self.head(out.mean(1))
+
+
 class HandWrittenLayer(nn.Module):
     """One layer written out, ``tanh(x @ W + b)``, under an ``nn.Linear`` head: the pattern of a layer of one's own
     beside the library's."""
@@ -284,6 +318,8 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], bool]] = {  # name → (model, 
     "minGPT-style (position table sliced to the sequence)": (MinGptStyle, True),
     "hand-written attention (x @ W, F.linear)": (HandWrittenAttention, False),
     "hand-written layer (x @ W + b), nn.Linear head": (HandWrittenLayer, False),
+    "T5-style relative-position bias (bucket embedding)": (RelativeBiasAttention, True),
+    "Swin-style relative-position table (indexed bare parameter)": (lambda: RelativeBiasAttention(swin=True), True),
 }
 try:
     import transformers  # noqa: F401  (optional: not a dependency of the package)

@@ -27,7 +27,8 @@ from torch import Tensor
 
 from .matmul import (MATRIX_PRODUCTS, Factors, bias_example_grads, is_bias, row_shape, rows_are_parameter,
                      rows_batch_dim, weight_factors)
-from .param_path import VIEWS, ParameterPath, back_through, parameter_behind
+from .embedding import shared_table_reason
+from .param_path import LOOKUPS, VIEWS, ParameterPath, back_through, lookup_indices, parameter_behind
 
 __all__ = ["CONSUMERS", "Consumer", "ExampleGrads", "Rows", "adds_up_to", "batch_dim", "example_grads", "examples_dim",
            "find_consumers"]
@@ -155,7 +156,11 @@ def examples_dim(consumer: Consumer, grad_output: Tensor, batch_size: Optional[i
         if rows_are_parameter(consumer.node):
             return None
         return rows_batch_dim(row_shape(consumer.node, grad_output), batch_size, sequence_first)
-    return batch_dim(grad_output.shape, torch.Size(consumer.path.shape), batch_size, sequence_first)
+    dim = batch_dim(grad_output.shape, torch.Size(consumer.path.shape), batch_size, sequence_first)
+    if dim is None or any(shared_table_reason(lookup_indices(view), grad_output.shape[dim]) is None
+                          for view in consumer.path.views if type(view).__name__ in LOOKUPS):
+        return None  # a lookup whose indices may hold the examples: its rows are not read as shared
+    return dim
 
 
 def batch_dim(out_shape: torch.Size, param_shape: torch.Size, batch_size: Optional[int],

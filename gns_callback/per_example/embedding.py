@@ -29,20 +29,30 @@ def embedding_unsupported_reason(module: nn.Embedding) -> str | None:
     return None
 
 
-def shared_table_reason(tokens: Tensor) -> str | None:
-    """Why these indices look like one position table shared by every example, or None: ``arange(T)`` with no
-    batch dimension (or a batch dimension of 1), as in ``wpe(torch.arange(T))``. Its output is broadcast over the
-    batch, so the gradient reaching the hook is already summed over examples; read as a batch (when ``T`` happens
-    to equal the batch size) it would give wrong per-example norms."""
+def shared_table_reason(tokens: Tensor, batch_size: int | None = None) -> str | None:
+    """Why these indices look like one table shared by every example, or None. Two cases:
+
+    * ``arange(T)`` with no batch dimension (or a batch dimension of 1), as in ``wpe(torch.arange(T))``;
+    * with the micro-batch's size known, indices with no batch dimension: neither dim 0 nor dim 1 holds
+      ``batch_size`` examples, as T5's relative-position buckets, an ``(L, L)`` matrix (Raffel et al. 2020).
+
+    Such a table's output is broadcast over the batch, so the gradient reaching the hook is already summed over
+    examples; read as a batch (when a dim happens to equal the batch size) it would give wrong per-example
+    norms. The tracker reads it where its output meets the batch instead (:mod:`.broadcast`)."""
     while tokens.dim() > 1 and tokens.shape[0] == 1:
         tokens = tokens[0]
-    if tokens.dim() != 1 or tokens.numel() < 2 or tokens.is_floating_point():
+    if tokens.numel() < 2 or tokens.is_floating_point():
         return None
-    if not torch.equal(tokens, torch.arange(tokens.numel(), device=tokens.device, dtype=tokens.dtype)):
-        return None
-    return ("its indices are arange(...) with no batch dimension: a position table shared by every example, whose "
-            "output is broadcast over the batch, so its gradient is already summed over examples; give the indices "
-            "a batch dimension (e.g. positions.expand(batch_size, -1))")
+    if tokens.dim() == 1 and torch.equal(tokens, torch.arange(tokens.numel(), device=tokens.device,
+                                                               dtype=tokens.dtype)):
+        return ("its indices are arange(...) with no batch dimension: a position table shared by every example, "
+                "whose output is broadcast over the batch, so its gradient is already summed over examples; give the "
+                "indices a batch dimension (e.g. positions.expand(batch_size, -1))")
+    if batch_size is not None and batch_size not in tuple(tokens.shape[:2]):
+        return (f"its indices {tuple(tokens.shape)} have no dim of the batch's {batch_size} examples: a table shared "
+                "by every example (e.g. relative-position buckets), whose output is broadcast over the batch, so its "
+                "gradient is already summed over examples")
+    return None
 
 
 def without_padding(module: nn.Embedding, tokens: Tensor, grads: Tensor) -> Tensor:

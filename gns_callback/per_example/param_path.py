@@ -1,11 +1,13 @@
 """What lies between a bare parameter and the op that reads its per-example gradients (:mod:`.broadcast`,
 :mod:`.matmul`): transposes and autocast's cast before a matrix product, slices and reshapes before a broadcast
-(minGPT's ``x + self.pos_emb[:, :T]``, ``self.table[None]``, ``x * self.gamma.view(1, -1, 1, 1)``), and a
-table's lookup on indices that are not the examples' (nanoGPT's ``self.wpe(torch.arange(T))``).
+(minGPT's ``x + self.pos_emb[:, :T]``, ``self.table[None]``, ``x * self.gamma.view(1, -1, 1, 1)``), permutations
+of three or more dims, and a table's lookup on indices that are not the examples' (nanoGPT's
+``self.wpe(torch.arange(T))``, T5's relative-position buckets, Swin's ``table[relative_position_index]``).
 
 None of these involves the examples, so each example's gradient of the parameter is the op's backward applied to
 that example's gradient of the op's output: a slice's places it in its window of zeros, a select's in its row, a
-reshape's reshapes it, a lookup's adds each position's into its row (:func:`back_through`). Torch only.
+reshape's reshapes it, a permutation's permutes it back, a lookup's adds each position's into its row
+(:func:`back_through`). Torch only.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
 from torch import Tensor, nn
 
-__all__ = ["CASTS", "LOOKUPS", "RESHAPES", "SLICES", "TRANSPOSES", "VIEWS", "ParameterPath", "back_through",
-           "is_parameter", "parameter_behind", "shape_after"]
+__all__ = ["CASTS", "LOOKUPS", "PERMUTES", "RESHAPES", "SLICES", "TRANSPOSES", "VIEWS", "ParameterPath", "back_through",
+           "is_parameter", "lookup_indices", "parameter_behind", "shape_after"]
 
 #: Nodes that transpose a 2-D parameter (before a matrix product): the norm does not see them.
 TRANSPOSES = frozenset({"TBackward0", "TransposeBackward0", "PermuteBackward0"})
@@ -27,10 +30,14 @@ CASTS = frozenset({"ToCopyBackward0"})
 #: Nodes that take a window or a row of a parameter.
 SLICES = frozenset({"SliceBackward0", "SelectBackward0"})
 
-#: A table's lookup (``F.embedding``): rows of the parameter picked by indices it saved. Read only where those
-#: indices hold no examples; the tracker hands a table on here only where they are ``arange(T)``
-#: (:func:`~.embedding.shared_table_reason`), and the sum check catches any other use.
-LOOKUPS = frozenset({"EmbeddingBackward0"})
+#: A table's lookup (``F.embedding``, or ``table[indices]`` along dim 0): rows of the parameter picked by indices it
+#: saved. Read only where those indices hold no examples: the tracker hands an embedding on here only where they
+#: have no batch dim (:func:`~.embedding.shared_table_reason`), and a bare table's lookup is read only between it and
+#: a broadcast over the batch (Swin's ``table[relative_position_index]``); the sum check catches any other use.
+LOOKUPS = frozenset({"EmbeddingBackward0", "IndexBackward0"})
+
+#: A permutation of three or more dims: a view whose layout changes (a 2-D permutation is a transpose).
+PERMUTES = frozenset({"PermuteBackward0"})
 
 #: Nodes that only reshape a parameter (its elements in the same order).
 RESHAPES = frozenset({"UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1", "ViewBackward0",
@@ -61,8 +68,10 @@ def parameter_behind(node: Any, params: dict[int, Tensor]) -> Optional[Parameter
     transposed, views = False, []
     while node is not None and len(node.next_functions) == 1:
         kind = type(node).__name__
-        if kind in SLICES | RESHAPES or (kind in LOOKUPS and not node._saved_scale_grad_by_freq):
+        if kind in SLICES | RESHAPES or _is_lookup(node) or (kind in PERMUTES and len(node._saved_dims) > 2):
             views.append(node)
+        elif kind in LOOKUPS:
+            return None
         elif kind in TRANSPOSES:
             transposed ^= _swaps(node)
         elif kind not in CASTS:
@@ -78,6 +87,27 @@ def parameter_behind(node: Any, params: dict[int, Tensor]) -> Optional[Parameter
         if shape is None:
             return None
     return ParameterPath(params[id(variable)], transposed, tuple(views), tuple(reversed(inputs)), shape)
+
+
+def _is_lookup(node: Any) -> bool:
+    """A lookup read here: an embedding without ``scale_grad_by_freq``, or one index tensor along dim 0."""
+    kind = type(node).__name__
+    if kind == "EmbeddingBackward0":
+        return not node._saved_scale_grad_by_freq
+    if kind == "IndexBackward0":
+        indices = node._saved_indices
+        return len(indices) == 1 and indices[0] is not None and indices[0].dtype != torch.bool
+    return False
+
+
+def lookup_indices(node: Any) -> Tensor:
+    """The indices a lookup node (:data:`LOOKUPS`) saved."""
+    return node._saved_indices[0] if type(node).__name__ == "IndexBackward0" else node._saved_indices
+
+
+def _permutation(node: Any, dims: int) -> list[int]:
+    """A permute node's dims, each in ``0..dims-1`` (a negative dim is saved as its unsigned 64-bit value)."""
+    return [(int(d) - 2**64 if int(d) >= 2**63 else int(d)) % dims for d in node._saved_dims]
 
 
 def _shape_taken(node: Any) -> Optional[tuple[int, ...]]:
@@ -105,7 +135,9 @@ def shape_after(node: Any, shape: tuple[int, ...]) -> Optional[tuple[int, ...]]:
     None for a view whose output shape is not recorded."""
     kind = type(node).__name__
     if kind in LOOKUPS:
-        return tuple(node._saved_indices.shape) + shape[1:]
+        return tuple(lookup_indices(node).shape) + shape[1:]
+    if kind in PERMUTES:
+        return tuple(shape[d] for d in _permutation(node, len(shape)))
     if kind == "SliceBackward0":
         dim = node._saved_dim % len(shape)
         window = range(*slice(node._saved_start, node._saved_end, node._saved_step).indices(shape[dim]))
@@ -137,6 +169,9 @@ def _back(node: Any, in_shape: tuple[int, ...], grads: Tensor) -> Tensor:
     kind, examples = type(node).__name__, grads.shape[0]
     if kind in LOOKUPS:
         return _back_lookup(node, in_shape, grads)
+    if kind in PERMUTES:
+        dims = _permutation(node, len(in_shape))
+        return grads.permute(0, *(1 + dims.index(d) for d in range(len(dims))))
     if kind not in SLICES:
         return grads.reshape(examples, *in_shape)
     full = grads.new_zeros(examples, *in_shape)
@@ -152,9 +187,10 @@ def _back(node: Any, in_shape: tuple[int, ...], grads: Tensor) -> Tensor:
 def _back_lookup(node: Any, in_shape: tuple[int, ...], grads: Tensor) -> Tensor:
     """A lookup's backward, batched over the examples: each position's gradient added into its index's row of a
     table of zeros, the ``padding_idx`` row left at zero (it takes no gradient)."""
-    indices = node._saved_indices.reshape(-1)
+    indices = lookup_indices(node).reshape(-1)
+    indices = torch.where(indices < 0, indices + in_shape[0], indices)  # table[-1] is its last row
     rows = grads.reshape(grads.shape[0], indices.numel(), *in_shape[1:])
-    padding = int(node._saved_padding_idx)
+    padding = int(getattr(node, "_saved_padding_idx", -1))
     if 0 <= padding < in_shape[0]:
         rows = rows.masked_fill((indices == padding).reshape(1, -1, *([1] * (len(in_shape) - 1))), 0)
     return grads.new_zeros(grads.shape[0], *in_shape).index_add_(1, indices.to(grads.device), rows)

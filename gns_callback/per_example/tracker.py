@@ -1034,7 +1034,7 @@ class PerExampleNormTracker:
         if not isinstance(module, nn.Embedding):
             return None
         if module not in self._shared_tables:
-            self._shared_tables[module] = shared_table_reason(inp)
+            self._shared_tables[module] = shared_table_reason(inp, self.expected_batch_size)
         return self._shared_tables[module]
 
     def _measure(self, record: PassNorms, module: nn.Module, covered: _CoveredModule, inp: Tensor,

@@ -43,6 +43,13 @@ USES = [
      lambda x, p: x + F.embedding(torch.arange(x.shape[1]), p, padding_idx=1)),
     ("x + F.embedding(indices that repeat, p)[None]", (2, D),
      lambda x, p: x + F.embedding(torch.tensor([0, 1, 0])[: x.shape[1]], p)[None]),
+    ("x + p[index].permute(1, 2, 0) (Swin's relative-position table)", (7, 1, T),
+     lambda x, p: x + p[torch.tensor([0, 3, 6, 3])].permute(1, 2, 0)),
+    ("x + p[index].permute(-2, -1, 0), negative dims", (7, 1, T),
+     lambda x, p: x + p[torch.tensor([1, 2, 1, 5])].permute(-2, -1, 0)),
+    ("x + p[negative index].permute(1, 2, 0)", (7, 1, T), lambda x, p: x + p[torch.tensor([-1, 0, -2, 1])].permute(1, 2, 0)),
+    ("x + F.embedding(buckets (T, D), p).permute(2, 0, 1) (T5's relative bias)", (6, 1),
+     lambda x, p: x + F.embedding(torch.arange(T * D).reshape(T, D) % 6, p).permute(2, 0, 1)),
 ]
 
 
@@ -330,3 +337,51 @@ def test_a_shared_table_used_where_its_examples_gradients_are_not_read_is_left_o
             (record,) = tracker.pop_passes()
             assert record.failure is None
     assert tracker.coverage_fraction() < 1.0 and "arange" in tracker.excluded_reasons["pos.weight"]
+
+
+def test_a_lookup_whose_indices_may_hold_the_examples_is_not_read():
+    """``p[tokens]`` with one token per example, broadcast along positions as many as the examples: its rows are
+    the examples', not a shared table's, and the positions' dim fits the batch's size, so it is not read."""
+    x, p = torch.randn(B, B, D), nn.Parameter(torch.randn(9, D))
+    out = torch.tanh(x + p[torch.tensor([3, 1, 4, 1, 5])].unsqueeze(1))
+    (consumer,), unread = find_consumers([out], {id(p): p})
+    dims = []
+    consumer.node.register_prehook(lambda g: dims.append(examples_dim(consumer, g[0], B)))
+    out.sum().backward()
+    assert dims == [None]
+
+
+class RelativeBias(nn.Module):
+    """One attention head over token embeddings with a relative-position bias added to its logits: T5's (an
+    ``nn.Embedding`` of buckets, an (L, L) matrix with no batch dim) or Swin's (a bare table indexed by a buffer)."""
+
+    def __init__(self, swin: bool, length: int = 10):
+        super().__init__()
+        self.emb, self.qk, self.head = nn.Embedding(17, 8), nn.Linear(8, 16), nn.Linear(length, 10)
+        pos = torch.arange(length)
+        self.register_buffer("buckets", (pos[None, :] - pos[:, None]).clamp(-3, 4) + 3)
+        self.table = nn.Parameter(torch.randn(8, 2) * 0.5) if swin else None
+        self.rel = None if swin else nn.Embedding(8, 2)
+
+    def forward(self, tokens):
+        q, k = self.qk(self.emb(tokens)).chunk(2, -1)
+        length = tokens.shape[1]
+        if self.table is not None:
+            bias = self.table[self.buckets.reshape(-1)].view(length, length, 2).permute(2, 0, 1)
+        else:
+            bias = self.rel(self.buckets).permute(2, 0, 1)
+        logits = (q @ k.transpose(-1, -2))[:, None] + bias[None]  # (B, 2, L, L)
+        return self.head(logits.softmax(-1).mean((1, 2)))
+
+
+@pytest.mark.parametrize("swin", [False, True], ids=["T5's bucket embedding", "Swin's indexed table"])
+def test_a_relative_position_bias_is_measured_whole_from_its_first_pass(reference_sq_norms, swin):
+    """Before, T5's bucket embedding stopped the measurement ("neither dim 0 nor dim 1 holds the batch") and
+    Swin's table was left out ("used through IndexBackward0")."""
+    model, tokens, weights = RelativeBias(swin), torch.randint(0, 17, (6, 10)), torch.randn(6, 10)
+    tracker = PerExampleNormTracker(model).attach()
+    for _ in range(2):
+        tracker.expected_batch_size = 6
+        torch.testing.assert_close(_pass(tracker, model, tokens, weights),
+                                   reference_sq_norms(model, tokens, weights).float(), rtol=1e-4, atol=0)
+        assert tracker.coverage_fraction() == 1.0 and not tracker.excluded_reasons and tracker.failure is None

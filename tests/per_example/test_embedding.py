@@ -71,3 +71,16 @@ def test_a_position_table_indexed_by_arange_is_recognised() -> None:
     assert shared_table_reason(torch.arange(8).expand(3, 8)) is None  # a batch dimension: per-example rows
     assert shared_table_reason(torch.tensor([3, 1, 4, 1, 5])) is None  # one token per example
     assert shared_table_reason(torch.tensor([0])) is None
+
+
+def test_indices_with_no_dim_of_the_batch_s_size_are_a_shared_table() -> None:
+    """T5's relative-position buckets, an (L, L) matrix: with the batch's size known, no dim of it holds the
+    examples. Token indices batch first or sequence first do, and one token per example does."""
+    from gns_callback.per_example.embedding import shared_table_reason
+
+    buckets = torch.randint(0, 8, (10, 10))
+    assert "no dim of the batch's 6 examples" in shared_table_reason(buckets, batch_size=6)
+    assert shared_table_reason(buckets) is None  # the batch's size unknown: not told
+    assert shared_table_reason(torch.randint(0, 8, (6, 10)), batch_size=6) is None
+    assert shared_table_reason(torch.randint(0, 8, (10, 6)), batch_size=6) is None
+    assert shared_table_reason(torch.tensor([3, 1, 4, 1, 5, 9]), batch_size=6) is None

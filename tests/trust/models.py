@@ -294,6 +294,26 @@ class EinsumOnly(nn.Module):
         return torch.einsum("btk,kl->bl", h, self.outer)
 
 
+def seeded_relative_bias(swin: bool) -> nn.Module:
+    """``benchmarks/model_scan.py``'s attention with T5's bucket embedding or Swin's indexed table, seeded."""
+    from benchmarks.model_scan import RelativeBiasAttention
+
+    torch.manual_seed(0)
+    return RelativeBiasAttention(swin=swin)
+
+
+class PixelRelativeBias(nn.Module):
+    """:func:`seeded_relative_bias` (T5's bucket embedding) fed pixels in [0, 1], made tokens 0..16 inside (the DDP
+    fits feed pixels)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = seeded_relative_bias(swin=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net((x * 16).round().long())
+
+
 def seeded_min_gpt() -> nn.Module:
     """``benchmarks/model_scan.py``'s minGPT-style model (a position table sliced to the sequence), seeded."""
     from benchmarks.model_scan import MinGptStyle
