@@ -22,6 +22,7 @@ import logging
 import os
 import sys
 import warnings
+from functools import partial
 from typing import Callable
 
 import pytorch_lightning as pl
@@ -321,10 +322,47 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], bool]] = {  # name → (model, 
     "T5-style relative-position bias (bucket embedding)": (RelativeBiasAttention, True),
     "Swin-style relative-position table (indexed bare parameter)": (lambda: RelativeBiasAttention(swin=True), True),
 }
+
+
+#: ``transformers`` encoders (2 layers, width 32, 4 heads, vocabulary 17, dropout off): their config class, the
+#: model class, and the config's arguments.
+ENCODERS: dict[str, tuple[str, str, dict]] = {
+    "T5EncoderModel (relative-position buckets, RMS norms)": (
+        "T5Config", "T5EncoderModel", dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0,
+                                           relative_attention_num_buckets=8)),
+    "BertModel": ("BertConfig", "BertModel", dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                                  intermediate_size=64, hidden_dropout_prob=0.0,
+                                                  attention_probs_dropout_prob=0.0, max_position_embeddings=64)),
+    "LlamaModel (rotary positions, grouped queries)": (
+        "LlamaConfig", "LlamaModel", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)),
+    "DistilBertModel": ("DistilBertConfig", "DistilBertModel", dict(dim=32, n_layers=2, n_heads=4, hidden_dim=64,
+                                                                    dropout=0.0, attention_dropout=0.0,
+                                                                    max_position_embeddings=64)),
+}
+
+
+class HuggingFaceEncoder(nn.Module):
+    """A ``transformers`` encoder of :data:`ENCODERS`, its last hidden state mean-pooled into a Linear head. Only
+    where ``transformers`` is installed."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        import transformers
+
+        config, model, kwargs = ENCODERS[name]
+        self.body = getattr(transformers, model)(getattr(transformers, config)(vocab_size=17, **kwargs))
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(input_ids=tokens).last_hidden_state.mean(1))
+
+
 try:
     import transformers  # noqa: F401  (optional: not a dependency of the package)
 
     MODELS["Hugging Face GPT2LMHeadModel"] = (HuggingFaceGpt2, True)
+    MODELS.update({f"Hugging Face {name}": (partial(HuggingFaceEncoder, name), True) for name in ENCODERS})
 except ImportError:
     pass
 
