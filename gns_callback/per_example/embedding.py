@@ -34,7 +34,11 @@ def shared_table_reason(tokens: Tensor, batch_size: int | None = None) -> str | 
 
     * ``arange(T)`` with no batch dimension (or a batch dimension of 1), as in ``wpe(torch.arange(T))``;
     * with the micro-batch's size known, indices with no batch dimension: neither dim 0 nor dim 1 holds
-      ``batch_size`` examples, as T5's relative-position buckets, an ``(L, L)`` matrix (Raffel et al. 2020).
+      ``batch_size`` examples, as T5's relative-position buckets, an ``(L, L)`` matrix (Raffel et al. 2020);
+    * an ``(L, L)`` matrix constant along its diagonals (those buckets again, whatever the batch's size: ``L`` may
+      equal it). A batch of ``L`` token sequences reads so only where each is the one before moved one token
+      later (windows of a stream at falling offsets, unshuffled); its lookup is then not read at a broadcast, and
+      the table is left out with the reason.
 
     Such a table's output is broadcast over the batch, so the gradient reaching the hook is already summed over
     examples; read as a batch (when a dim happens to equal the batch size) it would give wrong per-example
@@ -52,7 +56,21 @@ def shared_table_reason(tokens: Tensor, batch_size: int | None = None) -> str | 
         return (f"its indices {tuple(tokens.shape)} have no dim of the batch's {batch_size} examples: a table shared "
                 "by every example (e.g. relative-position buckets), whose output is broadcast over the batch, so its "
                 "gradient is already summed over examples")
+    if _relative_positions(tokens):
+        return ("its indices are a square matrix constant along its diagonals, a function of the distance j − i alone "
+                "(relative-position buckets): a table shared by every example, whose output is broadcast over the "
+                "batch, so its gradient is already summed over examples")
     return None
+
+
+def _relative_positions(tokens: Tensor) -> bool:
+    """Whether ``tokens`` is an (L, L) matrix, L ≥ 3, constant along each diagonal and not everywhere (T5's buckets
+    of ``j − i``): told apart from a batch of L sequences of L tokens, which would have to be each the one before
+    moved one token later."""
+    if tokens.dim() != 2 or tokens.shape[0] != tokens.shape[1] or tokens.shape[0] < 3:
+        return False
+    diagonal = torch.equal(tokens[1:, 1:], tokens[:-1, :-1])
+    return diagonal and not torch.equal(tokens, tokens[:1, :1].expand_as(tokens))
 
 
 def without_padding(module: nn.Embedding, tokens: Tensor, grads: Tensor) -> Tensor:

@@ -374,14 +374,35 @@ class RelativeBias(nn.Module):
         return self.head(logits.softmax(-1).mean((1, 2)))
 
 
-@pytest.mark.parametrize("swin", [False, True], ids=["T5's bucket embedding", "Swin's indexed table"])
-def test_a_relative_position_bias_is_measured_whole_from_its_first_pass(reference_sq_norms, swin):
-    """Before, T5's bucket embedding stopped the measurement ("neither dim 0 nor dim 1 holds the batch") and
-    Swin's table was left out ("used through IndexBackward0")."""
-    model, tokens, weights = RelativeBias(swin), torch.randint(0, 17, (6, 10)), torch.randn(6, 10)
+@pytest.mark.parametrize("swin, batch, told", [(False, 6, True), (False, 10, True), (False, 6, False),
+                                              (True, 6, True)],
+                         ids=["T5's bucket embedding", "T5's, as many positions as examples",
+                              "T5's, the batch's size not told", "Swin's indexed table"])
+def test_a_relative_position_bias_is_measured_whole_from_its_first_pass(reference_sq_norms, swin, batch, told):
+    """Before, T5's bucket embedding stopped the measurement ("neither dim 0 nor dim 1 holds the batch"), or with as
+    many positions as examples was read as a batch (its rows, positions, as examples), and Swin's table was left out
+    ("used through IndexBackward0")."""
+    model, tokens, weights = RelativeBias(swin), torch.randint(0, 17, (batch, 10)), torch.randn(batch, 10)
     tracker = PerExampleNormTracker(model).attach()
     for _ in range(2):
-        tracker.expected_batch_size = 6
+        tracker.expected_batch_size = batch if told else None
         torch.testing.assert_close(_pass(tracker, model, tokens, weights),
                                    reference_sq_norms(model, tokens, weights).float(), rtol=1e-4, atol=0)
         assert tracker.coverage_fraction() == 1.0 and not tracker.excluded_reasons and tracker.failure is None
+
+
+def test_windows_of_a_stream_at_falling_offsets_are_never_read_as_a_shared_table_s_rows(reference_sq_norms):
+    """A batch of L sequences of L tokens, each the one before moved one token later (windows at offsets 11, 10, ...,
+    0), is constant along its diagonals as relative-position buckets are: the token table is then handed to the
+    broadcast path, where its lookup's indices hold the examples, so it is left out with the reason, and what is
+    measured is exact. (Windows at rising offsets are constant along the other diagonals, and read as a batch.)"""
+    stream = torch.randint(0, 17, (40,))
+    tokens = torch.stack([stream[11 - i:23 - i] for i in range(12)])  # (12, 12): windows at offsets 11..0
+    model, weights = NanoGptTables(), torch.randn(12, 10)
+    tracker = PerExampleNormTracker(model).attach()
+    with pytest.warns(UserWarning, match="left the bare parameter 'transformer.wte.weight' out"):
+        got = _pass(tracker, model, tokens, weights)
+    covered = {name for name, _ in model.named_parameters()} - {name for name, _ in tracker.uncovered_parameters()}
+    assert covered == {"transformer.wpe.weight", "head.weight", "head.bias"}
+    torch.testing.assert_close(got, reference_sq_norms(model, tokens, weights, covered).float(), rtol=1e-4,
+                               atol=0)

@@ -84,3 +84,16 @@ def test_indices_with_no_dim_of_the_batch_s_size_are_a_shared_table() -> None:
     assert shared_table_reason(torch.randint(0, 8, (6, 10)), batch_size=6) is None
     assert shared_table_reason(torch.randint(0, 8, (10, 6)), batch_size=6) is None
     assert shared_table_reason(torch.tensor([3, 1, 4, 1, 5, 9]), batch_size=6) is None
+
+
+def test_a_square_matrix_constant_along_its_diagonals_is_a_shared_table_at_any_batch_size() -> None:
+    """T5's buckets of the distance j − i where L equals the batch's size; a batch of L random sequences of L tokens is
+    not, nor is a constant matrix."""
+    from gns_callback.per_example.embedding import shared_table_reason
+
+    pos = torch.arange(12)
+    buckets = (pos[None, :] - pos[:, None]).clamp(-3, 4) + 3
+    assert "diagonals" in shared_table_reason(buckets, batch_size=12)
+    assert "diagonals" in shared_table_reason(buckets)
+    assert shared_table_reason(torch.randint(0, 17, (12, 12)), batch_size=12) is None
+    assert shared_table_reason(torch.full((12, 12), 3), batch_size=12) is None
