@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from .embedding import embedding_unsupported_reason, without_padding
 from .linear import upcast
 
-__all__ = ["cross_term", "logits_at_tokens", "tied_pair"]
+__all__ = ["cross_term", "logits_at_tokens", "same_table", "tied_pair"]
 
 
 def tied_pair(modules: list[tuple[nn.Module, str]]) -> Optional[tuple[nn.Embedding, nn.Linear]]:
@@ -42,6 +42,20 @@ def tied_pair(modules: list[tuple[nn.Module, str]]) -> Optional[tuple[nn.Embeddi
     if len(embeddings) != 1 or len(linears) != 1 or embedding_unsupported_reason(embeddings[0]) is not None:
         return None
     return embeddings[0], linears[0]
+
+
+def same_table(modules: list[tuple[nn.Module, str]]) -> Optional[list[nn.Embedding]]:
+    """The embeddings, when a parameter's owners are several ``nn.Embedding`` holding it as ``weight`` with the same
+    options, all of which per-example norms support (T5's ``shared``, ``encoder.embed_tokens`` and
+    ``decoder.embed_tokens``): one table looked up by several modules is one module applied several times, each
+    example's gradient the sum over all their positions. Else None."""
+    if len(modules) < 2 or any(name != "weight" or type(m) is not nn.Embedding for m, name in modules):
+        return None
+    embeddings = [m for m, _ in modules]
+    options = {(m.padding_idx, m.max_norm, m.norm_type, m.scale_grad_by_freq, m.sparse) for m in embeddings}
+    if len(options) != 1 or embedding_unsupported_reason(embeddings[0]) is not None:
+        return None
+    return embeddings
 
 
 def logits_at_tokens(tokens: Tensor, linear_input: Tensor, linear_grad_output: Tensor) -> Tensor:

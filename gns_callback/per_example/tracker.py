@@ -64,7 +64,7 @@ from .recurrent import (
     recurrent_sq_norms,
     recurrent_unsupported_reason,
 )
-from .tied import cross_term, logits_at_tokens, tied_pair
+from .tied import cross_term, logits_at_tokens, same_table, tied_pair
 from .transposed_linear import TransposedLinear, layer_kind, transposed_linear_summed_grads
 from .normalization import (
     group_norm_sq_norms,
@@ -415,6 +415,9 @@ class PerExampleNormTracker:
         self.excluded_reasons = {}
         self._shared_tables = {}
         self._tied: dict[nn.Module, nn.Module] = {}  # embedding ↔ Linear sharing one table (both directions)
+        #: Embeddings that share one table with another (T5's ``shared`` and ``encoder.embed_tokens``) → the one
+        #: measured: their calls are its calls, read as one module applied several times (:mod:`.repeated`).
+        self._aliases: dict[nn.Module, nn.Module] = {}
         self._tied_tokens: dict[nn.Module, Tensor] = {}  # a tied embedding's input in its latest forward
         self._sequence_first = is_sequence_first(self.model)
         self._covered_modules = {}
@@ -439,6 +442,11 @@ class PerExampleNormTracker:
                 for module_name, module, local_name in entries:
                     covered_names.setdefault(module, (module_name, set()))[1].add(local_name)
                 continue
+            same = same_table(list({id(m): (m, n) for _, m, n in entries}.values()))
+            if same is not None:
+                self._aliases.update({m: same[0] for m in same[1:]})
+                distinct_modules = {id(same[0]): same[0]}
+                entries = [entry for entry in entries if entry[1] is same[0]]
             if len(distinct_modules) > 1:
                 aliases = ", ".join(_qualified(m, n) for m, _, n in entries)
                 reason = (
@@ -469,7 +477,8 @@ class PerExampleNormTracker:
             )
         # A subset's summed gradient is not assembled over a tied table's two uses, nor by the modules with hooks of
         # their own: with any of them, every example is measured.
-        self._subset_allowed = not self._tied and not any(type(m) in HANDLED_APART for m in self._covered_modules)
+        self._subset_allowed = not self._tied and not self._aliases and not any(
+            type(m) in HANDLED_APART for m in self._covered_modules)
 
     def covered_parameters(self) -> list[nn.Parameter]:
         """Trainable parameters whose per-example norms are measured."""
@@ -526,6 +535,8 @@ class PerExampleNormTracker:
                 qualified = _qualified(covered.name, local_name)
                 self._handles.append(param.register_hook(
                     partial(self._on_param_grad, owners, qualified, id(param), local_name)))
+        self._handles += [alias.register_forward_hook(partial(self._on_alias_forward, measured), with_kwargs=True)
+                          for alias, measured in self._aliases.items() if measured in self._covered_modules]
         self._table_callers = self._find_table_callers()
         self._handles += self._bare_hooks()
         # Bare parameters too: a model may hold nothing else (its layers written out as matrix products).
@@ -659,6 +670,11 @@ class PerExampleNormTracker:
             batch = self.expected_batch_size or inp.shape[0]
             self._forward_costs.append((*covered.cost(module, inp, output, batch), covered.param_count))
             self._forward_launch_cost = launch_cost(output.device)
+
+    def _on_alias_forward(self, measured: nn.Module, _alias: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                          output: Any) -> None:
+        """A call of an embedding sharing ``measured``'s table: a call of ``measured``."""
+        self._on_forward(measured, args, kwargs, output)
 
     def _pass_record(self) -> PassNorms:
         return self._passes.record(self._passes.current())

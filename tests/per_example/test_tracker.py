@@ -592,3 +592,32 @@ def test_a_tied_table_in_a_sequence_first_model_is_measured_exactly() -> None:
         grads = torch.autograd.grad((model(tokens[:, i:i + 1]) * weights[:, i:i + 1]).sum(), list(model.parameters()))
         expected.append(sum(g.pow(2).sum() for g in grads))
     torch.testing.assert_close(got, torch.stack(expected), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("decoder_tokens", [5, 0], ids=["encoder and decoder tables", "the decoder's never called"])
+def test_embeddings_sharing_one_table_are_one_table_looked_up_several_times(decoder_tokens: int) -> None:
+    """T5's ``shared``, ``encoder.embed_tokens`` and ``decoder.embed_tokens`` hold one weight: each example's
+    gradient of it is the sum over every position of every lookup, as for one embedding called twice. Before, the
+    table was left out ("shared by several modules"), and in T5 it is the largest parameter."""
+    from tests.trust.models import SharedTables
+
+    model, tokens, weights = SharedTables(decoder_tokens), torch.randint(0, 17, (6, 12)), torch.randn(6, 10)
+    tracker = PerExampleNormTracker(model).attach()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            model.zero_grad()
+            (model(tokens) * weights).sum().backward()
+            torch.testing.assert_close(tracker.pop(), per_example_sq_norms_reference(model, tokens, weights).float(),
+                                       rtol=1e-5, atol=0)
+    assert tracker.coverage_fraction() == 1.0 and not tracker.excluded_reasons
+
+
+def test_embeddings_sharing_a_table_with_other_options_stay_left_out() -> None:
+    """Tables looked up with different ``padding_idx`` are not one module's calls."""
+    from tests.trust.models import SharedTables
+
+    model = SharedTables()
+    model.decoder.padding_idx = 0
+    tracker = PerExampleNormTracker(model).attach()
+    assert "shared by several modules" in tracker.excluded_reasons["shared.weight"]

@@ -314,6 +314,29 @@ class PixelRelativeBias(nn.Module):
         return self.net((x * 16).round().long())
 
 
+class SharedTables(nn.Module):
+    """T5 v1.1's layout (untied head): ``shared``, an encoder table and a decoder table holding one weight; the
+    encoder reads the tokens, the decoder the first ``decoder_tokens`` of them reversed (0: the decoder table is never
+    called, as in ``T5EncoderModel``). Tokens 0..16, pixels made tokens inside where ``pixels``."""
+
+    def __init__(self, decoder_tokens: int = 8, pixels: bool = False, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.shared = nn.Embedding(17, 16)
+        self.encoder, self.decoder = nn.Embedding(17, 16), nn.Embedding(17, 16)
+        self.encoder.weight = self.decoder.weight = self.shared.weight
+        self.mix, self.head = nn.Linear(16, 16), nn.Linear(16, 10)
+        self.decoder_tokens, self.pixels = decoder_tokens, pixels
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.pixels:
+            tokens = (tokens * 16).round().long()
+        h = torch.tanh(self.mix(self.encoder(tokens))).mean(1)
+        if self.decoder_tokens:
+            h = h + self.decoder(tokens[:, :self.decoder_tokens].flip(1)).mean(1)
+        return self.head(h)
+
+
 def seeded_min_gpt() -> nn.Module:
     """``benchmarks/model_scan.py``'s minGPT-style model (a position table sliced to the sequence), seeded."""
     from benchmarks.model_scan import MinGptStyle
