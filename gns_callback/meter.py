@@ -225,9 +225,13 @@ class GradientNoiseScaleMeter:
         :mod:`gns_callback.per_example.checks`; one more weight gradient per layer, once). Without it, a parameter
         also used outside its layer (``h @ embedding.weight.T``) or an L2 term in the loss reached ``|G_B|²`` but no
         example's norm, and the interval knew nothing of it."""
-        tracker = getattr(self.collector, "tracker", None)  # per_example's
+        tracker = self._per_example_tracker()
         if tracker is not None:
             tracker.sum_check = SumCheck(keep_tensors=False) if armed else None
+
+    def _per_example_tracker(self) -> Any:
+        """The ``per_example`` collector's hook tracker; None for another method's collector."""
+        return getattr(self.collector, "tracker", None)
 
     def detach(self) -> None:
         """Take every hook off."""
@@ -447,15 +451,16 @@ class GradientNoiseScaleMeter:
         """The first measured step's own checks (:meth:`_arm_sum_check`), once they could tell; BatchNorm in
         training mode is found here too (its batch statistics couple the examples). A refusal is a problem found at
         this step: the meter switches to ``fallback_method`` or stops, every rank at once."""
-        tracker = getattr(self.collector, "tracker", None)
+        tracker = self._per_example_tracker()
         sum_check = None if tracker is None else tracker.sum_check
         if sum_check is None:
             return
-        verdict = first_step_check(sum_check, int(window.micro_size_sum) if window.micro_count == 1 else None)
         if tracker.has_batchnorm_in_training():
             verdict = PerExampleCheck("coupled", detail=f"{BATCH_NORM_COUPLES}: the noise scale read from them would "
                                                         f"be wrong. Instead, {MICRO_BATCH_HINT}, or normalise without "
                                                         "batch statistics (GroupNorm, LayerNorm)")
+        else:
+            verdict = first_step_check(sum_check, int(window.micro_size_sum) if window.micro_count == 1 else None)
         self._arm_sum_check(verdict is None and bool(sum_check.rests))  # a step that couldn't tell: the next one
         if verdict is None:
             return

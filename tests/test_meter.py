@@ -786,7 +786,10 @@ class FunctionalTiedHead(nn.Module):
 
 def _plain_steps(meter: GradientNoiseScaleMeter, model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor,
                  steps: int, seed: int = 0, scaler=None) -> None:
+    """``steps`` steps of 32 examples at fixed parameters (the optimizer's learning rate is 0); with ``scaler``, under
+    fp16 autocast with that GradScaler."""
     draws = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     for _ in range(steps):
         i = torch.randint(0, len(x), (32,), generator=draws)
         if scaler is None:
@@ -798,7 +801,7 @@ def _plain_steps(meter: GradientNoiseScaleMeter, model: nn.Module, loss_fn, x: t
             loss = loss_fn(model, x[i], y[i])
         scaler.scale(loss).backward()
         scale = scaler.get_scale()
-        scaler.unscale_(optimizer := torch.optim.SGD(model.parameters(), lr=0.0))
+        scaler.unscale_(optimizer)
         meter.step(loss_scale=scale)
         scaler.step(optimizer)
         scaler.update()

@@ -157,10 +157,19 @@ def examples_dim(consumer: Consumer, grad_output: Tensor, batch_size: Optional[i
             return None
         return rows_batch_dim(row_shape(consumer.node, grad_output), batch_size, sequence_first)
     dim = batch_dim(grad_output.shape, torch.Size(consumer.path.shape), batch_size, sequence_first)
-    if dim is None or any(shared_table_reason(lookup_indices(view), grad_output.shape[dim]) is None
+    if dim is None or any(_may_hold_examples(lookup_indices(view), grad_output.shape[dim])
                           for view in consumer.path.views if type(view).__name__ in LOOKUPS):
-        return None  # a lookup whose indices may hold the examples: its rows are not read as shared
+        return None  # its rows are not read as a shared table's
     return dim
+
+
+def _may_hold_examples(indices: Tensor, examples: int) -> bool:
+    """Whether a lookup's indices may hold the examples: :func:`~.embedding.shared_table_reason` finds no shared
+    table in them. Its answer needs their values (a device sync) only where some dim has the examples' count or
+    there is a single index; otherwise it is "shared" by their shape alone, and the sync is skipped."""
+    if examples not in indices.shape and indices.numel() >= 2:
+        return False
+    return shared_table_reason(indices, examples) is None
 
 
 def batch_dim(out_shape: torch.Size, param_shape: torch.Size, batch_size: Optional[int],

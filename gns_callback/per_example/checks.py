@@ -39,7 +39,7 @@ import math
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
@@ -48,7 +48,7 @@ from gns_callback.batch_size import first_half_rows
 
 from .layout import LayoutError, batch_dim, is_sequence_first, position_dims
 from .sketch import restart_probes
-from .sum_check import Extra, Rest, SumCheck
+from .sum_check import Rest, SumCheck
 from .param_path import is_parameter
 from .tracker import MICRO_BATCH_HINT, SUPPORTED_MODULES, PerExampleNormTracker
 from .transposed_linear import layer_kind
@@ -124,8 +124,7 @@ def check_per_example(model: nn.Module, run_pass: Callable[[], None], batch_size
         return PerExampleCheck("not checked", detail=str(error))
     finally:
         restart_probes()
-    extra, note = _extra_gradient(first.extra_gradients, second.extra_gradients, batch_size * first.summed_sq_norms,
-                                  tolerance)
+    extra, note = _extra_gradient(first, second, batch_size, tolerance)
     if extra is not None:
         return extra
     if not replaced:
@@ -154,9 +153,7 @@ def first_step_check(sum_check: SumCheck, batch_size: Optional[int]) -> Optional
     if varying or batch_size is None:
         share, name = max((_rest_share(beyond[name]), name) for name in (varying or beyond))
         return PerExampleCheck("extra gradient", share, _one_pass_reason(name, share))
-    shift = sum(2 * rest.summed_dot_rest + rest.norm ** 2 for rest in beyond.values())
-    trace = batch_size * sum_check.summed_sq_norms - sum(rest.summed_sq for rest in rests.values())
-    impact = abs(shift) / trace if trace > 0 else math.inf
+    impact = _trace_shift(sum_check, beyond, batch_size)
     if impact > IMPACT:
         return PerExampleCheck("extra gradient", impact, _fixed_reason(impact))
     return PerExampleCheck(SUMS_CHECKED, impact, f"{_SUMS_NOTE}; an L2 term in the loss reaches |G_B|² but no "
@@ -167,43 +164,42 @@ _SUMS_NOTE = ("each parameter's gradient is its layers' summed per-example gradi
               "whether the examples are coupled was not checked: meter.check_per_example(...) checks that")
 
 
-def _rest_share(rest: Rest) -> float:
-    return rest.norm / max(rest.whole, 1e-30)
-
-
-def _extra_gradient(first: dict[str, Extra], second: dict[str, Extra], scale: float,
+def _extra_gradient(first: SumCheck, second: SumCheck, batch_size: int,
                     tolerance: float) -> tuple[Optional[PerExampleCheck], str]:
     """Check 1: ``(refusal or None, note)`` from each parameter's ``(S, R, rounding)`` in the two passes.
 
     A rest ``R`` that changes with the examples (the second pass replaced half of them) is part of their gradients
     that no norm sees: refused. One that doesn't (a penalty on the parameters) is the same in every example's
-    gradient; it moves the plug-in ``tr Σ = mean|g_i|² − |ḡ|²`` by ``−(2ḡ·R + |R|²)`` (``ḡ = S``, in units where
-    ``scale = mean|g_i|²``), refused above ``IMPACT`` of it, else noted."""
-    extra = {name: (summed, rest) for name, (summed, rest, rounding) in first.items() if float(rest.norm()) > rounding}
+    gradient; it moves the plug-in ``tr Σ = mean|g_i|² − |ḡ|²`` by ``−(2ḡ·R + |R|²)`` (:func:`_trace_shift`),
+    refused above ``IMPACT`` of it, else noted."""
+    extra = [name for name, rest in first.rests.items() if rest.beyond_rounding]
     if not extra:
         return None, ""
-    varying = [name for name, (_, rest) in extra.items()
-               if name not in second or float((second[name][1] - rest).norm()) > tolerance * float(rest.norm())]
+    rests, seconds = first.extra_gradients, second.extra_gradients
+    varying = [name for name in extra if name not in seconds
+               or float((seconds[name][1] - rests[name][1]).norm()) > tolerance * first.rests[name].norm]
     if varying:
-        share, name = max((_share(*extra[n]), n) for n in varying)
+        share, name = max((_rest_share(first.rests[n]), n) for n in varying)
         return PerExampleCheck("extra gradient", share, _varying_reason(name, share)), ""
-    impact = _trace_shift(extra, first, scale)
+    impact = _trace_shift(first, extra, batch_size)
     if impact > IMPACT:
         return PerExampleCheck("extra gradient", impact, _fixed_reason(impact)), ""
     return None, (f"a part of the gradient the same for every example (a penalty on the parameters) reaches |G_B|² but "
                   f"no example's norm; it moves tr Σ by {impact:.2%}, measured as is")
 
 
-def _trace_shift(extra: dict[str, tuple[Tensor, Tensor]], first: dict[str, Extra], scale: float) -> float:
-    """``|2ḡ·R + |R|²| / tr Σ`` over the parameters with a rest, ``tr Σ = scale − |ḡ|²`` over all compared ones."""
-    shift = sum(float(2 * (s * r).sum() + r.pow(2).sum()) for s, r in extra.values())
-    trace = scale - sum(float(summed.pow(2).sum()) for summed, _, _ in first.values())
+def _trace_shift(sum_check: SumCheck, names: Iterable[str], batch_size: int) -> float:
+    """``|2ḡ·R + |R|²| / tr Σ`` over the parameters ``names`` with a rest, ``ḡ = S``, and the plug-in
+    ``tr Σ = mean|g_i|² − |ḡ|²`` over every compared parameter (``mean|g_i|² = B·Σ_i |ĝ_i|²``, the hooks' units)."""
+    rests = sum_check.rests
+    shift = sum(2 * rests[name].summed_dot_rest + rests[name].norm ** 2 for name in names)
+    trace = batch_size * sum_check.summed_sq_norms - sum(rest.summed_sq for rest in rests.values())
     return abs(shift) / trace if trace > 0 else math.inf
 
 
-def _share(summed: Tensor, rest: Tensor) -> float:
+def _rest_share(rest: Rest) -> float:
     """``|R| / |S + R|``: the rest's share of the parameter's gradient."""
-    return float(rest.norm()) / max(float((summed + rest).norm()), 1e-30)
+    return rest.norm / max(rest.whole, 1e-30)
 
 
 def _varying_reason(name: str, share: float) -> str:

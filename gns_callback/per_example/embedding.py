@@ -30,7 +30,7 @@ def embedding_unsupported_reason(module: nn.Embedding) -> str | None:
 
 
 def shared_table_reason(tokens: Tensor, batch_size: int | None = None) -> str | None:
-    """Why these indices look like one table shared by every example, or None. Two cases:
+    """Why these indices look like one table shared by every example, or None. Three cases:
 
     * ``arange(T)`` with no batch dimension (or a batch dimension of 1), as in ``wpe(torch.arange(T))``;
     * with the micro-batch's size known, indices with no batch dimension: neither dim 0 nor dim 1 holds

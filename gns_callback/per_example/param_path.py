@@ -70,8 +70,6 @@ def parameter_behind(node: Any, params: dict[int, Tensor]) -> Optional[Parameter
         kind = type(node).__name__
         if kind in SLICES | RESHAPES or _is_lookup(node) or (kind in PERMUTES and len(node._saved_dims) > 2):
             views.append(node)
-        elif kind in LOOKUPS:
-            return None
         elif kind in TRANSPOSES:
             transposed ^= _swaps(node)
         elif kind not in CASTS:

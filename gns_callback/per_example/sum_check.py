@@ -95,12 +95,13 @@ class SumCheck:
 
 
 def _rest(summed: Tensor, rest: Tensor, grad: Tensor, rounding: float, param: Optional[Tensor]) -> Rest:
-    off = float(rest.norm())
+    norm = off = float(rest.norm())
     if param is not None:
         theta = param.detach().float()
         off = float((rest - (rest * theta).sum() / (theta * theta).sum().clamp_min(1e-30) * theta).norm())
-    return Rest(float(rest.norm()), float(grad.float().norm()), rounding, off, float((summed * rest).sum()),
+    return Rest(norm, float(grad.float().norm()), rounding, off, float((summed * rest).sum()),
                 float(summed.pow(2).sum()))
+
 
 def _eps(tensor: Tensor) -> float:
     return torch.finfo(tensor.dtype).eps if tensor.is_floating_point() else 0.0

@@ -353,8 +353,8 @@ class PerExampleNormTracker:
     return immediately. Coverage is decided at :meth:`attach`; re-attach after changing
     ``requires_grad``. A parameter used *both* by its module and functionally elsewhere (e.g.
     ``logits = h @ embedding.weight.T``) is not detected at each step: :attr:`sum_check` (run once, by
-    :mod:`.checks` or on the meter's first measured step) finds it; tie weights by sharing the Parameter between an Embedding and a Linear instead, which
-    is measured.
+    :mod:`.checks` or on the meter's first measured step) finds it; tie weights by sharing the Parameter between an
+    Embedding and a Linear instead, which is measured.
     """
 
     def __init__(self, model: nn.Module, max_examples: int | None = None) -> None:
@@ -435,14 +435,15 @@ class PerExampleNormTracker:
             entries = owners[id(param)]
             distinct_modules = {id(module): module for _, module, _ in entries}
             reason = None
-            pair = tied_pair(list({id(m): (m, n) for _, m, n in entries}.values()))
+            holders = list({id(m): (m, n) for _, m, n in entries}.values())  # (module, local name), each module once
+            pair = tied_pair(holders)
             if pair is not None:
                 self._tied.update({pair[0]: pair[1], pair[1]: pair[0]})
                 self._covered_params.append((param_name, param))
                 for module_name, module, local_name in entries:
                     covered_names.setdefault(module, (module_name, set()))[1].add(local_name)
                 continue
-            same = same_table(list({id(m): (m, n) for _, m, n in entries}.values()))
+            same = same_table(holders)
             if same is not None:
                 self._aliases.update({m: same[0] for m in same[1:]})
                 distinct_modules = {id(same[0]): same[0]}
