@@ -269,6 +269,29 @@ class RelativeBiasAttention(nn.Module):
         return self.head(out.mean(1))
 
 
+class VocoderStyle(nn.Module):
+    """HiFi-GAN-style convolutions, every weight weight-normalised (``W = g·v/‖v‖``): the 64 pixels as a one-channel
+    signal, a dilated ``Conv1d`` stack with leaky ReLUs, a grouped ``Conv1d`` normalised per kernel position
+    (``dim=2``, wav2vec 2.0's positional convolution), a normalised ``Linear`` head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        norm = nn.utils.parametrizations.weight_norm
+        self.pre = norm(nn.Conv1d(1, 8, 5, padding=2))
+        self.dilated = norm(nn.Conv1d(8, 8, 3, padding=2, dilation=2))
+        self.grouped = norm(nn.Conv1d(8, 8, 4, padding=2, groups=4), dim=2)
+        self.head = norm(nn.Linear(8 * 65, 10))
+        with torch.no_grad():  # magnitudes off their start at ‖v‖, where W = v and the norms are W's
+            for name, param in self.named_parameters():
+                if name.endswith("original0"):
+                    param.mul_(torch.rand_like(param) * 1.5 + 0.5)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        h = F.leaky_relu(self.pre(pixels.unsqueeze(1)), 0.1)
+        h = F.leaky_relu(self.dilated(h), 0.1) + h
+        return self.head(F.leaky_relu(self.grouped(h), 0.1).flatten(1))
+
+
 class HandWrittenLayer(nn.Module):
     """One layer written out, ``tanh(x @ W + b)``, under an ``nn.Linear`` head: the pattern of a layer of one's own
     beside the library's."""
@@ -321,6 +344,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], bool]] = {  # name → (model, 
     "hand-written layer (x @ W + b), nn.Linear head": (HandWrittenLayer, False),
     "T5-style relative-position bias (bucket embedding)": (RelativeBiasAttention, True),
     "Swin-style relative-position table (indexed bare parameter)": (lambda: RelativeBiasAttention(swin=True), True),
+    "vocoder-style (every weight weight-normalised)": (VocoderStyle, False),
 }
 
 

@@ -29,8 +29,9 @@ _WEIGHT_GRADS = {1: torch.nn.grad.conv1d_weight, 2: torch.nn.grad.conv2d_weight,
 
 
 def spatial_dims(module: nn.Module) -> int:
-    """1, 2 or 3: a convolution's or transposed convolution's spatial dims (its weight is ``(·, ·, *kernel)``)."""
-    return module.weight.dim() - 2
+    """1, 2 or 3: a convolution's or transposed convolution's spatial dims (not read off a weight that may be
+    computed on each read, as a weight-normalised one is)."""
+    return len(module.kernel_size)
 
 
 def unfold_input(module: ConvNd, inp: Tensor) -> Tensor:

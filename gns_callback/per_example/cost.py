@@ -18,6 +18,7 @@ CNN cost less than a subset on an H100). Measuring fewer examples launches no fe
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 from torch import Tensor, nn
@@ -56,7 +57,8 @@ def transposed_linear_costs(module: nn.Module, inp: Tensor, output: Tensor, batc
 
 def conv_costs(module: ConvNd, inp: Tensor, output: Tensor, batch: int) -> tuple[float, float]:
     positions = output.numel() / (batch * module.out_channels)
-    norm, summed = sequence_costs(positions, module.weight[0].numel(), module.out_channels // module.groups,
+    per_output = module.in_channels // module.groups * math.prod(module.kernel_size)  # not .weight: maybe computed
+    norm, summed = sequence_costs(positions, per_output, module.out_channels // module.groups,
                                   launch_cost_per_example(inp.device, batch * module.groups))
     return module.groups * norm, module.groups * summed
 

@@ -34,10 +34,10 @@ def upcast(*tensors: Tensor) -> tuple[Tensor, ...]:
 
 def includes_param(module: nn.Module, name: str, param_names: Collection[str] | None) -> bool:
     """Whether the module's own parameter ``name`` exists, is trainable and was asked for."""
+    if param_names is not None and name not in param_names:
+        return False  # first: a parametrized weight is recomputed on each read
     param = getattr(module, name, None)
-    if not isinstance(param, Tensor) or not param.requires_grad:
-        return False
-    return param_names is None or name in param_names
+    return isinstance(param, Tensor) and param.requires_grad
 
 
 def sequence_norm_costs(seq_len: float, in_features: float, out_features: float) -> tuple[float, float]:

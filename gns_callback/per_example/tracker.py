@@ -66,6 +66,7 @@ from .recurrent import (
 )
 from .tied import cross_term, logits_at_tokens, same_table, tied_pair
 from .transposed_linear import TransposedLinear, layer_kind, transposed_linear_summed_grads
+from .weight_norm import weight_normed, weight_normed_owner, weight_normed_sq_norms, weight_normed_summed_grads
 from .normalization import (
     group_norm_sq_norms,
     group_norm_summed_grads,
@@ -257,6 +258,9 @@ def _unmeasured_reason(module: nn.Module, local_name: str) -> Optional[str]:
     if _holds_bare_parameters(module):
         return f"unsupported module type {type(module).__name__}"
     measured = MEASURED_ATTENTION_PARAMS if is_attention(module) else _MEASURED_PARAM_NAMES
+    normed = weight_normed(module)
+    if normed is not None and local_name in (normed.g_name, normed.v_name):
+        return None
     if local_name not in measured:
         return f"extra parameter '{local_name}' on {type(module).__name__} is not measured"
     if isinstance(module, nn.Embedding):
@@ -397,16 +401,18 @@ class PerExampleNormTracker:
 
     def _owners(self) -> dict[int, list[tuple[str, nn.Module, str]]]:
         """Per parameter, ``(module name, module, local name)`` of every module holding it; an attention module's
-        ``out_proj`` parameters belong to the attention module (``"out_proj.weight"``), which applies them."""
+        ``out_proj`` parameters belong to the attention module (``"out_proj.weight"``), which applies them; a
+        weight-normalised layer's ``g`` and ``v`` belong to the layer (``"parametrizations.weight.original0"``)."""
         owners: dict[int, list[tuple[str, nn.Module, str]]] = {}
         for module_name, module in self.model.named_modules(remove_duplicate=False):
             for local_name, param in module.named_parameters(recurse=False):
                 owners.setdefault(id(param), []).append((module_name, module, local_name))
         for module_name, module in self.model.named_modules(remove_duplicate=False):
-            if is_attention(module):
-                for local_name, param in module.out_proj.named_parameters(recurse=False):
-                    owners[id(param)] = [(module_name, module, f"out_proj.{local_name}") if owner is module.out_proj
-                                         else (name, owner, local) for name, owner, local in owners[id(param)]]
+            holder, prefix = ((module.out_proj, "out_proj.") if is_attention(module)
+                              else (weight_normed_owner(module), "parametrizations.weight."))
+            for local_name, param in (holder.named_parameters(recurse=False) if holder is not None else ()):
+                owners[id(param)] = [(module_name, module, f"{prefix}{local_name}") if owner is holder
+                                     else (name, owner, local) for name, owner, local in owners[id(param)]]
         return owners
 
     def _analyse(self) -> None:
@@ -468,18 +474,23 @@ class PerExampleNormTracker:
 
         for module, (module_name, local_names) in covered_names.items():
             kind = layer_kind(module)
+            sq_norms, summed_grads = SUPPORTED_MODULES.get(kind), SUMMED_GRADIENTS.get(kind)
+            if weight_normed(module) is not None:
+                sq_norms, summed_grads = (partial(weight_normed_sq_norms, sq_norms),
+                                          partial(weight_normed_summed_grads, summed_grads))
             self._covered_modules[module] = _CoveredModule(
                 name=module_name or type(module).__name__,
                 param_names=frozenset(local_names),
-                sq_norms=SUPPORTED_MODULES.get(kind),
-                summed_grads=SUMMED_GRADIENTS.get(kind),
+                sq_norms=sq_norms,
+                summed_grads=summed_grads,
                 cost=COSTS.get(kind),
                 param_count=sum(module.get_parameter(name).numel() for name in local_names),
             )
         # A subset's summed gradient is not assembled over a tied table's two uses, nor by the modules with hooks of
-        # their own: with any of them, every example is measured.
+        # their own; and the cost model does not price a weight-normalised layer's materialised gradients: with any
+        # of them, every example is measured.
         self._subset_allowed = not self._tied and not self._aliases and not any(
-            type(m) in HANDLED_APART for m in self._covered_modules)
+            type(m) in HANDLED_APART or weight_normed(m) is not None for m in self._covered_modules)
 
     def covered_parameters(self) -> list[nn.Parameter]:
         """Trainable parameters whose per-example norms are measured."""

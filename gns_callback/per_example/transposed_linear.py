@@ -17,6 +17,7 @@ from collections.abc import Collection
 from torch import Tensor, nn
 
 from .linear import linear_summed_grads
+from .weight_norm import plain_type
 
 __all__ = ["TransposedLinear", "is_transposed_linear", "layer_kind", "transposed_linear_summed_grads"]
 
@@ -36,8 +37,9 @@ def is_transposed_linear(module: nn.Module) -> bool:
 
 
 def layer_kind(module: nn.Module) -> type:
-    """The key of ``module`` in the per-layer tables: its exact type, or :class:`TransposedLinear`."""
-    return TransposedLinear if is_transposed_linear(module) else type(module)
+    """The key of ``module`` in the per-layer tables: its exact type, :class:`TransposedLinear`, or for a
+    weight-normalised layer the class it parametrizes (:func:`~.weight_norm.plain_type`)."""
+    return TransposedLinear if is_transposed_linear(module) else plain_type(module)
 
 
 def transposed_linear_summed_grads(module: nn.Module, inp: Tensor, grad_output: Tensor, *,

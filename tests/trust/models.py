@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrizations
 
 from benchmarks.sketch_accuracy import PixelSequence, digits, train
 from tests.helpers import Classifier
@@ -344,3 +347,26 @@ def seeded_min_gpt() -> nn.Module:
     torch.manual_seed(0)
     return MinGptStyle()
 
+
+
+class WeightNormed(nn.Module):
+    """Every weight weight-normalised (``W = g·v/‖v‖``), as in vocoders and wav2vec 2.0: the 64 pixels as 8 channels
+    of 8 through a grouped ``Conv1d`` normalised per kernel position (``dim=2``, wav2vec 2.0's positional
+    convolution), a ``Linear`` in the older hook-based form, a head normalised as a whole (``dim=None``)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.conv = parametrizations.weight_norm(nn.Conv1d(8, 8, 3, padding=1, groups=2), dim=2)
+        with warnings.catch_warnings():  # the hook-based form is deprecated
+            warnings.simplefilter("ignore")
+            self.mix = torch.nn.utils.weight_norm(nn.Linear(64, 32))
+        self.head = parametrizations.weight_norm(nn.Linear(32, 10), dim=None)
+        with torch.no_grad():  # magnitudes off their start at ‖v‖ (where W = v, and the norms are W's)
+            for name, param in self.named_parameters():
+                if name.endswith(("original0", "weight_g")):
+                    param.mul_(torch.rand_like(param) + 0.5)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.conv(pixels.view(-1, 8, 8))).flatten(1)
+        return self.head(torch.tanh(self.mix(h)))
