@@ -292,6 +292,23 @@ class VocoderStyle(nn.Module):
         return self.head(F.leaky_relu(self.grouped(h), 0.1).flatten(1))
 
 
+class FlattenedRows(nn.Module):
+    """Token rows flattened as hand-written mixture-of-experts and older language-model code do: the embeddings
+    viewed as ``(B·T, D)``, a Linear, a GELU, a LayerNorm and a second Linear on those rows, viewed back to
+    ``(B, T, D)``, mean-pooled into a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(17, 16)
+        self.up, self.norm, self.down = nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 16)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        rows = self.down(self.norm(F.gelu(self.up(h.reshape(-1, 16)))))
+        return self.head((h + rows.view(h.shape)).mean(1))
+
+
 class HandWrittenLayer(nn.Module):
     """One layer written out, ``tanh(x @ W + b)``, under an ``nn.Linear`` head: the pattern of a layer of one's own
     beside the library's."""
@@ -345,6 +362,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], bool]] = {  # name → (model, 
     "T5-style relative-position bias (bucket embedding)": (RelativeBiasAttention, True),
     "Swin-style relative-position table (indexed bare parameter)": (lambda: RelativeBiasAttention(swin=True), True),
     "vocoder-style (every weight weight-normalised)": (VocoderStyle, False),
+    "rows flattened to (B·T, D) (h.view(-1, D))": (FlattenedRows, True),
 }
 
 

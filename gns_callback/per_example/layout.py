@@ -21,14 +21,15 @@ Torch only, no Lightning.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
-from typing import Optional
+from typing import Any, Optional
 
 from torch import Tensor, nn
 
 from .transposed_linear import TransposedLinear, layer_kind
 
-__all__ = ["LayoutError", "LayoutMemory", "batch_dim", "is_sequence_first", "position_dims"]
+__all__ = ["LayoutError", "LayoutMemory", "batch_dim", "is_sequence_first", "position_dims", "unflattened"]
 
 
 class LayoutError(ValueError):
@@ -50,6 +51,74 @@ def position_dims(module: nn.Module, inp: Tensor) -> int:
     """Leading dims of ``inp`` that are batch or sequence dims for ``module`` (1 for channels-first layers)."""
     rule = _POSITION_DIMS.get(layer_kind(module))
     return rule(module, inp) if rule is not None else 1
+
+
+#: Layers whose rows may be an ``(examples × positions)`` flattening: any of their leading dims are positions.
+_ROW_LAYERS = (nn.Linear, TransposedLinear, nn.LayerNorm, nn.RMSNorm)
+
+#: Autograd's views: a flattening ``x.view(B·T, D)``, ``reshape``, ``flatten(0, 1)`` saves the shape it was given.
+_VIEW_NODES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
+
+#: Nodes that map row ``r`` of their input to row ``r`` of their output: elementwise activations and dropout (their
+#: one input), and the layers of :data:`_ROW_LAYERS` on 2-D rows (the input given: ``addmm``'s rows are its second).
+_ROW_WISE = {**dict.fromkeys(["TanhBackward0", "ReluBackward0", "GeluBackward0", "SigmoidBackward0", "SiluBackward0",
+                              "LeakyReluBackward0", "EluBackward0", "HardtanhBackward0", "SoftplusBackward0",
+                              "MishBackward0", "HardswishBackward0", "NativeDropoutBackward0"], 0),
+             "AddmmBackward0": 1, "MmBackward0": 0, "NativeLayerNormBackward0": 0}
+
+#: How far back through :data:`_ROW_WISE` nodes the flattening is looked for.
+_MAX_ROW_WISE = 32
+
+
+def unflattened(module: nn.Module, inp: Tensor, expected: Optional[int]) -> Optional[tuple[int, ...]]:
+    """The shape to read ``inp`` at, where its rows hold no batch of ``expected`` examples but come from a view
+    that flattened the examples' positions into rows (``h.view(B·T, D)``, ``h.flatten(0, 1)``), maybe through
+    row-wise layers and activations since (:data:`_ROW_WISE`): ``(B, T, *features)``, or ``(T, B, *features)``,
+    which :func:`batch_dim` then reads. None otherwise. A view keeps its elements in row-major order, so row
+    ``b·T + t`` is position ``t`` of example ``b``: read at the source's leading shape, each example's rows are its
+    own. Only for a layer that treats every leading dim as a position (:data:`_ROW_LAYERS`) and reads 2-D rows."""
+    if (expected is None or layer_kind(module) not in _ROW_LAYERS or position_dims(module, inp) != 1
+            or inp.shape[0] == expected):
+        return None
+    leading = _flattened_from(inp.grad_fn, int(inp.shape[0]))
+    if leading is None or expected not in leading[:2]:
+        return None
+    return (*leading, *inp.shape[1:])
+
+
+def _flattened_from(node: Any, rows: int) -> Optional[tuple[int, ...]]:
+    """The leading dims a view folded into ``rows`` rows, found back from ``node`` through row-wise nodes; None
+    where the walk meets anything else first."""
+    for _ in range(_MAX_ROW_WISE):
+        kind = type(node).__name__
+        if kind in _VIEW_NODES:
+            return _folded(node, rows)
+        if kind not in _ROW_WISE or len(node.next_functions) <= _ROW_WISE[kind] or _across_rows(node):
+            return None
+        node = node.next_functions[_ROW_WISE[kind]][0]
+    return None
+
+
+def _across_rows(node: Any) -> bool:
+    """A layer norm whose normalised shape reaches the rows' dim (``F.layer_norm(x, x.shape)``) mixes the rows."""
+    if type(node).__name__ != "NativeLayerNormBackward0":
+        return False
+    return len(node._saved_normalized_shape) >= node._saved_input.dim()
+
+
+def _folded(view: Any, rows: int) -> Optional[tuple[int, ...]]:
+    """The leading dims of the view's input that became its output's ``rows`` rows (its trailing dims kept)."""
+    source = tuple(int(n) for n in getattr(view, "_saved_self_sym_sizes", ()))
+    try:
+        output = tuple(int(n) for n in view._input_metadata[0].shape)
+    except (AttributeError, IndexError, TypeError):
+        return None
+    kept = len(output) - 1
+    leading = source[:len(source) - kept]
+    if (len(output) < 2 or output[0] != rows or len(leading) < 2 or source[len(leading):] != output[1:]
+            or math.prod(leading) != rows):
+        return None
+    return leading
 
 
 def is_sequence_first(model: nn.Module) -> bool:

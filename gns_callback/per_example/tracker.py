@@ -51,7 +51,7 @@ from .cost import COSTS, CostFunction, subset_is_cheaper
 from .launches import launch_cost
 from .embedding import embedding_sq_norms, embedding_summed_grads, embedding_unsupported_reason, shared_table_reason
 from .embedding_bag import bag_inputs, embedding_bag_sq_norms, embedding_bag_unsupported_reason
-from .layout import LayoutError, LayoutMemory, is_sequence_first
+from .layout import LayoutError, LayoutMemory, is_sequence_first, unflattened
 from .linear import linear_sq_norms, linear_summed_grads
 from .repeated import combinable, concatenate_calls
 from .sum_check import SumCheck
@@ -673,6 +673,9 @@ class PerExampleNormTracker:
             output.register_hook(partial(self._on_table_call, module))
             return
         saved = inp.detach()
+        source = unflattened(module, inp, self.expected_batch_size)
+        if source is not None:  # (B·T, D) rows viewed from (B, T, D): read at that shape
+            saved = saved.reshape(source)
         if isinstance(module, nn.Embedding) and module in self._tied:
             self._tied_tokens[module] = saved
         # The hook lives on the output's autograd node, so the saved input is freed with the graph.
@@ -699,6 +702,8 @@ class PerExampleNormTracker:
         if found is None:
             return
         covered, record = found
+        if inp.dim() > grad_output.dim():  # rows of a flattening (:func:`~.layout.unflattened`), read as its input
+            grad_output = grad_output.reshape(*inp.shape[:inp.dim() - grad_output.dim() + 1], *grad_output.shape[1:])
         shared = self._shared_table(module, inp)
         if shared is not None:
             return self._fail_pass(record, f"module '{covered.name}' (Embedding): {shared}; or {MICRO_BATCH_HINT}.")

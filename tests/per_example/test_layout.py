@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from gns_callback.per_example.layout import (LayoutError, LayoutMemory, batch_dim, is_sequence_first,
-                                             position_dims)
+                                             position_dims, unflattened)
 
 
 @pytest.mark.parametrize(
@@ -78,3 +78,33 @@ def test_sequence_first_modules_are_found():
     assert is_sequence_first(nn.LSTM(2, 2))
     assert not is_sequence_first(nn.TransformerEncoderLayer(8, 2, batch_first=True))
     assert not is_sequence_first(nn.Linear(2, 2))
+
+
+def _flat(source: tuple[int, ...], make) -> torch.Tensor:
+    return make(torch.randn(source, requires_grad=True) * 1.0)
+
+
+@pytest.mark.parametrize("layer, source, make, expected, found", [
+    (nn.Linear(6, 4), (5, 3, 6), lambda h: h.view(15, 6), 5, (5, 3, 6)),
+    (nn.Linear(6, 4), (5, 3, 6), lambda h: h.flatten(0, 1), 5, (5, 3, 6)),
+    (nn.Linear(6, 4), (3, 5, 6), lambda h: h.reshape(-1, 6), 5, (3, 5, 6)),  # sequence-first: batch_dim reads dim 1
+    (nn.Linear(6, 4), (5, 3, 2, 6), lambda h: h.reshape(-1, 6), 5, (5, 3, 2, 6)),
+    (nn.LayerNorm(6), (5, 3, 6), lambda h: h.view(15, 6), 5, (5, 3, 6)),
+    (nn.Linear(6, 4), (5, 3, 6), lambda h: h.view(15, 6), 15, None),  # dim 0 holds the batch as it is
+    (nn.Linear(6, 4), (5, 3, 6), lambda h: h.view(15, 6), None, None),  # size unknown: no guess
+    (nn.Linear(6, 4), (3, 2, 5, 6), lambda h: h.reshape(-1, 6), 5, None),  # the batch deeper than dim 1
+    (nn.Linear(6, 4), (5, 3, 6), lambda h: h.transpose(1, 2).reshape(15, 6), 5, None),  # features mixed in
+    (nn.Linear(18, 4), (5, 3, 6), lambda h: h.view(5, 18), 5, None),  # already holds the batch
+    (nn.Conv1d(3, 4, 1), (5, 3, 6), lambda h: h.view(15, 6).view(5, 3, 6), 5, None),  # channels-first: never
+    (nn.Linear(6, 4), (5, 3, 6), lambda h: torch.tanh(nn.Linear(6, 6)(nn.LayerNorm(6)(h.view(15, 6)))), 5,
+     (5, 3, 6)),  # through row-wise layers since
+    (nn.Linear(6, 4), (5, 3, 6), lambda h: torch.nn.functional.layer_norm(h.view(15, 6), (15, 6)), 5, None),
+    (nn.Linear(6, 4), (5, 3, 6), lambda h: h.view(15, 6).softmax(0), 5, None),  # mixes the rows
+])
+def test_unflattened(layer, source, make, expected, found):
+    assert unflattened(layer, _flat(source, make), expected) == found
+
+
+def test_a_flattened_input_with_no_history_is_not_unflattened():
+    """Data flattened before the model (no autograd history) tells nothing about its rows."""
+    assert unflattened(nn.Linear(6, 4), torch.randn(5, 3, 6).view(15, 6), 5) is None

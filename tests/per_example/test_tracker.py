@@ -621,3 +621,47 @@ def test_embeddings_sharing_a_table_with_other_options_stay_left_out() -> None:
     model.decoder.padding_idx = 0
     tracker = PerExampleNormTracker(model).attach()
     assert "shared by several modules" in tracker.excluded_reasons["shared.weight"]
+
+
+class FlattenedRows(nn.Module):
+    """Token embeddings flattened to ``(B·T, D)`` rows (``h.view(-1, D)``, as hand-written mixture-of-experts and
+    older language-model code do) through a Linear and a LayerNorm, viewed back, pooled to a head. ``sequence_first``:
+    the rows flattened from ``(T, B, D)`` instead."""
+
+    def __init__(self, sequence_first: bool = False) -> None:
+        super().__init__()
+        self.embed, self.proj, self.norm = nn.Embedding(11, 6), nn.Linear(6, 6), nn.LayerNorm(6)
+        self.head, self.sequence_first = nn.Linear(6, 3), sequence_first
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens.t() if self.sequence_first else tokens)
+        rows = self.norm(torch.tanh(self.proj(h.reshape(-1, 6))))
+        h = rows.view(h.shape)
+        return self.head((h.transpose(0, 1) if self.sequence_first else h).mean(1))
+
+
+@pytest.mark.parametrize("sequence_first", [False, True], ids=["(B, T)", "(T, B)"])
+def test_rows_flattened_from_the_examples_are_read_per_example(sequence_first: bool) -> None:
+    """Before, dim 0 of ``(B·T, D)`` holding no batch stopped the measurement (the layer's rows looked like no
+    examples); a view saves the shape it was taken from, and each example's rows are read there."""
+    model = FlattenedRows(sequence_first).double()
+    tokens = torch.randint(0, 11, (BATCH, 3))
+    weights = torch.randn(BATCH, 3, dtype=torch.float64)
+    with PerExampleNormTracker(model) as tracker:
+        tracker.expected_batch_size = BATCH
+        (model(tokens) * weights).sum().backward()
+        got = tracker.pop()
+        assert tracker.coverage_fraction() == 1.0
+    expected = per_example_sq_norms_reference(model, tokens, weights).float()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
+
+
+def test_flattened_rows_of_unknown_batch_size_still_stop_the_measurement() -> None:
+    """Without the batch's size the rows are not unflattened (not guessed): read as a batch of B·T, they disagree
+    with the head's batch of B, and the pass is refused."""
+    model = FlattenedRows().double()
+    with PerExampleNormTracker(model) as tracker:
+        tracker.expected_batch_size = None
+        model(torch.randint(0, 11, (BATCH, 3))).sum().backward()
+        with pytest.raises(RuntimeError, match="saw batch size 12 but .head. saw 4"):
+            tracker.pop()
