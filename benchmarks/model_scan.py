@@ -272,7 +272,8 @@ class RelativeBiasAttention(nn.Module):
 class VocoderStyle(nn.Module):
     """HiFi-GAN-style convolutions, every weight weight-normalised (``W = g·v/‖v‖``): the 64 pixels as a one-channel
     signal, a dilated ``Conv1d`` stack with leaky ReLUs, a grouped ``Conv1d`` normalised per kernel position
-    (``dim=2``, wav2vec 2.0's positional convolution), a normalised ``Linear`` head."""
+    (``dim=2``, wav2vec 2.0's positional convolution), a ``ConvTranspose1d`` upsampling by 2, a normalised ``Linear``
+    head."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -280,7 +281,8 @@ class VocoderStyle(nn.Module):
         self.pre = norm(nn.Conv1d(1, 8, 5, padding=2))
         self.dilated = norm(nn.Conv1d(8, 8, 3, padding=2, dilation=2))
         self.grouped = norm(nn.Conv1d(8, 8, 4, padding=2, groups=4), dim=2)
-        self.head = norm(nn.Linear(8 * 65, 10))
+        self.up = norm(nn.ConvTranspose1d(8, 4, 4, stride=2, padding=1))
+        self.head = norm(nn.Linear(4 * 130, 10))
         with torch.no_grad():  # magnitudes off their start at ‖v‖, where W = v and the norms are W's
             for name, param in self.named_parameters():
                 if name.endswith("original0"):
@@ -289,7 +291,8 @@ class VocoderStyle(nn.Module):
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         h = F.leaky_relu(self.pre(pixels.unsqueeze(1)), 0.1)
         h = F.leaky_relu(self.dilated(h), 0.1) + h
-        return self.head(F.leaky_relu(self.grouped(h), 0.1).flatten(1))
+        h = F.leaky_relu(self.up(F.leaky_relu(self.grouped(h), 0.1)), 0.1)
+        return self.head(h.flatten(1))
 
 
 class FlattenedRows(nn.Module):

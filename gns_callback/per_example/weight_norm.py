@@ -1,4 +1,5 @@
-"""Weight-normalised ``nn.Linear`` and ``nn.Conv1d/2d/3d`` layers (Salimans & Kingma 2016), measured per example.
+"""Weight-normalised ``nn.Linear``, ``nn.Conv1d/2d/3d`` and ``nn.ConvTranspose1d/2d/3d`` layers (Salimans & Kingma
+2016), measured per example.
 
 ``torch.nn.utils.parametrizations.weight_norm`` (and the older hook-based ``torch.nn.utils.weight_norm``) replace a
 layer's ``weight`` by ``W = g · v / ‖v‖``, the norm taken over every dim but ``dim`` (over all of them for
@@ -29,13 +30,17 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.weight_norm import WeightNorm
 
 from .conv import per_example_weight_grads
+from .conv_transpose import shadow_convolution
 from .linear import upcast
 
 __all__ = ["WeightNormed", "plain_type", "weight_normed", "weight_normed_sq_norms", "weight_normed_summed_grads",
            "weight_normed_owner"]
 
+#: Transposed convolutions, whose per-example weight gradients are their shadow convolution's (:mod:`.conv_transpose`).
+_TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
 #: The layers whose weight-normalised weight is measured: their per-example weight gradients are materialised here.
-_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, *_TRANSPOSED)
 
 #: The parametrized form's originals: ``original0`` is ``g``, ``original1`` is ``v``.
 _PARAMETRIZED = ("parametrizations.weight.original0", "parametrizations.weight.original1")
@@ -122,13 +127,17 @@ def _rows(grads: Tensor, g: Tensor, v: Tensor, dim: int) -> tuple[Tensor, Tensor
 
 
 def layer_weight_grads(module: nn.Module, inp: Tensor, grad_output: Tensor) -> Tensor:
-    """Per-example weight gradients (B, *weight shape) of a Linear (``Σ_t δ_t a_tᵀ``) or a convolution."""
+    """Per-example weight gradients (B, *weight shape) of a Linear (``Σ_t δ_t a_tᵀ``), a convolution or a
+    transposed convolution."""
     batch_size = inp.shape[0]
     if isinstance(module, nn.Linear):
         activations, grads = upcast(inp, grad_output)
         activations = activations.reshape(batch_size, -1, activations.shape[-1])
         return torch.bmm(grads.reshape(batch_size, -1, grads.shape[-1]).transpose(1, 2), activations)
     inp, grad_output = upcast(inp, grad_output)
+    if isinstance(module, _TRANSPOSED):  # weight (in, out/groups, *kernel): the shadow convolution's, roles swapped
+        grads = per_example_weight_grads(shadow_convolution(module), grad_output, inp)
+        return grads.reshape(batch_size, module.in_channels, module.out_channels // module.groups, *module.kernel_size)
     grads = per_example_weight_grads(module, inp, grad_output)  # a Conv1d's with a height of 1 added
     return grads.reshape(batch_size, module.out_channels, module.in_channels // module.groups, *module.kernel_size)
 

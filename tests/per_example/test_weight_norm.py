@@ -38,6 +38,10 @@ LAYERS = {  # name → (layer, input shape, weight_norm's dim)
         (lambda: nn.Conv1d(4, 6, 3, padding=1, groups=2), (5, 4, 7), 2),
     "Conv2d, stride 2, no bias": (lambda: nn.Conv2d(3, 4, 3, stride=2, bias=False), (5, 3, 7, 7), 0),
     "Conv3d": (lambda: nn.Conv3d(2, 3, 2), (5, 2, 4, 3, 4), 0),
+    "ConvTranspose1d, grouped, upsampling (HiFi-GAN's)":
+        (lambda: nn.ConvTranspose1d(4, 6, 4, stride=2, padding=1, groups=2), (5, 4, 7), 0),
+    "ConvTranspose2d, output padding, norm per output channel":
+        (lambda: nn.ConvTranspose2d(3, 4, 3, stride=2, output_padding=1), (5, 3, 4, 4), 1),
 }
 
 
