@@ -312,6 +312,21 @@ class FlattenedRows(nn.Module):
         return self.head((h + rows.view(h.shape)).mean(1))
 
 
+class BareTokenTables(nn.Module):
+    """Token tables of the model's own code, not ``nn.Embedding``: ``F.embedding(tokens, W)`` with a padding row,
+    and ``V[tokens]`` added to it, mean-pooled through a GELU into a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(17, 16) * 0.5)
+        self.other = nn.Parameter(torch.randn(17, 16) * 0.5)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = F.embedding(tokens, self.table, padding_idx=0) + self.other[tokens]
+        return self.head(F.gelu(h).mean(1))
+
+
 class HandWrittenLayer(nn.Module):
     """One layer written out, ``tanh(x @ W + b)``, under an ``nn.Linear`` head: the pattern of a layer of one's own
     beside the library's."""
@@ -366,6 +381,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], bool]] = {  # name → (model, 
     "Swin-style relative-position table (indexed bare parameter)": (lambda: RelativeBiasAttention(swin=True), True),
     "vocoder-style (every weight weight-normalised)": (VocoderStyle, False),
     "rows flattened to (B·T, D) (h.view(-1, D))": (FlattenedRows, True),
+    "bare token tables (F.embedding(tokens, W), V[tokens])": (BareTokenTables, True),
 }
 
 

@@ -27,7 +27,10 @@ from torch import Tensor
 
 from .matmul import (MATRIX_PRODUCTS, Factors, bias_example_grads, is_bias, row_shape, rows_are_parameter,
                      rows_batch_dim, weight_factors)
+from .bare_lookup import LookupGrads, lookup_example_grads
 from .embedding import shared_table_reason
+from .layout import LayoutError
+from .layout import batch_dim as layout_batch_dim
 from .param_path import LOOKUPS, VIEWS, ParameterPath, back_through, lookup_indices, parameter_behind
 
 __all__ = ["CONSUMERS", "Consumer", "ExampleGrads", "Rows", "adds_up_to", "batch_dim", "example_grads", "examples_dim",
@@ -48,6 +51,10 @@ class Consumer:
     index: int
     path: ParameterPath
     above: Any = None
+    #: One of two readings of a table looked up and then broadcast (``x + W[i]``): at the broadcast, where the
+    #: indices are positions shared by the examples, or at the lookup, where they hold the examples; each passes
+    #: over what the other reads (:func:`examples_dim` gives None).
+    dual: bool = False
 
     @property
     def param(self) -> Tensor:
@@ -61,6 +68,11 @@ class Consumer:
     @property
     def is_product(self) -> bool:
         return type(self.node).__name__ in MATRIX_PRODUCTS
+
+    @property
+    def is_lookup(self) -> bool:
+        """The parameter is a table this node looks up at each example's own indices (:mod:`.bare_lookup`)."""
+        return type(self.node).__name__ in LOOKUPS
 
 
 @dataclass(frozen=True)
@@ -96,7 +108,7 @@ class Rows:
 
 
 #: A bare parameter's per-example gradients, as read at one of its uses.
-ExampleGrads = Union[Rows, Factors]
+ExampleGrads = Union[Rows, Factors, LookupGrads]
 
 
 def find_consumers(outputs: Iterable[Tensor], params: Mapping[int, Tensor],
@@ -119,8 +131,8 @@ def find_consumers(outputs: Iterable[Tensor], params: Mapping[int, Tensor],
         for index, (child, _) in enumerate(node.next_functions):
             path = parameter_behind(child, params)
             if path is not None:
-                if _reads(kind, index, path):
-                    found.append(Consumer(node, index, path))
+                if _reads(kind, index, path) or _looked_up(path):
+                    found += _consumers(node, index, path)
                 else:
                     unread[id(path.param)] = kind if not path.views else type(path.views[0]).__name__
             elif child is not None and getattr(child, "variable", None) is None:
@@ -140,6 +152,23 @@ def _reads(kind: str, index: int, path: ParameterPath) -> bool:
     return index == MATRIX_PRODUCTS[kind][1] or (is_bias(kind, index) and not path.transposed)
 
 
+def _consumers(node: Any, index: int, path: ParameterPath) -> list[Consumer]:
+    """Where a use of a parameter is read: at ``node``, at the lookup of a table ``path`` looks up as it is, or at
+    both (``dual``) where ``node`` is read too."""
+    if not _looked_up(path):
+        return [Consumer(node, index, path)]
+    at_lookup = Consumer(path.views[0], 0, path)
+    if not _reads(type(node).__name__, index, path):
+        return [at_lookup]
+    return [Consumer(node, index, path, dual=True), replace(at_lookup, dual=True)]
+
+
+def _looked_up(path: ParameterPath) -> bool:
+    """A table looked up as it is (``F.embedding(x, W)``, ``W[x]``) by a node not read here: read at the lookup,
+    should its indices hold the examples (:func:`examples_dim`)."""
+    return len(path.views) == 1 and type(path.views[0]).__name__ in LOOKUPS and not path.transposed
+
+
 def _with_view_above(consumer: Consumer, parents: Mapping[int, list[Any]]) -> Consumer:
     """A matrix product whose rows only one view uses is read at that view (:mod:`.matmul`)."""
     above = parents.get(id(consumer.node), [])
@@ -156,11 +185,24 @@ def examples_dim(consumer: Consumer, grad_output: Tensor, batch_size: Optional[i
         if rows_are_parameter(consumer.node):
             return None
         return rows_batch_dim(row_shape(consumer.node, grad_output), batch_size, sequence_first)
+    if consumer.is_lookup:
+        return _indices_batch_dim(lookup_indices(consumer.node), batch_size, sequence_first)
     dim = batch_dim(grad_output.shape, torch.Size(consumer.path.shape), batch_size, sequence_first)
     if dim is None or any(_may_hold_examples(lookup_indices(view), grad_output.shape[dim])
                           for view in consumer.path.views if type(view).__name__ in LOOKUPS):
         return None  # its rows are not read as a shared table's
     return dim
+
+
+def _indices_batch_dim(indices: Tensor, batch_size: Optional[int], sequence_first: bool) -> Optional[int]:
+    """The dim of a lookup's indices that holds the examples (:func:`~.layout.batch_dim`: dim 0 where the batch's
+    size is unknown, the passes' sizes then checked against each other), or None where none can be told or the
+    indices are positions shared by the examples (:func:`_may_hold_examples`)."""
+    try:
+        dim = layout_batch_dim(indices.shape, indices.dim(), batch_size, sequence_first)
+    except LayoutError:
+        return None
+    return dim if _may_hold_examples(indices, int(indices.shape[dim])) else None
 
 
 def _may_hold_examples(indices: Tensor, examples: int) -> bool:
@@ -199,6 +241,8 @@ def example_grads(consumer: Consumer, grad_output: Tensor, dim: int) -> ExampleG
         if is_bias(type(consumer.node).__name__, consumer.index):
             return Rows(bias_example_grads(consumer.node, grad_output, dim))
         return weight_factors(consumer.node, consumer.path.transposed, grad_output, dim)
+    if consumer.is_lookup:
+        return lookup_example_grads(consumer.node, grad_output, dim, consumer.param.shape[0])
     path = consumer.path
     delta = _input_grad(consumer, grad_output.float())
     padded = _padded(torch.Size(path.shape), delta.dim())

@@ -106,8 +106,13 @@ def embedding_sq_norms(
         return grads.new_zeros(batch_size)
     tokens = inp.reshape(batch_size, -1)
     grads = grads.reshape(batch_size, tokens.shape[1], module.embedding_dim)
-    grads = without_padding(module, tokens, grads)
+    return lookup_sq_norms(tokens, without_padding(module, tokens, grads))
 
+
+def lookup_sq_norms(tokens: Tensor, grads: Tensor) -> Tensor:
+    """``Σ_rows |Σ_{t: x_{i,t}=row} δ_{i,t}|²`` per example: the squared norm of the gradient a table looked up at
+    ``tokens`` (B, N) receives from the rows' gradients ``grads`` (B, N, D). Cost O(B·N·(log N + D)), no sync."""
+    batch_size = tokens.shape[0]
     sorted_tokens, order = tokens.sort(dim=1)
     starts_new_token = torch.ones_like(sorted_tokens, dtype=torch.bool)
     starts_new_token[:, 1:] = sorted_tokens[:, 1:] != sorted_tokens[:, :-1]

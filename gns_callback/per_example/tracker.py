@@ -42,6 +42,7 @@ from .cells import (
     is_cell,
     state_feeds_output,
 )
+from .bare_lookup import LookupGrads
 from .broadcast import Consumer, ExampleGrads, Rows, adds_up_to, example_grads, examples_dim, find_consumers
 from .matmul import MAX_ROWS_ELEMENTS, Factors
 from .param_path import is_parameter
@@ -1182,6 +1183,8 @@ class PerExampleNormTracker:
         if record.failure is not None:
             return
         dim = examples_dim(consumer, grad_output, self.expected_batch_size, self._sequence_first)
+        if dim is None and consumer.dual:
+            return  # read by its other reading, or by neither (then refused when its gradient comes)
         if dim is None:
             return self._refuse(bare, f"{type(consumer.node).__name__} takes it along no dim of the batch's "
                                       "examples that can be told")
@@ -1191,6 +1194,8 @@ class PerExampleNormTracker:
         before = kept.get(bare.name)
         if before is not None and before.examples != found.examples:
             return self._refuse(bare, "its uses in one pass saw batches of different sizes")
+        if before is not None and type(before) is not type(found):
+            return self._refuse(bare, "it is both looked up at the examples' indices and broadcast over them")
         with _no_grad():
             kept[bare.name] = found if before is None else before.joined(found)
         if grad_output.dtype in (torch.float16, torch.bfloat16):
@@ -1227,6 +1232,8 @@ class PerExampleNormTracker:
             return factors if rows is None else rows
         if factors.examples != rows.examples:
             return self._refuse(bare, "its uses in one pass saw batches of different sizes")
+        if isinstance(rows, LookupGrads):
+            return self._refuse(bare, "it is both looked up at the examples' indices and used in a matrix product")
         if rows.values.numel() > MAX_ROWS_ELEMENTS:
             return self._refuse(bare, f"its per-example gradients, used at both broadcasts and products, would take "
                                       f"{rows.examples} × {rows.values.shape[1]} elements, more than "

@@ -4,6 +4,8 @@ measures them from their first pass on where those gradients add up to theirs, a
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -67,9 +69,14 @@ def test_example_grads_at_each_broadcast_match_torch_func(name, shape, use):
     consumers, unread = find_consumers([out], {id(p): p})
     assert consumers and not unread
     rows = []
+
+    def read(grads, consumer):
+        dim = examples_dim(consumer, grads[0], B)
+        if dim is not None or not consumer.dual:  # a table looked up, then broadcast: one of its readings reads it
+            rows.append(example_grads(consumer, grads[0], dim).rows())
+
     for consumer in consumers:
-        consumer.node.register_prehook(lambda g, c=consumer: rows.append(
-            example_grads(c, g[0], examples_dim(c, g[0], B)).rows()))
+        consumer.node.register_prehook(partial(read, consumer=consumer))
     (out * weights).sum().backward()
     total = sum(rows)
     torch.testing.assert_close(total, _exact_example_grads(use, x, p, weights), rtol=1e-5, atol=1e-6)
@@ -406,3 +413,47 @@ def test_windows_of_a_stream_at_falling_offsets_are_never_read_as_a_shared_table
     assert covered == {"transformer.wpe.weight", "head.weight", "head.bias"}
     torch.testing.assert_close(got, reference_sq_norms(model, tokens, weights, covered).float(), rtol=1e-4,
                                atol=0)
+
+
+class BareTables(nn.Module):
+    """Tables of the model's own code looked up at each example's tokens: ``F.embedding(tokens, W)`` (maybe with a
+    padding row) and ``V[tokens]`` (a negative token counting from the end; once under a sigmoid, once added),
+    pooled to a head. ``sequence_first``: tokens ``(T, B)``."""
+
+    def __init__(self, padding_idx=None, sequence_first=False) -> None:
+        super().__init__()
+        self.table, self.other = nn.Parameter(torch.randn(9, 4)), nn.Parameter(torch.randn(9, 4))
+        self.head, self.padding_idx, self.positions = nn.Linear(4, 3), padding_idx, 0 if sequence_first else 1
+
+    def forward(self, tokens):
+        h = torch.tanh(F.embedding(tokens, self.table, padding_idx=self.padding_idx))
+        h = h + torch.sigmoid(self.other[tokens - 9]) + self.other[tokens.flip(self.positions)]
+        return self.head(h.mean(self.positions))
+
+
+@pytest.mark.parametrize("padding_idx", [None, 2])
+def test_bare_tables_looked_up_at_the_examples_tokens_are_measured_whole_from_their_first_pass(reference_sq_norms,
+                                                                                               padding_idx):
+    """Before, both tables were left out (used through a lookup whose output is not a broadcast)."""
+    model = BareTables(padding_idx)
+    tokens, weights = torch.randint(0, 9, (6, 5)), torch.randn(6, 3)
+    tracker = PerExampleNormTracker(model).attach()
+    exact = reference_sq_norms(model, tokens, weights).float()
+    for _ in range(2):
+        torch.testing.assert_close(_pass(tracker, model, tokens, weights), exact, rtol=1e-5, atol=0)
+        assert tracker.coverage_fraction() == 1.0 and not tracker.excluded_reasons
+
+
+def test_a_bare_table_looked_up_at_sequence_first_tokens():
+    """Tokens ``(T, B)``: the examples in dim 1 of the indices, each example's norm its own."""
+    torch.manual_seed(0)
+    model = BareTables()
+    tokens, weights = torch.randint(0, 9, (6, 5)), torch.randn(6, 3)
+    batch_first = _pass(PerExampleNormTracker(model).attach(), model, tokens, weights)
+    torch.manual_seed(0)
+    model = BareTables(sequence_first=True)
+    tracker = PerExampleNormTracker(model).attach()
+    tracker.expected_batch_size = 6
+    for _ in range(2):
+        torch.testing.assert_close(_pass(tracker, model, tokens.t(), weights), batch_first, rtol=1e-5, atol=0)
+        assert tracker.coverage_fraction() == 1.0

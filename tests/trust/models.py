@@ -370,3 +370,19 @@ class WeightNormed(nn.Module):
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.conv(pixels.view(-1, 8, 8))).flatten(1)
         return self.head(torch.tanh(self.mix(h)))
+
+
+class BareTokenTables(nn.Module):
+    """Token tables of the model's own code, not ``nn.Embedding``: ``F.embedding(tokens, W)`` with a padding row and
+    ``V[tokens]`` added to it, each position's row through a tanh into a head over all 64 positions."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.table = nn.Parameter(torch.randn(17, 4) * 0.5)
+        self.other = nn.Parameter(torch.randn(17, 4) * 0.5)
+        self.head = nn.Linear(64 * 4, 10)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = F.embedding(tokens, self.table, padding_idx=0) + self.other[tokens]
+        return self.head(torch.tanh(h).flatten(1))
