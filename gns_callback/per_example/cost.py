@@ -103,6 +103,10 @@ COSTS: dict[type, CostFunction] = {
     nn.Embedding: elementwise_costs,
     nn.LayerNorm: elementwise_costs,
     nn.GroupNorm: elementwise_costs,
+    nn.InstanceNorm1d: elementwise_costs,
+    nn.InstanceNorm2d: elementwise_costs,
+    nn.InstanceNorm3d: elementwise_costs,
+    nn.PReLU: elementwise_costs,
     nn.RMSNorm: elementwise_costs,
 }
 

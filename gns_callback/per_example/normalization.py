@@ -1,4 +1,5 @@
-"""Per-example squared gradient norms for ``nn.LayerNorm``, ``nn.GroupNorm`` and ``nn.RMSNorm``.
+"""Per-example squared gradient norms for ``nn.LayerNorm``, ``nn.GroupNorm``, ``nn.RMSNorm`` and the affine
+``nn.InstanceNorm1d/2d/3d`` (nnU-Net's, style transfer's).
 
 The affine parameters act elementwise on the normalised input ``x̂``: example ``i`` contributes
 ``Σ_positions x̂_i ⊙ δ_i`` to the weight gradient and ``Σ_positions δ_i`` to the bias gradient
@@ -18,8 +19,12 @@ from torch import Tensor, nn
 
 from .linear import includes_param, upcast
 
-__all__ = ["group_norm_sq_norms", "group_norm_summed_grads", "layer_norm_sq_norms", "layer_norm_summed_grads",
-           "rms_norm_sq_norms", "rms_norm_summed_grads"]
+__all__ = ["INSTANCE_NORMS", "group_norm_sq_norms", "group_norm_summed_grads", "instance_norm_sq_norms", "instance_norm_summed_grads",
+           "layer_norm_sq_norms", "layer_norm_summed_grads", "rms_norm_sq_norms", "rms_norm_summed_grads"]
+
+
+#: The instance norms measured (their affine parameters; without ``affine`` they have none).
+INSTANCE_NORMS = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,35 @@ def _group_norm_terms(module: nn.GroupNorm, inp: Tensor, grad_output: Tensor,
     if includes_param(module, "weight", param_names):
         normalized = F.group_norm(inp, module.num_groups, None, None, module.eps)
     return _AffineTerms(normalized, grads, module.num_channels, includes_param(module, "bias", param_names), True)
+
+
+def _instance_norm_terms(module: nn.modules.instancenorm._InstanceNorm, inp: Tensor, grad_output: Tensor,
+                         param_names: Collection[str] | None) -> _AffineTerms:
+    """``x̂`` as the module's forward makes it: each example's own statistics per channel, or its running ones in
+    eval mode where it tracks them (never updating them here)."""
+    _check_batched(module, inp, module._get_no_batch_dim())
+    inp, grads = upcast(inp, grad_output)
+    normalized = None
+    if includes_param(module, "weight", param_names):
+        if module.training or not module.track_running_stats:
+            normalized = F.instance_norm(inp, eps=module.eps)
+        else:
+            normalized = F.instance_norm(inp, module.running_mean, module.running_var, use_input_stats=False,
+                                         eps=module.eps)
+    return _AffineTerms(normalized, grads, module.num_features, includes_param(module, "bias", param_names), True)
+
+
+def instance_norm_sq_norms(module: nn.Module, inp: Tensor, grad_output: Tensor, *,
+                           param_names: Collection[str] | None = None) -> Tensor:
+    """Per-example squared gradient norm of an affine ``nn.InstanceNorm1d/2d/3d``: weight ``|Σ_pos x̂_i ⊙ δ_i|²``,
+    bias ``|Σ_pos δ_i|²``, per channel, as a GroupNorm with one channel per group."""
+    return _sq_norms(_instance_norm_terms(module, inp, grad_output, param_names))
+
+
+def instance_norm_summed_grads(module: nn.Module, inp: Tensor, grad_output: Tensor, *,
+                               param_names: Collection[str] | None = None) -> dict[str, Tensor]:
+    """Per-channel weight ``Σ_{i,pos} x̂_i ⊙ δ_i`` and bias ``Σ_{i,pos} δ_i`` over the rows given."""
+    return _summed(module, _instance_norm_terms(module, inp, grad_output, param_names))
 
 
 def layer_norm_sq_norms(

@@ -6,7 +6,9 @@ map, ``Σ_t δ_t a_tᵀ``; an embedding's rows; a LayerNorm or RMSNorm, which no
 ``Σ_c Σ_t`` is one sum over the positions of every call: concatenating the calls' inputs and output gradients along
 a position dimension gives exactly the layer's per-example gradient, and the layer's own norm function reads it.
 This covers a hand-written recurrence (one ``nn.Linear`` applied at every step), a siamese encoder applied to two
-inputs and a weight-tied block applied repeatedly. Convolutions and GroupNorm (whose statistics span the positions
+inputs and a weight-tied block applied repeatedly. A PReLU acts on each element on its own: its calls concatenate
+along the positions after its channels (``(B, num_parameters, positions)``), as one ``nn.PReLU`` module called
+after every layer of a network would have it. Convolutions and GroupNorm (whose statistics span the positions
 of one call) are not combined this way; applied twice, they still stop measuring, with the reason. Torch only.
 """
 
@@ -23,7 +25,7 @@ from .transposed_linear import TransposedLinear, layer_kind
 __all__ = ["COMBINABLE", "combinable", "concatenate_calls"]
 
 #: Layer types whose calls combine by concatenating positions (keys: :func:`~.transposed_linear.layer_kind`).
-COMBINABLE = frozenset({nn.Linear, TransposedLinear, nn.Embedding, nn.LayerNorm, nn.RMSNorm})
+COMBINABLE = frozenset({nn.Linear, TransposedLinear, nn.Embedding, nn.LayerNorm, nn.RMSNorm, nn.PReLU})
 
 
 def combinable(module: nn.Module) -> bool:
@@ -36,6 +38,9 @@ def concatenate_calls(module: nn.Module, calls: Sequence[tuple[Tensor, Tensor]])
     ``(B, positions, *features)`` and concatenated along the positions. A single call is returned as it is."""
     if len(calls) == 1:
         return calls[0]
+    if isinstance(module, nn.PReLU):  # channels first, every element on its own
+        return tuple(torch.cat([t.reshape(t.shape[0], module.num_parameters, -1) for t in part], 2)
+                     for part in zip(*calls))
     inputs, grads = [], []
     for inp, grad in calls:
         leading = position_dims(module, inp)

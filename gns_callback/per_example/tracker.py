@@ -42,6 +42,7 @@ from .cells import (
     is_cell,
     state_feeds_output,
 )
+from .activation import prelu_sq_norms, prelu_summed_grads
 from .bare_lookup import LookupGrads
 from .broadcast import Consumer, ExampleGrads, Rows, adds_up_to, example_grads, examples_dim, find_consumers
 from .matmul import MAX_ROWS_ELEMENTS, Factors
@@ -69,8 +70,11 @@ from .tied import cross_term, logits_at_tokens, same_table, tied_pair
 from .transposed_linear import TransposedLinear, layer_kind, transposed_linear_summed_grads
 from .weight_norm import weight_normed, weight_normed_owner, weight_normed_sq_norms, weight_normed_summed_grads
 from .normalization import (
+    INSTANCE_NORMS,
     group_norm_sq_norms,
     group_norm_summed_grads,
+    instance_norm_sq_norms,
+    instance_norm_summed_grads,
     layer_norm_sq_norms,
     layer_norm_summed_grads,
     rms_norm_sq_norms,
@@ -97,6 +101,8 @@ SUPPORTED_MODULES: dict[type, SqNormFunction] = {
     nn.Embedding: embedding_sq_norms,
     nn.LayerNorm: layer_norm_sq_norms,
     nn.GroupNorm: group_norm_sq_norms,
+    **dict.fromkeys(INSTANCE_NORMS, instance_norm_sq_norms),
+    nn.PReLU: prelu_sq_norms,
     nn.RMSNorm: rms_norm_sq_norms,
 }
 
@@ -114,6 +120,8 @@ SUMMED_GRADIENTS: dict[type, SummedGradFunction] = {
     nn.Embedding: embedding_summed_grads,
     nn.LayerNorm: layer_norm_summed_grads,
     nn.GroupNorm: group_norm_summed_grads,
+    **dict.fromkeys(INSTANCE_NORMS, instance_norm_summed_grads),
+    nn.PReLU: prelu_summed_grads,
     nn.RMSNorm: rms_norm_summed_grads,
 }
 

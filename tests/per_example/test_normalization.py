@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from gns_callback.per_example import group_norm_sq_norms, layer_norm_sq_norms, rms_norm_sq_norms
+from gns_callback.per_example.normalization import instance_norm_sq_norms
 
 
 def _check(fn, module: nn.Module, x: torch.Tensor, reference_sq_norms) -> None:
@@ -62,3 +63,31 @@ def test_rms_norm(
 def test_unbatched_layer_norm_input_is_rejected() -> None:
     with pytest.raises(ValueError, match="batch"):
         layer_norm_sq_norms(nn.LayerNorm((3, 4)), torch.randn(3, 4), torch.randn(3, 4))
+
+
+INSTANCE_NORMS = {1: (nn.InstanceNorm1d, (3, 4, 5)), 2: (nn.InstanceNorm2d, (3, 4, 3, 2)),
+                  3: (nn.InstanceNorm3d, (3, 4, 2, 3, 2))}
+
+
+@pytest.mark.parametrize("dims", [1, 2, 3])
+@pytest.mark.parametrize("mode", ["training", "eval with running statistics"])
+def test_instance_norm(dims: int, mode: str, reference_sq_norms) -> None:
+    """Each example's own statistics in training (nnU-Net's layers); its running ones in eval where tracked."""
+    layer, shape = INSTANCE_NORMS[dims]
+    tracked = mode != "training"
+    module = _non_trivial_affine(layer(4, affine=True, eps=1e-3, track_running_stats=tracked).double())
+    if tracked:
+        module.running_mean.normal_()
+        module.running_var.uniform_(0.5, 2.0)
+        module.eval()
+    _check(instance_norm_sq_norms, module, torch.randn(shape, dtype=torch.float64), reference_sq_norms)
+
+
+def test_instance_norm_tracking_statistics_leaves_them_to_the_forward() -> None:
+    """In training with running statistics, the forward updates them once; the norms read them not at all."""
+    module = _non_trivial_affine(nn.InstanceNorm2d(4, affine=True, track_running_stats=True))
+    x = torch.randn(3, 4, 3, 2)
+    out = module(x)
+    before = module.running_mean.clone(), module.running_var.clone()
+    instance_norm_sq_norms(module, x, torch.randn_like(out))
+    assert torch.equal(module.running_mean, before[0]) and torch.equal(module.running_var, before[1])
