@@ -5,7 +5,7 @@
 
 Per-example hooks measure layers of supported types, and bare parameters where each example's gradient can be read
 at the op that broadcasts them (``per_example/broadcast.py``); a bare parameter used otherwise (a learned
-temperature through a clamp, as CLIP's) or a layer of another type (``nn.PReLU``) is left out. Where the rest is at
+temperature through a clamp, as CLIP's, or a slope through ``F.prelu``) or a layer of another type is left out. Where the rest is at
 least ``MIN_COVERAGE`` of the parameters the estimate stands for the whole model, and its intervals make room for
 what the left-out parameters' share of the step gradient allows (``gns_callback/left_out.py``). For each model
 below, held at fixed parameters on the digits, the exact ``B_simple`` of the whole model and of the measured
@@ -44,9 +44,21 @@ HEADING = "## Parameters left out of the per-example norms: interval coverage (w
 BATCH = 32
 
 
+class BareSlope(nn.Module):
+    """``nn.PReLU``'s computation on a bare slope, ``F.prelu(x, a)``: left out (``nn.PReLU`` itself is measured
+    since 2026-11-28; this model, and its rows in RESULTS.md, were ``nn.PReLU`` before, the same computation)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((1,), 0.25))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.prelu(x, self.weight)
+
+
 def prelu_mlp() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 32), nn.PReLU(), nn.Linear(32, 10))
+    return nn.Sequential(nn.Linear(64, 32), BareSlope(), nn.Linear(32, 10))
 
 
 def trained(build: Callable[[], nn.Module], steps: int) -> Callable[[], nn.Module]:

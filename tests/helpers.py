@@ -60,6 +60,17 @@ def optimizer_for(name: str, params, lr: float) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=lr, momentum=0.9 if name == "momentum" else 0.0)
 
 
+class LearnedSlope(nn.Module):
+    """A module of its own holding a parameter no layer function reads (``F.prelu`` on a bare slope): left out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((1,), 0.25))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.prelu(x, self.weight)
+
+
 class Classifier(pl.LightningModule):
     """Wraps a network with cross-entropy; ``lr=0`` keeps the parameters fixed (exact-value tests).
 

@@ -10,6 +10,7 @@ from torch.utils.checkpoint import checkpoint
 
 from gns_callback.per_example import PerExampleNormTracker
 from gns_callback.per_example import tracker as tracker_module
+from tests.helpers import LearnedSlope
 
 from .conftest import per_example_sq_norms_reference
 
@@ -32,7 +33,7 @@ def make_mlp() -> nn.Module:
         nn.Linear(5, 8),
         nn.ReLU(inplace=True),
         nn.Linear(8, 6, bias=False),
-        nn.PReLU(),
+        LearnedSlope(),
         Scale(6),
         nn.Linear(6, 3),
     ).double()
@@ -133,7 +134,7 @@ def test_coverage_of_mlp_with_unsupported_modules() -> None:
     uncovered = dict(tracker.uncovered_parameters())
     assert set(uncovered) == {"3.weight", "4.scale"}
     assert set(tracker.excluded_reasons) == set(uncovered)
-    assert "PReLU" in tracker.excluded_reasons["3.weight"]
+    assert "LearnedSlope" in tracker.excluded_reasons["3.weight"]
     assert covered_names(model, tracker) == {"0.weight", "0.bias", "2.weight", "5.weight", "5.bias"}
     covered_numel = 5 * 8 + 8 + 8 * 6 + 6 * 3 + 3
     assert tracker.coverage_fraction() == pytest.approx(covered_numel / (covered_numel + 1 + 6))
