@@ -10,9 +10,10 @@ along ``dim``), with ``G_i`` example ``i``'s gradient of ``W``, ``v̂ = v/‖v�
     ∇v_{i,r} = s_r · (G_{i,r} − p_{i,r} · v̂_r)
     |∇g_i|² + |∇v_i|² = Σ_r p_{i,r}² + s_r² · (|G_{i,r}|² − p_{i,r}²)
 
-so each example's norm needs its materialised weight gradient ``G_i`` (:func:`per_example_weight_grads`), one
-weight-gradient computation per layer. The summed gradient of a set of examples is the same map applied to their
-summed ``G``. Only this one parametrization is recognised: any other (spectral or orthogonal norms, a weight
+so each example's norm needs its rows' projections and squared norms: a Linear's from its activations and output
+gradients (a forward product and a ``T × T`` Gram per example, :func:`_linear_rows`), a convolution's from its
+materialised per-example weight gradients (:func:`conv_weight_grads`, one weight-gradient computation per layer).
+The summed gradient of a set of examples is the same map applied to their summed ``G``. Only this one parametrization is recognised: any other (spectral or orthogonal norms, a weight
 dropout) may hold state or randomness its gradient depends on, and its parameters stay left out, as before.
 
 Torch only, no Lightning.
@@ -33,8 +34,9 @@ from .conv import per_example_weight_grads
 from .conv_transpose import shadow_convolution
 from .linear import upcast
 
-__all__ = ["WeightNormed", "plain_type", "weight_normed", "weight_normed_sq_norms", "weight_normed_summed_grads",
-           "weight_normed_owner"]
+__all__ = ["WeightNormed", "conv_weight_grads", "example_rows", "plain_type", "unit_and_scale", "weight_norm_grads",
+           "weight_norm_sq_norms", "weight_normed", "weight_normed_owner", "weight_normed_sq_norms",
+           "weight_normed_summed_grads"]
 
 #: Transposed convolutions, whose per-example weight gradients are their shadow convolution's (:mod:`.conv_transpose`).
 _TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
@@ -93,10 +95,9 @@ def weight_normed_owner(module: nn.Module) -> Optional[nn.Module]:
     return module.parametrizations.weight if found is not None and found.g_name == _PARAMETRIZED[0] else None
 
 
-def weight_norm_sq_norms(grads: Tensor, g: Tensor, v: Tensor, dim: int, use_g: bool, use_v: bool) -> Tensor:
-    """``|∇g_i|² + |∇v_i|²`` per example (the module docstring's formula) from the per-example weight gradients
-    ``grads`` (B, *v.shape)."""
-    projections, row_sq, scale = _rows(grads, g, v, dim)
+def weight_norm_sq_norms(projections: Tensor, row_sq: Tensor, scale: Tensor, use_g: bool, use_v: bool) -> Tensor:
+    """``|∇g_i|² + |∇v_i|²`` per example (the module docstring's formula) from each example's rows' projections
+    ``p_{i,r}`` and squared norms ``|G_{i,r}|²`` (:func:`example_rows`) and the rows' scales ``s_r``."""
     projection_sq = projections.square()
     total = projection_sq if use_g else torch.zeros_like(projection_sq)
     if use_v:
@@ -106,34 +107,63 @@ def weight_norm_sq_norms(grads: Tensor, g: Tensor, v: Tensor, dim: int, use_g: b
 
 def weight_norm_grads(summed: Tensor, g: Tensor, v: Tensor, dim: int) -> tuple[Tensor, Tensor]:
     """``(∇g, ∇v)`` for the weight gradient ``summed`` (the module docstring's formula)."""
-    projections, _, scale = _rows(summed.unsqueeze(0), g, v, dim)
-    unit = _unit(v, dim)
+    unit, scale = unit_and_scale(g, v, dim)
+    summed = upcast(summed)[0]
+    projections, _ = _materialised_rows(summed.unsqueeze(0), unit, dim)
     return projections[0].reshape(g.shape), scale * (summed - projections[0] * unit)
 
 
-def _unit(v: Tensor, dim: int) -> Tensor:
-    return v / torch.norm_except_dim(v, 2, dim)
-
-
-def _rows(grads: Tensor, g: Tensor, v: Tensor, dim: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Per example and row: ``p_{i,r}`` and ``|G_{i,r}|²`` (B, rows kept as size-1 dims), and ``s_r = g/‖v‖``."""
-    grads, g, v = upcast(grads, g, v)
+def unit_and_scale(g: Tensor, v: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+    """``v̂ = v/‖v‖`` and ``s = g/‖v‖`` (float32 at least), the norm over every dim but ``dim``."""
+    g, v = upcast(g, v)
     norms = torch.norm_except_dim(v, 2, dim)
-    reduced = tuple(d + 1 for d in range(v.dim()) if d != dim)
-    projections = (grads * (v / norms)).sum(dim=reduced, keepdim=True)
-    row_sq = grads.square().sum(dim=reduced, keepdim=True)
-    scale = (g.reshape(norms.shape) if g.dim() else g) / norms
-    return projections, row_sq, scale
+    return v / norms, (g.reshape(norms.shape) if g.dim() else g) / norms
 
 
-def layer_weight_grads(module: nn.Module, inp: Tensor, grad_output: Tensor) -> Tensor:
-    """Per-example weight gradients (B, *weight shape) of a Linear (``Σ_t δ_t a_tᵀ``), a convolution or a
-    transposed convolution."""
-    batch_size = inp.shape[0]
+def example_rows(module: nn.Module, inp: Tensor, grad_output: Tensor, unit: Tensor,
+                 dim: int) -> tuple[Tensor, Tensor]:
+    """Per example and row: ``p_{i,r} = ⟨G_{i,r}, v̂_r⟩`` and ``|G_{i,r}|²`` (B, then the weight's dims with the
+    reduced ones kept as 1). A Linear's without its ``(B, out, in)`` gradients (:func:`_linear_rows`); a
+    convolution's from its materialised ones."""
     if isinstance(module, nn.Linear):
-        activations, grads = upcast(inp, grad_output)
-        activations = activations.reshape(batch_size, -1, activations.shape[-1])
-        return torch.bmm(grads.reshape(batch_size, -1, grads.shape[-1]).transpose(1, 2), activations)
+        return _linear_rows(inp, grad_output, unit, dim)
+    return _materialised_rows(conv_weight_grads(module, inp, grad_output), unit, dim)
+
+
+def _materialised_rows(grads: Tensor, unit: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+    reduced = tuple(d + 1 for d in range(unit.dim()) if d != dim)
+    return (grads * unit).sum(dim=reduced, keepdim=True), grads.square().sum(dim=reduced, keepdim=True)
+
+
+def _linear_rows(inp: Tensor, grad_output: Tensor, unit: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+    """:func:`example_rows` of a Linear, ``G_i = Σ_t δ_t a_tᵀ``, from its activations ``A`` (B, T, in) and output
+    gradients ``Δ`` (B, T, out) alone. Per output row (``dim=0``): ``p_{i,l} = Σ_t Δ_{tl}·(A_t·v̂_l)`` and
+    ``|G_{i,l}|² = Σ_{t,s} Δ_{tl} Δ_{sl} (A_t·A_s)``; per input column (``dim=1``) the same with ``A`` and ``Δ``
+    swapped and ``v̂`` transposed; over the whole weight (``dim=-1``) their sums. Costs a forward product and a
+    ``T × T`` Gram per example, the memory of the activations (no ``out × in`` per example)."""
+    activations, grads = upcast(inp, grad_output)
+    batch_size = activations.shape[0]
+    activations = activations.reshape(batch_size, -1, activations.shape[-1])
+    grads = grads.reshape(batch_size, -1, grads.shape[-1])
+    if dim == 1:
+        projections, row_sq = _output_rows(grads, activations, unit.t())
+        return projections.unsqueeze(1), row_sq.unsqueeze(1)
+    projections, row_sq = _output_rows(activations, grads, unit)
+    if dim == -1:
+        return projections.sum(dim=1).reshape(-1, 1, 1), row_sq.sum(dim=1).reshape(-1, 1, 1)
+    return projections.unsqueeze(2), row_sq.unsqueeze(2)
+
+
+def _output_rows(activations: Tensor, grads: Tensor, unit: Tensor) -> tuple[Tensor, Tensor]:
+    """``(B, out)`` projections and squared norms of the rows of ``Σ_t δ_t a_tᵀ`` (:func:`_linear_rows`)."""
+    projections = (grads * (activations @ unit.t())).sum(dim=1)
+    gram = activations @ activations.transpose(1, 2)  # (B, T, T): |a|² for T = 1
+    return projections, ((gram @ grads) * grads).sum(dim=1)
+
+
+def conv_weight_grads(module: nn.Module, inp: Tensor, grad_output: Tensor) -> Tensor:
+    """Per-example weight gradients (B, *weight shape) of a convolution or a transposed convolution."""
+    batch_size = inp.shape[0]
     inp, grad_output = upcast(inp, grad_output)
     if isinstance(module, _TRANSPOSED):  # weight (in, out/groups, *kernel): the shadow convolution's, roles swapped
         grads = per_example_weight_grads(shadow_convolution(module), grad_output, inp)
@@ -151,9 +181,10 @@ def weight_normed_sq_norms(base: Callable[..., Tensor], module: nn.Module, inp: 
     total = base(module, inp, grad_output, param_names=rest).float() if rest else None
     use_g, use_v = found.g_name in param_names, found.v_name in param_names
     if use_g or use_v:
-        grads = layer_weight_grads(module, inp, grad_output)
-        part = weight_norm_sq_norms(grads, module.get_parameter(found.g_name).detach(),
-                                    module.get_parameter(found.v_name).detach(), found.dim, use_g, use_v)
+        unit, scale = unit_and_scale(module.get_parameter(found.g_name).detach(),
+                                     module.get_parameter(found.v_name).detach(), found.dim)
+        projections, row_sq = example_rows(module, inp, grad_output, unit, found.dim)
+        part = weight_norm_sq_norms(projections, row_sq, scale, use_g, use_v)
         total = part if total is None else total + part
     return total
 
@@ -166,7 +197,7 @@ def weight_normed_summed_grads(base: Callable[..., dict[str, Tensor]], module: n
     rest = set(param_names) - {found.g_name, found.v_name}
     summed = base(module, inp, grad_output, param_names=rest) if rest else {}
     if found.g_name in param_names or found.v_name in param_names:
-        weight = layer_weight_grads(module, inp, grad_output).sum(dim=0)
+        weight = base(module, inp, grad_output, param_names={"weight"})["weight"]  # W computed: g·v/‖v‖
         g_grad, v_grad = weight_norm_grads(weight, module.get_parameter(found.g_name).detach(),
                                            module.get_parameter(found.v_name).detach(), found.dim)
         summed.update({name: grad for name, grad in ((found.g_name, g_grad), (found.v_name, v_grad))

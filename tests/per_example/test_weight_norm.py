@@ -34,6 +34,8 @@ LAYERS = {  # name → (layer, input shape, weight_norm's dim)
     "Linear, norm over the whole weight": (lambda: nn.Linear(6, 4), (5, 6), None),
     "Linear, norm per input column": (lambda: nn.Linear(6, 4), (5, 6), 1),
     "Linear on sequences": (lambda: nn.Linear(6, 4), (5, 3, 6), 0),
+    "Linear on sequences, norm per input column": (lambda: nn.Linear(6, 4), (5, 3, 6), 1),
+    "Linear on 2-D sequences, norm over the whole weight": (lambda: nn.Linear(6, 4), (5, 3, 2, 6), None),
     "Conv1d, grouped, norm per kernel position (wav2vec 2.0's positional convolution)":
         (lambda: nn.Conv1d(4, 6, 3, padding=1, groups=2), (5, 4, 7), 2),
     "Conv2d, stride 2, no bias": (lambda: nn.Conv2d(3, 4, 3, stride=2, bias=False), (5, 3, 7, 7), 0),
