@@ -32,16 +32,21 @@ from .linear import upcast
 __all__ = ["cross_term", "logits_at_tokens", "same_table", "tied_pair"]
 
 
-def tied_pair(modules: list[tuple[nn.Module, str]]) -> Optional[tuple[nn.Embedding, nn.Linear]]:
-    """``(embedding, linear)`` when a parameter's owners are exactly one ``nn.Embedding`` and one ``nn.Linear``,
-    each holding it as ``weight``, the embedding with options per-example norms support; else None."""
-    if len(modules) != 2 or any(name != "weight" for _, name in modules):
+def tied_pair(modules: list[tuple[nn.Module, str]]) -> Optional[tuple[list[nn.Embedding], nn.Linear]]:
+    """``(embeddings, linear)`` when a parameter's owners are one ``nn.Linear`` and one or more ``nn.Embedding``
+    (BART's and T5 v1.0's ``shared``, ``encoder.embed_tokens`` and ``decoder.embed_tokens`` with a tied head), each
+    holding it as ``weight``, the embeddings with the same options, which per-example norms support; else None. The
+    embeddings are one table looked up by several modules (:func:`same_table`)."""
+    if len(modules) < 2 or any(name != "weight" for _, name in modules):
         return None
-    embeddings = [m for m, _ in modules if type(m) is nn.Embedding]
     linears = [m for m, _ in modules if type(m) is nn.Linear]
-    if len(embeddings) != 1 or len(linears) != 1 or embedding_unsupported_reason(embeddings[0]) is not None:
+    rest = [(m, name) for m, name in modules if type(m) is not nn.Linear]
+    if len(linears) != 1:
         return None
-    return embeddings[0], linears[0]
+    embeddings = same_table(rest) if len(rest) > 1 else [m for m, _ in rest if type(m) is nn.Embedding]
+    if not embeddings or len(embeddings) != len(rest) or embedding_unsupported_reason(embeddings[0]) is not None:
+        return None
+    return embeddings, linears[0]
 
 
 def same_table(modules: list[tuple[nn.Module, str]]) -> Optional[list[nn.Embedding]]:

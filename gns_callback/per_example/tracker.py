@@ -172,10 +172,9 @@ class PassNorms:
     source: str = ""
     fired: set = field(default_factory=set)
     failure: str | None = None  # why this pass can't be measured (matters only if it fills ``.grad``)
-    #: Tied tables (:mod:`.tied`) whose Linear side came first: embedding → ``u``, the logits at its tokens.
-    tied_logits: dict = field(default_factory=dict)
-    #: ... whose embedding side came first: embedding → (tokens, output gradient).
-    tied_lookups: dict = field(default_factory=dict)
+    #: Per module of a tied table (:mod:`.tied`) measured in this pass, its calls read as one, ``(input, output
+    #: gradient)``, until its partner's are in for the cross term.
+    tied_calls: dict = field(default_factory=dict)
     #: Per bare parameter (:mod:`.broadcast`), its per-example gradients at its broadcasts so far (``Rows``), and
     #: at its matrix products (``Factors``, :mod:`.matmul`), until its gradient comes.
     broadcast: dict = field(default_factory=dict)
@@ -223,7 +222,7 @@ def _merge_problem(outer: PassNorms, inner: PassNorms) -> Optional[str]:
         return (f"a layer ({names}) ran both inside and outside a reentrant gradient checkpoint: its per-example norm "
                 f"is not the sum of the two parts; {hint}.")
     measured = {(r.batch_size, r.subset) for r in (outer, inner) if r.batch_size is not None}
-    if len(measured) > 1 or any(r.tied_logits or r.tied_lookups for r in (outer, inner)):
+    if len(measured) > 1 or any(r.tied_calls for r in (outer, inner)):
         return ("a reentrant gradient checkpoint's segment and the rest of the model were measured differently (other "
                 f"batch sizes, a subset of examples in one only, or a tied table across them); {hint}.")
     return None
@@ -433,7 +432,6 @@ class PerExampleNormTracker:
         #: Embeddings that share one table with another (T5's ``shared`` and ``encoder.embed_tokens``) → the one
         #: measured: their calls are its calls, read as one module applied several times (:mod:`.repeated`).
         self._aliases: dict[nn.Module, nn.Module] = {}
-        self._tied_tokens: dict[nn.Module, Tensor] = {}  # a tied embedding's input in its latest forward
         self._sequence_first = is_sequence_first(self.model)
         self._covered_modules = {}
         self._covered_params = []
@@ -453,10 +451,13 @@ class PerExampleNormTracker:
             holders = list({id(m): (m, n) for _, m, n in entries}.values())  # (module, local name), each module once
             pair = tied_pair(holders)
             if pair is not None:
-                self._tied.update({pair[0]: pair[1], pair[1]: pair[0]})
+                (embedding, *aliases), head = pair
+                self._tied.update({embedding: head, head: embedding})
+                self._aliases.update({m: embedding for m in aliases})
                 self._covered_params.append((param_name, param))
                 for module_name, module, local_name in entries:
-                    covered_names.setdefault(module, (module_name, set()))[1].add(local_name)
+                    if module is embedding or module is head:
+                        covered_names.setdefault(module, (module_name, set()))[1].add(local_name)
                 continue
             same = same_table(holders)
             if same is not None:
@@ -685,8 +686,6 @@ class PerExampleNormTracker:
         source = unflattened(module, inp, self.expected_batch_size)
         if source is not None:  # (B·T, D) rows viewed from (B, T, D): read at that shape
             saved = saved.reshape(source)
-        if isinstance(module, nn.Embedding) and module in self._tied:
-            self._tied_tokens[module] = saved
         # The hook lives on the output's autograd node, so the saved input is freed with the graph.
         output.register_hook(partial(self._on_output_grad, module, saved))
         covered = self._covered_modules.get(module)
@@ -704,10 +703,10 @@ class PerExampleNormTracker:
         return self._passes.record(self._passes.current())
 
     def _on_output_grad(self, module: nn.Module, inp: Tensor, grad_output: Tensor) -> None:
-        """One call's output gradient: a tied table is measured now; any other layer waits for its parameters'
-        gradient, which arrives after every call's (:meth:`_measure_calls`), so that a layer applied several times
-        is measured over all its calls (:mod:`.repeated`)."""
-        found = self._firing(module, grad_output, once=module in self._tied or not combinable(module))
+        """One call's output gradient: the layer waits for its parameters' gradient, which arrives after every
+        call's (:meth:`_measure_calls`), so that a layer applied several times is measured over all its calls
+        (:mod:`.repeated`)."""
+        found = self._firing(module, grad_output, once=not combinable(module))
         if found is None:
             return
         covered, record = found
@@ -724,11 +723,7 @@ class PerExampleNormTracker:
                                    f"module '{covered.name}' ({type(module).__name__}): {error}; {MICRO_BATCH_HINT}.")
         if not self._check_batch_size(record, grad_output.shape[0], covered.name):
             return
-        if module in self._tied:
-            self._measure(record, module, covered, inp, grad_output)
-            self._add_cross_term(record, module, inp, grad_output)
-        else:
-            record.calls.setdefault(module, []).append((inp, grad_output))
+        record.calls.setdefault(module, []).append((inp, grad_output))
 
     def _measure_calls(self, record: PassNorms, module: nn.Module) -> None:
         """The norms of ``module``'s calls in this pass, read as one call (:func:`~.repeated.concatenate_calls`; a
@@ -738,9 +733,12 @@ class PerExampleNormTracker:
             return
         if is_cell(module):
             record.add(cell_sq_norms(calls, self._covered_modules[module].param_names).float())
-        else:
-            inp, grad_output = concatenate_calls(module, calls)
-            self._measure(record, module, self._covered_modules[module], inp, grad_output)
+            return
+        inp, grad_output = concatenate_calls(module, calls)
+        self._measure(record, module, self._covered_modules[module], inp, grad_output)
+        if module in self._tied:
+            record.tied_calls[module] = (inp, grad_output)
+            self._add_cross_term(record, module)
 
     def _on_table_call(self, module: nn.Module, grad_output: Tensor) -> None:
         """A layer ran on a learned parameter (a table of class prototypes, say), not on the examples: its rows
@@ -952,55 +950,16 @@ class PerExampleNormTracker:
         if self._check_batch_size(record, inp.shape[0], covered.name):
             record.calls.setdefault(module, []).append(cell_call(module, inp, hx, grads, state_grad_is_total))
 
-    def _add_cross_term(self, record: PassNorms, module: nn.Module, inp: Tensor, grad_output: Tensor) -> None:
-        """A tied table's ``2⟨E_i, H_i⟩`` (:mod:`.tied`), once both of its modules' gradients have arrived."""
-        with _no_grad():
-            if isinstance(module, nn.Embedding):
-                self._cross_at_lookup(record, module, inp, grad_output)
-            else:
-                self._cross_at_head(record, module, inp, grad_output)
-
-    def _cross_at_lookup(self, record: PassNorms, embedding: nn.Module, tokens: Tensor, grad_output: Tensor) -> None:
-        """The embedding's side: finish the cross term if the head's came first, else wait for it."""
-        logits = record.tied_logits.pop(embedding, None)
-        if logits is None:
-            record.tied_lookups[embedding] = (tokens, grad_output)
-        else:
-            record.add(cross_term(embedding, tokens, grad_output, logits).float())
-
-    def _cross_at_head(self, record: PassNorms, head: nn.Module, inp: Tensor, grad_output: Tensor) -> None:
-        """The Linear's side: finish the cross term if the lookup's came first, else read the logits' gradient at
-        the tokens of the lookup's forward, for the embedding's side to finish."""
-        embedding = self._tied[head]
-        lookup = record.tied_lookups.pop(embedding, None)
-        if lookup is not None:
-            tokens, lookup_grad = lookup
-            record.add(cross_term(embedding, tokens, lookup_grad, logits_at_tokens(tokens, inp, grad_output)).float())
+    def _add_cross_term(self, record: PassNorms, module: nn.Module) -> None:
+        """A tied table's ``2⟨E_i, H_i⟩`` (:mod:`.tied`), once both of its modules' calls are measured: the
+        embedding's lookups over all their calls (aliases included) against the head's."""
+        partner = self._tied[module]
+        if partner not in record.tied_calls:
             return
-        tokens = self._batch_first_tokens(record, embedding, head, grad_output.shape[0])
-        if tokens is not None:
-            record.tied_logits[embedding] = logits_at_tokens(tokens, inp, grad_output)
-
-    def _batch_first_tokens(self, record: PassNorms, embedding: nn.Module, head: nn.Module,
-                            batch: int) -> Optional[Tensor]:
-        """The tied embedding's tokens in its latest forward, batch first (the layout rule of its own hook,
-        :mod:`.layout`); None if it was not looked up, or when they can't be matched to the head's batch (the pass
-        then fails with the reason)."""
-        tokens = self._tied_tokens.get(embedding)
-        if tokens is None:
-            return None  # the table was not looked up in this forward: no cross term
-        names = f"'{self._covered_modules[embedding].name}' (Embedding, tied to '{self._covered_modules[head].name}')"
-        try:
-            if self._layouts.batch_dim(embedding, tokens, self.expected_batch_size, self._sequence_first) == 1:
-                tokens = tokens.movedim(1, 0)
-        except LayoutError as error:
-            self._fail_pass(record, f"module {names}: {error}; {MICRO_BATCH_HINT}.")
-            return None
-        if tokens.shape[0] != batch:
-            self._fail_pass(record, f"module {names} looked up {tokens.shape[0]} examples, its head saw {batch}; "
-                                    f"{MICRO_BATCH_HINT}.")
-            return None
-        return tokens
+        embedding, head = (module, partner) if isinstance(module, nn.Embedding) else (partner, module)
+        (tokens, lookup_grad), (inp, grad_output) = record.tied_calls.pop(embedding), record.tied_calls.pop(head)
+        with _no_grad():
+            record.add(cross_term(embedding, tokens, lookup_grad, logits_at_tokens(tokens, inp, grad_output)).float())
 
     def _left_out(self, module: nn.Module, inp: Tensor) -> bool:
         """Whether ``module`` is no longer measured as a layer: an embedding found, at its first forward, to be a

@@ -614,6 +614,26 @@ def test_embeddings_sharing_one_table_are_one_table_looked_up_several_times(deco
     assert tracker.coverage_fraction() == 1.0 and not tracker.excluded_reasons
 
 
+@pytest.mark.parametrize("decoder_tokens", [5, 12], ids=["decoder shorter", "decoder as long as the encoder"])
+def test_embeddings_sharing_one_table_with_a_tied_head_are_measured_whole(decoder_tokens: int) -> None:
+    """BART's and T5 v1.0's layout: ``shared``, the encoder's and the decoder's tables and the output layer hold one
+    weight. Each example's gradient of it is every lookup's plus the head's; the cross term pairs the head with the
+    lookups of every call. Before, the table was left out ("shared by several modules")."""
+    from tests.trust.models import SharedTables
+
+    model = SharedTables(decoder_tokens, tied_head=True)
+    tokens, weights = torch.randint(0, 17, (6, 12)), torch.randn(6, 10)
+    tracker = PerExampleNormTracker(model).attach()
+    assert tracker.coverage_fraction() == 1.0 and not tracker.excluded_reasons
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            model.zero_grad()
+            (model(tokens) * weights).sum().backward()
+            torch.testing.assert_close(tracker.pop(), per_example_sq_norms_reference(model, tokens, weights).float(),
+                                       rtol=1e-5, atol=0)
+
+
 def test_embeddings_sharing_a_table_with_other_options_stay_left_out() -> None:
     """Tables looked up with different ``padding_idx`` are not one module's calls."""
     from tests.trust.models import SharedTables

@@ -320,21 +320,31 @@ class PixelRelativeBias(nn.Module):
 class SharedTables(nn.Module):
     """T5 v1.1's layout (untied head): ``shared``, an encoder table and a decoder table holding one weight; the
     encoder reads the tokens, the decoder the first ``decoder_tokens`` of them reversed (0: the decoder table is never
-    called, as in ``T5EncoderModel``). Tokens 0..16, pixels made tokens inside where ``pixels``."""
+    called, as in ``T5EncoderModel``). Tokens 0..16, pixels made tokens inside where ``pixels``. ``tied_head``: BART's
+    and T5 v1.0's layout, the decoder's states read out by a Linear holding the same weight (vocabulary logits,
+    pooled into the head)."""
 
-    def __init__(self, decoder_tokens: int = 8, pixels: bool = False, seed: int = 0) -> None:
+    def __init__(self, decoder_tokens: int = 8, pixels: bool = False, seed: int = 0, tied_head: bool = False) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.shared = nn.Embedding(17, 16)
         self.encoder, self.decoder = nn.Embedding(17, 16), nn.Embedding(17, 16)
         self.encoder.weight = self.decoder.weight = self.shared.weight
-        self.mix, self.head = nn.Linear(16, 16), nn.Linear(16, 10)
+        self.mix, self.head = nn.Linear(16, 16), nn.Linear(17 if tied_head else 16, 10)
+        self.lm_head = None
+        if tied_head:
+            self.lm_head = nn.Linear(16, 17, bias=False)
+            self.lm_head.weight = self.shared.weight
         self.decoder_tokens, self.pixels = decoder_tokens, pixels
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.pixels:
             tokens = (tokens * 16).round().long()
-        h = torch.tanh(self.mix(self.encoder(tokens))).mean(1)
+        h = torch.tanh(self.mix(self.encoder(tokens)))
+        if self.lm_head is not None:  # the decoder's states: its lookups plus the encoder's, read out by the table
+            states = h[:, :self.decoder_tokens] + self.decoder(tokens[:, :self.decoder_tokens].flip(1))
+            return self.head(torch.tanh(self.lm_head(states)).mean(1))
+        h = h.mean(1)
         if self.decoder_tokens:
             h = h + self.decoder(tokens[:, :self.decoder_tokens].flip(1)).mean(1)
         return self.head(h)
