@@ -54,6 +54,24 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+def assert_tracked_whole(model: nn.Module, inputs: Tensor, rtol: float) -> None:
+    """One backward pass of ``(model(inputs) · R).sum()`` under a tracker: every parameter covered, each example's
+    squared norm :func:`per_example_sq_norms_reference`'s (read in float32: ``rtol`` from 1e-6)."""
+    from gns_callback.per_example import PerExampleNormTracker
+
+    weights = torch.randn_like(model(inputs))
+    with PerExampleNormTracker(model) as tracker:
+        assert tracker.coverage_fraction() == 1.0
+        (model(inputs) * weights).sum().backward()
+        got = tracker.pop()
+    torch.testing.assert_close(got.double(), per_example_sq_norms_reference(model, inputs, weights), rtol=rtol, atol=0)
+
+
+@pytest.fixture
+def tracked_whole() -> Callable[[nn.Module, Tensor, float], None]:
+    return assert_tracked_whole
+
+
 @pytest.fixture
 def assert_subset_reads_exactly(monkeypatch, reference_sq_norms) -> Callable[[nn.Module], None]:
     """``check(model)`` for a model taking (10, 8) inputs to 3 outputs: with a subset of 4 examples forced, the

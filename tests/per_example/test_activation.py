@@ -6,7 +6,6 @@ import pytest
 import torch
 from torch import nn
 
-from gns_callback.per_example import PerExampleNormTracker
 from gns_callback.per_example.activation import prelu_sq_norms
 
 
@@ -33,13 +32,5 @@ class OneActivation(nn.Module):
 
 
 @pytest.mark.parametrize("num_parameters", [1, 4])
-def test_one_prelu_called_several_times_is_measured_over_all_its_calls(num_parameters: int,
-                                                                         reference_sq_norms) -> None:
-    model = OneActivation(num_parameters).double()
-    x = torch.randn(5, 4, 6, dtype=torch.float64)
-    weights = torch.randn(5, 3, dtype=torch.float64)
-    with PerExampleNormTracker(model) as tracker:
-        assert tracker.coverage_fraction() == 1.0
-        (model(x) * weights).sum().backward()
-        got = tracker.pop()
-    torch.testing.assert_close(got.double(), reference_sq_norms(model, x, weights), rtol=1e-5, atol=0)
+def test_one_prelu_called_several_times_is_measured_over_all_its_calls(num_parameters: int, tracked_whole) -> None:
+    tracked_whole(OneActivation(num_parameters).double(), torch.randn(5, 4, 6, dtype=torch.float64), 1e-5)

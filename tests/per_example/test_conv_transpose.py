@@ -6,7 +6,6 @@ import pytest
 import torch
 from torch import nn
 
-from gns_callback.per_example import PerExampleNormTracker
 from gns_callback.per_example.conv_transpose import conv_transpose_sq_norms
 from gns_callback.per_example.cost import conv_transpose_costs, subset_is_cheaper
 
@@ -43,17 +42,10 @@ AUTOENCODERS = {  # before, their decoders were left out of both norms
 
 
 @pytest.mark.parametrize("name", list(AUTOENCODERS))
-def test_a_convolutional_autoencoder_is_covered_whole_by_the_tracker(name: str, reference_sq_norms) -> None:
+def test_a_convolutional_autoencoder_is_covered_whole_by_the_tracker(name: str, tracked_whole) -> None:
     """Convolutions down, transposed convolutions up: every parameter measured, each example's norm its own."""
     build, shape = AUTOENCODERS[name]
-    model = build().double()
-    inputs = torch.randn(shape, dtype=torch.float64)
-    weights = torch.randn_like(model(inputs))
-    with PerExampleNormTracker(model) as tracker:
-        assert tracker.coverage_fraction() == 1.0
-        (model(inputs) * weights).sum().backward()
-        got = tracker.pop()
-    torch.testing.assert_close(got.double(), reference_sq_norms(model, inputs, weights), rtol=1e-5, atol=0)
+    tracked_whole(build().double(), torch.randn(shape, dtype=torch.float64), 1e-5)
 
 
 def test_the_cost_is_the_shadow_convolution_s() -> None:

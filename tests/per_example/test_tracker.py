@@ -595,36 +595,20 @@ def test_a_tied_table_in_a_sequence_first_model_is_measured_exactly() -> None:
     torch.testing.assert_close(got, torch.stack(expected), rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("decoder_tokens", [5, 0], ids=["encoder and decoder tables", "the decoder's never called"])
-def test_embeddings_sharing_one_table_are_one_table_looked_up_several_times(decoder_tokens: int) -> None:
+@pytest.mark.parametrize("decoder_tokens, tied_head", [(5, False), (0, False), (5, True), (12, True)],
+                         ids=["encoder and decoder tables", "the decoder's never called", "a tied head too",
+                              "a tied head, the decoder as long as the encoder"])
+def test_embeddings_sharing_one_table_are_one_table_looked_up_several_times(decoder_tokens: int,
+                                                                            tied_head: bool) -> None:
     """T5's ``shared``, ``encoder.embed_tokens`` and ``decoder.embed_tokens`` hold one weight: each example's
-    gradient of it is the sum over every position of every lookup, as for one embedding called twice. Before, the
-    table was left out ("shared by several modules"), and in T5 it is the largest parameter."""
+    gradient of it is the sum over every position of every lookup, as for one embedding called twice. With a tied
+    output layer too (BART, T5 v1.0), the head's part is added and the cross term pairs it with the lookups of every
+    call. Before, the table was left out ("shared by several modules"), and in T5 it is the largest parameter."""
     from tests.trust.models import SharedTables
 
-    model, tokens, weights = SharedTables(decoder_tokens), torch.randint(0, 17, (6, 12)), torch.randn(6, 10)
-    tracker = PerExampleNormTracker(model).attach()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        for _ in range(2):
-            model.zero_grad()
-            (model(tokens) * weights).sum().backward()
-            torch.testing.assert_close(tracker.pop(), per_example_sq_norms_reference(model, tokens, weights).float(),
-                                       rtol=1e-5, atol=0)
-    assert tracker.coverage_fraction() == 1.0 and not tracker.excluded_reasons
-
-
-@pytest.mark.parametrize("decoder_tokens", [5, 12], ids=["decoder shorter", "decoder as long as the encoder"])
-def test_embeddings_sharing_one_table_with_a_tied_head_are_measured_whole(decoder_tokens: int) -> None:
-    """BART's and T5 v1.0's layout: ``shared``, the encoder's and the decoder's tables and the output layer hold one
-    weight. Each example's gradient of it is every lookup's plus the head's; the cross term pairs the head with the
-    lookups of every call. Before, the table was left out ("shared by several modules")."""
-    from tests.trust.models import SharedTables
-
-    model = SharedTables(decoder_tokens, tied_head=True)
+    model = SharedTables(decoder_tokens, tied_head=tied_head)
     tokens, weights = torch.randint(0, 17, (6, 12)), torch.randn(6, 10)
     tracker = PerExampleNormTracker(model).attach()
-    assert tracker.coverage_fraction() == 1.0 and not tracker.excluded_reasons
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for _ in range(2):
@@ -632,6 +616,7 @@ def test_embeddings_sharing_one_table_with_a_tied_head_are_measured_whole(decode
             (model(tokens) * weights).sum().backward()
             torch.testing.assert_close(tracker.pop(), per_example_sq_norms_reference(model, tokens, weights).float(),
                                        rtol=1e-5, atol=0)
+    assert tracker.coverage_fraction() == 1.0 and not tracker.excluded_reasons
 
 
 def test_embeddings_sharing_a_table_with_other_options_stay_left_out() -> None:
