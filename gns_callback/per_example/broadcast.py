@@ -131,8 +131,9 @@ def find_consumers(outputs: Iterable[Tensor], params: Mapping[int, Tensor],
         for index, (child, _) in enumerate(node.next_functions):
             path = parameter_behind(child, params)
             if path is not None:
-                if _reads(kind, index, path) or _looked_up(path):
-                    found += _consumers(node, index, path)
+                read = _consumers(node, index, path)
+                if read:
+                    found += read
                 else:
                     unread[id(path.param)] = kind if not path.views else type(path.views[0]).__name__
             elif child is not None and getattr(child, "variable", None) is None:
@@ -153,14 +154,13 @@ def _reads(kind: str, index: int, path: ParameterPath) -> bool:
 
 
 def _consumers(node: Any, index: int, path: ParameterPath) -> list[Consumer]:
-    """Where a use of a parameter is read: at ``node``, at the lookup of a table ``path`` looks up as it is, or at
-    both (``dual``) where ``node`` is read too."""
+    """Where a use of a parameter is read: at ``node``, at the lookup of a table ``path`` looks up as it is, at
+    both (``dual``), or nowhere (``[]``)."""
+    at_node = _reads(type(node).__name__, index, path)
     if not _looked_up(path):
-        return [Consumer(node, index, path)]
+        return [Consumer(node, index, path)] if at_node else []
     at_lookup = Consumer(path.views[0], 0, path)
-    if not _reads(type(node).__name__, index, path):
-        return [at_lookup]
-    return [Consumer(node, index, path, dual=True), replace(at_lookup, dual=True)]
+    return [Consumer(node, index, path, dual=True), replace(at_lookup, dual=True)] if at_node else [at_lookup]
 
 
 def _looked_up(path: ParameterPath) -> bool:

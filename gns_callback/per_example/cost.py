@@ -67,7 +67,8 @@ def conv_transpose_costs(module: nn.Module, inp: Tensor, output: Tensor, batch: 
     """As :func:`conv_costs` for the convolution whose input gradient a transposed convolution is
     (:mod:`.conv_transpose`): over its input positions, ``out/groups·kernel`` in and ``in/groups`` out."""
     positions = inp.numel() / (batch * module.in_channels)
-    norm, summed = sequence_costs(positions, module.weight[0].numel(), module.in_channels // module.groups,
+    per_input = module.out_channels // module.groups * math.prod(module.kernel_size)  # not .weight: maybe computed
+    norm, summed = sequence_costs(positions, per_input, module.in_channels // module.groups,
                                   launch_cost_per_example(inp.device, batch * module.groups))
     return module.groups * norm, module.groups * summed
 

@@ -77,8 +77,8 @@ def unflattened(module: nn.Module, inp: Tensor, expected: Optional[int]) -> Opti
     which :func:`batch_dim` then reads. None otherwise. A view keeps its elements in row-major order, so row
     ``b·T + t`` is position ``t`` of example ``b``: read at the source's leading shape, each example's rows are its
     own. Only for a layer that treats every leading dim as a position (:data:`_ROW_LAYERS`) and reads 2-D rows."""
-    if (expected is None or layer_kind(module) not in _ROW_LAYERS or position_dims(module, inp) != 1
-            or inp.shape[0] == expected):
+    if (expected is None or inp.shape[0] == expected or layer_kind(module) not in _ROW_LAYERS
+            or position_dims(module, inp) != 1):
         return None
     leading = _flattened_from(inp.grad_fn, int(inp.shape[0]))
     if leading is None or expected not in leading[:2]:

@@ -19,8 +19,9 @@ from torch import Tensor, nn
 
 from .linear import includes_param, upcast
 
-__all__ = ["INSTANCE_NORMS", "group_norm_sq_norms", "group_norm_summed_grads", "instance_norm_sq_norms", "instance_norm_summed_grads",
-           "layer_norm_sq_norms", "layer_norm_summed_grads", "rms_norm_sq_norms", "rms_norm_summed_grads"]
+__all__ = ["INSTANCE_NORMS", "group_norm_sq_norms", "group_norm_summed_grads", "instance_norm_sq_norms",
+           "instance_norm_summed_grads", "layer_norm_sq_norms", "layer_norm_summed_grads", "rms_norm_sq_norms",
+           "rms_norm_summed_grads"]
 
 
 #: The instance norms measured (their affine parameters; without ``affine`` they have none).

@@ -41,7 +41,7 @@ __all__ = ["WeightNormed", "conv_weight_grads", "example_rows", "plain_type", "u
 #: Transposed convolutions, whose per-example weight gradients are their shadow convolution's (:mod:`.conv_transpose`).
 _TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 
-#: The layers whose weight-normalised weight is measured: their per-example weight gradients are materialised here.
+#: The layers whose weight-normalised weight is measured (:func:`example_rows` reads each kind's rows).
 _LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, *_TRANSPOSED)
 
 #: The parametrized form's originals: ``original0`` is ``g``, ``original1`` is ``v``.
@@ -195,11 +195,11 @@ def weight_normed_summed_grads(base: Callable[..., dict[str, Tensor]], module: n
     weight gradient, the rest by the layer's own function ``base``."""
     found = weight_normed(module)
     rest = set(param_names) - {found.g_name, found.v_name}
-    summed = base(module, inp, grad_output, param_names=rest) if rest else {}
-    if found.g_name in param_names or found.v_name in param_names:
-        weight = base(module, inp, grad_output, param_names={"weight"})["weight"]  # W computed: g·v/‖v‖
-        g_grad, v_grad = weight_norm_grads(weight, module.get_parameter(found.g_name).detach(),
-                                           module.get_parameter(found.v_name).detach(), found.dim)
-        summed.update({name: grad for name, grad in ((found.g_name, g_grad), (found.v_name, v_grad))
-                       if name in param_names})
+    if found.g_name not in param_names and found.v_name not in param_names:
+        return base(module, inp, grad_output, param_names=rest) if rest else {}
+    summed = base(module, inp, grad_output, param_names=rest | {"weight"})  # W computed: g·v/‖v‖
+    g_grad, v_grad = weight_norm_grads(summed.pop("weight"), module.get_parameter(found.g_name).detach(),
+                                       module.get_parameter(found.v_name).detach(), found.dim)
+    summed.update({name: grad for name, grad in ((found.g_name, g_grad), (found.v_name, v_grad))
+                   if name in param_names})
     return summed
