@@ -400,6 +400,13 @@ ENCODERS: dict[str, tuple[str, str, dict]] = {
     "DistilBertModel": ("DistilBertConfig", "DistilBertModel", dict(dim=32, n_layers=2, n_heads=4, hidden_dim=64,
                                                                     dropout=0.0, attention_dropout=0.0,
                                                                     max_position_embeddings=64)),
+    "OPTModel (learned positions counted from the mask)": (
+        "OPTConfig", "OPTModel", dict(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                                      word_embed_proj_dim=32, max_position_embeddings=64, dropout=0.0)),
+    "BartModel (scaled token table, learned positions)": (
+        "BartConfig", "BartModel", dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                                        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                                        max_position_embeddings=64, dropout=0.0, scale_embedding=True)),
 }
 
 

@@ -33,8 +33,8 @@ from .layout import LayoutError
 from .layout import batch_dim as layout_batch_dim
 from .param_path import LOOKUPS, VIEWS, ParameterPath, back_through, lookup_indices, parameter_behind
 
-__all__ = ["CONSUMERS", "Consumer", "ExampleGrads", "Rows", "adds_up_to", "batch_dim", "example_grads", "examples_dim",
-           "find_consumers"]
+__all__ = ["CONSUMERS", "Consumer", "ExampleGrads", "Rows", "adds_up_to", "batch_dim", "caller_reads", "example_grads",
+           "examples_dim", "find_consumers"]
 
 #: The autograd nodes whose output gradient gives a broadcast parameter's per-example gradient.
 CONSUMERS = frozenset({"AddBackward0", "SubBackward0", "MulBackward0", "ExpandBackward0"})
@@ -116,11 +116,13 @@ def find_consumers(outputs: Iterable[Tensor], params: Mapping[int, Tensor],
     """The nodes reachable from ``outputs`` that take one of ``params`` (by ``id``) as an input, directly or through
     the views :mod:`.param_path` reads; and per parameter also taken by a node that is not read here, that
     node's name (a use not read here). The walk does not enter the nodes ``stop_at`` (those of the forward's
-    inputs, made before it: each layer's walk stays in its layer)."""
-    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    inputs, made before it: each layer's walk stays in its layer). An output that is itself a lookup of a table
+    (a subclass of ``nn.Embedding`` whose forward returns ``super().forward(positions)``, BART's and OPT's) is
+    read at that lookup."""
+    found = [lookup for t in outputs if t.grad_fn is not None for lookup in _output_lookup(t.grad_fn, params)]
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None and not _output_lookup(t.grad_fn, params)]
     seen: dict[int, Any] = {id(node): node for node in stop_at}  # id → node, held so that no id is reused
     parents: dict[int, list[Any]] = {}
-    found: list[Consumer] = []
     unread: dict[int, str] = {}
     while stack:
         node = stack.pop()
@@ -140,6 +142,26 @@ def find_consumers(outputs: Iterable[Tensor], params: Mapping[int, Tensor],
                 parents.setdefault(id(child), []).append(node)
                 stack.append(child)
     return [_with_view_above(consumer, parents) for consumer in found], unread
+
+
+def _output_lookup(node: Any, params: Mapping[int, Tensor]) -> list[Consumer]:
+    """``[the lookup]`` where ``node``, a forward's output node, looks up one of ``params`` as it is; else ``[]``."""
+    path = parameter_behind(node, params)
+    return [Consumer(path.views[0], 0, path)] if path is not None and _looked_up(path) else []
+
+
+def caller_reads(node: Any, params: Mapping[int, Tensor], batch_size: Optional[int],
+                 sequence_first: bool = False) -> Optional[ParameterPath]:
+    """How a forward's output node hands on one of ``params`` as it is, where only the forward that called it can
+    read that parameter: through views alone (Whisper's ``weight[:T]``), or looked up at positions shared by the
+    examples (BART's decoder positions); its rows meet the examples at that caller's broadcast. None for any other
+    output, and for a lookup at the examples' own indices, read at the lookup (:func:`find_consumers`)."""
+    path = parameter_behind(node, params)
+    if path is None or path.transposed:
+        return None
+    if _looked_up(path) and _indices_batch_dim(lookup_indices(path.views[0]), batch_size, sequence_first) is not None:
+        return None
+    return path
 
 
 def _reads(kind: str, index: int, path: ParameterPath) -> bool:

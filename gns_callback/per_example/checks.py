@@ -263,7 +263,7 @@ def _compare(before: Optional[Tensor], after: Optional[Tensor], half: int, toler
 
 def _coupled_reason(spread: float) -> str:
     return (f"the examples of a batch are coupled: copying the second half's rows from the first half changed the "
-            f"first half's per-example gradient norms by up to {spread:.0%} (mixing the examples of the batch, as "
+            f"first half's per-example gradient norms by up to {100 * spread:.2g}% (mixing the examples of the batch, as "
             "mixup or CutMix do, a contrastive loss with in-batch negatives, a statistic over the batch in the loss "
             "or between layers, or in-batch mining does this; so does a layer fed a sequence-first (T, B, ...) "
             "tensor whose sequence length equals the batch size, which reads dim 0 as the batch: then use a batch "

@@ -32,7 +32,8 @@ def embedding_unsupported_reason(module: nn.Embedding) -> str | None:
 def shared_table_reason(tokens: Tensor, batch_size: int | None = None) -> str | None:
     """Why these indices look like one table shared by every example, or None. Three cases:
 
-    * ``arange(T)`` with no batch dimension (or a batch dimension of 1), as in ``wpe(torch.arange(T))``;
+    * ``arange(T)``, maybe plus an offset, with no batch dimension (or a batch dimension of 1), as in
+      ``wpe(torch.arange(T))`` and BART's ``arange(T) + 2``;
     * with the micro-batch's size known, indices with no batch dimension: neither dim 0 nor dim 1 holds
       ``batch_size`` examples, as T5's relative-position buckets, an ``(L, L)`` matrix (Raffel et al. 2020);
     * an ``(L, L)`` matrix constant along its diagonals (those buckets again, whatever the batch's size: ``L`` may
@@ -47,11 +48,11 @@ def shared_table_reason(tokens: Tensor, batch_size: int | None = None) -> str | 
         tokens = tokens[0]
     if tokens.numel() < 2 or tokens.is_floating_point():
         return None
-    if tokens.dim() == 1 and torch.equal(tokens, torch.arange(tokens.numel(), device=tokens.device,
-                                                               dtype=tokens.dtype)):
-        return ("its indices are arange(...) with no batch dimension: a position table shared by every example, "
-                "whose output is broadcast over the batch, so its gradient is already summed over examples; give the "
-                "indices a batch dimension (e.g. positions.expand(batch_size, -1))")
+    if tokens.dim() == 1 and torch.equal(tokens - tokens[0], torch.arange(tokens.numel(), device=tokens.device,
+                                                                          dtype=tokens.dtype)):
+        return ("its indices are arange(...), maybe plus an offset, with no batch dimension: a position table shared "
+                "by every example, whose output is broadcast over the batch, so its gradient is already summed over "
+                "examples; give the indices a batch dimension (e.g. positions.expand(batch_size, -1))")
     if batch_size is not None and batch_size not in tuple(tokens.shape[:2]):
         return (f"its indices {tuple(tokens.shape)} have no dim of the batch's {batch_size} examples: a table shared "
                 "by every example (e.g. relative-position buckets), whose output is broadcast over the batch, so its "

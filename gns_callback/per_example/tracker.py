@@ -44,7 +44,8 @@ from .cells import (
 )
 from .activation import prelu_sq_norms, prelu_summed_grads
 from .bare_lookup import LookupGrads
-from .broadcast import Consumer, ExampleGrads, Rows, adds_up_to, example_grads, examples_dim, find_consumers
+from .broadcast import (Consumer, ExampleGrads, Rows, adds_up_to, caller_reads, example_grads, examples_dim,
+                        find_consumers)
 from .matmul import MAX_ROWS_ELEMENTS, Factors
 from .param_path import is_parameter
 from .conv import conv_sq_norms, conv_summed_grads
@@ -290,6 +291,20 @@ def _replaced_reason(param_name: str) -> str:
             f"per-example gradients are no longer the parameter's; {MICRO_BATCH_HINT}")
 
 
+def _ancestry(module: Optional[nn.Module], parents: dict[int, nn.Module]) -> list[nn.Module]:
+    """``module``, its parent, that one's parent, ... up to the root."""
+    chain: list[nn.Module] = []
+    while module is not None:
+        chain.append(module)
+        module = parents.get(id(module))
+    return chain
+
+
+def _parents(model: nn.Module) -> dict[int, nn.Module]:
+    """Each submodule's parent, by the submodule's ``id``."""
+    return {id(child): parent for parent in model.modules() for child in parent.children()}
+
+
 def _calling_module(parents: dict[int, nn.Module], module: nn.Module) -> Optional[nn.Module]:
     """The module whose forward presumably calls ``module``: its parent (``parents``: by child ``id``), or the
     nearest ancestor with a forward of its own (a ``ModuleDict`` or ``ModuleList`` has none). None for the root or
@@ -299,6 +314,22 @@ def _calling_module(parents: dict[int, nn.Module], module: nn.Module) -> Optiona
     while parent is not None and type(parent).forward is nn.Module.forward:
         parent = parents.get(id(parent))
     return parent
+
+
+def _bare_owner(holders: list[nn.Module], parents: dict[int, nn.Module]) -> Optional[nn.Module]:
+    """The module whose forward hook reads a bare parameter held by ``holders`` (by no layer this package knows):
+    its only holder; for a table several modules hold (BART's ``shared``, ``encoder.embed_tokens`` and
+    ``decoder.embed_tokens``), the innermost module with a forward of its own that holds them all, whose forward
+    holds all their uses. None where a holder is a layer this package knows, or no module holds them all."""
+    if not all(_holds_bare_parameters(m) for m in holders):
+        return None
+    if len(holders) == 1:
+        return holders[0]
+    shared = set.intersection(*({id(m) for m in _ancestry(holder, parents)} for holder in holders))
+    common = next((m for m in _ancestry(holders[0], parents) if id(m) in shared), None)
+    if common is None:
+        return None
+    return common if type(common).forward is not nn.Module.forward else _calling_module(parents, common)
 
 
 def _holds_bare_parameters(module: nn.Module) -> bool:
@@ -424,7 +455,7 @@ class PerExampleNormTracker:
         return owners
 
     def _analyse(self) -> None:
-        owners = self._owners()
+        owners, parents = self._owners(), _parents(self.model)
 
         self.excluded_reasons = {}
         self._shared_tables = {}
@@ -439,6 +470,8 @@ class PerExampleNormTracker:
         self._bare: dict[int, _BareParameter] = {}
         #: Per measured embedding, its caller, hooked at attach: its owner should it be a shared position table.
         self._table_callers: dict[nn.Module, nn.Module] = {}
+        #: Per module holding bare parameters, its caller, hooked at attach: their owner should it return one as it is.
+        self._bare_callers: dict[nn.Module, nn.Module] = {}
         #: Per module holding bare parameters, its running forwards' input nodes (a stack: calls may nest).
         self._owner_inputs: dict[nn.Module, list[list[Any]]] = {}
         covered_names: dict[nn.Module, tuple[str, set[str]]] = {}
@@ -476,8 +509,9 @@ class PerExampleNormTracker:
             if reason is not None:
                 self.excluded_reasons[param_name] = reason
                 self._uncovered_params.append((param_name, param))
-                if len(distinct_modules) == 1 and _holds_bare_parameters(module):
-                    self._bare[id(param)] = _BareParameter(param_name, param, module)
+                owner = _bare_owner(list(distinct_modules.values()), parents)
+                if owner is not None:
+                    self._bare[id(param)] = _BareParameter(param_name, param, owner)
                 continue
             self._covered_params.append((param_name, param))
             covered_names.setdefault(module, (module_name, set()))[1].add(local_name)
@@ -560,6 +594,7 @@ class PerExampleNormTracker:
         self._handles += [alias.register_forward_hook(partial(self._on_alias_forward, measured), with_kwargs=True)
                           for alias, measured in self._aliases.items() if measured in self._covered_modules]
         self._table_callers = self._find_table_callers()
+        self._bare_callers = self._find_bare_callers()
         self._handles += self._bare_hooks()
         # Bare parameters too: a model may hold nothing else (its layers written out as matrix products).
         self._passes.watch([*self.covered_parameters(), *(bare.param for bare in self._bare.values())])
@@ -586,7 +621,7 @@ class PerExampleNormTracker:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._table_callers = {}
+        self._table_callers, self._bare_callers = {}, {}
         self._passes.unwatch()
         self._attached = False
         self._reset_state()
@@ -998,9 +1033,16 @@ class PerExampleNormTracker:
     def _find_table_callers(self) -> dict[nn.Module, nn.Module]:
         """Per measured embedding, the module whose forward presumably calls it (:func:`_calling_module`): the
         owner it would have as a shared position table."""
-        parents = {id(child): parent for parent in self.model.modules() for child in parent.children()}
+        parents = _parents(self.model)
         return {m: caller for m in self._covered_modules if type(m) is nn.Embedding and m not in self._tied
                 and (caller := _calling_module(parents, m)) is not None}
+
+    def _find_bare_callers(self) -> dict[nn.Module, nn.Module]:
+        """Per module holding bare parameters, the module whose forward presumably calls it (:func:`_calling_module`):
+        their owner should its forward return one as it is (:meth:`_hand_over`)."""
+        parents = _parents(self.model)
+        owners = {id(bare.owner): bare.owner for bare in self._bare.values()}
+        return {owner: caller for owner in owners.values() if (caller := _calling_module(parents, owner)) is not None}
 
     def _covered_params_of(self, module: nn.Module) -> list[tuple[str, nn.Parameter]]:
         """``(qualified name, parameter)`` of the covered parameters that ``module`` owns."""
@@ -1106,7 +1148,7 @@ class PerExampleNormTracker:
         """Forward pre-hooks and hooks on each module holding bare parameters or calling an embedding (which may
         turn out to be a shared position table), and a gradient hook on each bare parameter."""
         owners = {id(bare.owner): bare.owner for bare in self._bare.values()}
-        owners.update({id(caller): caller for caller in self._table_callers.values()})
+        owners.update({id(caller): caller for caller in [*self._table_callers.values(), *self._bare_callers.values()]})
         return ([owner.register_forward_pre_hook(self._before_owner_forward, with_kwargs=True)
                  for owner in owners.values()]
                 + [owner.register_forward_hook(self._on_owner_forward) for owner in owners.values()]
@@ -1128,6 +1170,7 @@ class PerExampleNormTracker:
             return
         bare = {key: b.param for key, b in self._bare.items() if b.owner is module and b.refused is None}
         outputs = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
+        bare = self._hand_over(module, outputs, bare)
         if not bare or not outputs:
             return
         consumers, unread = find_consumers(outputs, bare, stop_at)
@@ -1140,6 +1183,17 @@ class PerExampleNormTracker:
             if not consumer.hooked.metadata.get(mark):
                 consumer.hooked.metadata[mark] = True
                 consumer.hooked.register_prehook(partial(self._on_consumer_grad, consumer))
+
+    def _hand_over(self, module: nn.Module, outputs: list[Tensor], bare: dict[int, Tensor]) -> dict[int, Tensor]:
+        """``bare`` less the parameters that ``module``'s forward returns as they are (:func:`caller_reads`): each is
+        handed over to the module that called it, whose own forward hook, later in this forward, reads it."""
+        caller = self._bare_callers.get(module)
+        for output in outputs if caller is not None else ():
+            path = caller_reads(output.grad_fn, bare, self.expected_batch_size, self._sequence_first)
+            if path is not None:
+                self._bare[id(path.param)].owner = caller
+                bare = {key: param for key, param in bare.items() if param is not path.param}
+        return bare
 
     def _on_consumer_grad(self, consumer: Consumer, grad_outputs: tuple[Optional[Tensor], ...]) -> None:
         """The examples' gradients of a bare parameter at one of its broadcasts, kept until its gradient comes."""

@@ -457,3 +457,68 @@ def test_a_bare_table_looked_up_at_sequence_first_tokens():
     for _ in range(2):
         torch.testing.assert_close(_pass(tracker, model, tokens.t(), weights), batch_first, rtol=1e-5, atol=0)
         assert tracker.coverage_fraction() == 1.0
+
+
+@pytest.mark.parametrize("counted", ["expand", "mask", "shared", "slice"])
+@pytest.mark.parametrize("two_towers", [False, True], ids=["one table", "a table two subclasses hold"])
+def test_subclassed_embeddings_are_measured_whole_from_their_first_pass(reference_sq_norms, counted, two_towers):
+    """A subclass of ``nn.Embedding`` with a forward of its own holds a bare table, read at its lookup. Before, a
+    position table whose module returns its rows (``return super().forward(positions)``, ``weight[:T]``) was left out:
+    the walk from its output began above the lookup, and a table shared by the examples meets them only in the
+    caller's forward (41% coverage on this model); and a table two subclasses hold was left out as "shared by several
+    modules"."""
+    from tests.trust.models import SubclassedEmbeddings
+
+    model = SubclassedEmbeddings(counted, two_towers)
+    tokens, weights = torch.randint(0, 17, (6, 7)), torch.randn(6, 10)
+    tokens[:, -2:] = 0  # padding, for OPT's count of positions
+    tracker = PerExampleNormTracker(model).attach()
+    exact = reference_sq_norms(model, tokens, weights).float()
+    for _ in range(2):
+        torch.testing.assert_close(_pass(tracker, model, tokens, weights), exact, rtol=1e-5, atol=0)
+        assert tracker.coverage_fraction() == 1.0 and not tracker.excluded_reasons
+
+
+class ReturnsItsTable(nn.Module):
+    """A module whose forward returns its table as it is; its caller uses it through a running sum, an op whose
+    per-example gradients are not read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(7, 4))
+
+    def forward(self):
+        return self.table
+
+
+def test_a_table_its_module_returns_is_left_out_where_its_caller_uses_it_through_an_op_not_read(reference_sq_norms):
+    """Handed over to the caller, whose walk finds no use it reads: left out with the reason, the rest exact."""
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.table, model.head = ReturnsItsTable(), nn.Linear(4, 3)
+    model.forward = lambda x: model.head(x * torch.cumsum(model.table(), 0))
+    x, weights = torch.randn(6, 7, 4), torch.randn(6, 7, 3)
+    tracker = PerExampleNormTracker(model).attach()
+    with pytest.warns(UserWarning, match="left the bare parameter 'table.table' out"):
+        got = _pass(tracker, model, x, weights)
+    assert "table.table" in tracker.excluded_reasons
+    covered = {"head.weight", "head.bias"}
+    torch.testing.assert_close(got, reference_sq_norms(model, x, weights, covered).float(), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("offset", [0, 2])
+def test_a_position_table_at_an_offset_with_as_many_positions_as_examples_is_read_at_its_broadcast(
+        reference_sq_norms, offset):
+    """``nn.Embedding`` at ``arange(T) + offset``, T equal to the batch's size: shared positions, read where their
+    rows meet the examples. Before, with an offset, the indices were taken for the examples' own: wrong norms."""
+    from tests.trust.models import OffsetPositions
+
+    model = OffsetPositions(offset)
+    with torch.no_grad():
+        model.positions.weight.mul_(4)  # the position rows' part of the norms, large
+    pixels = torch.randint(0, 17, (32, 64))
+    weights = torch.randn(32, 10)
+    tracker = PerExampleNormTracker(model).attach()
+    exact = reference_sq_norms(model, pixels, weights).float()
+    for _ in range(2):
+        torch.testing.assert_close(_pass(tracker, model, pixels, weights), exact, rtol=1e-5, atol=0)

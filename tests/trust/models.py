@@ -396,3 +396,82 @@ class BareTokenTables(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = F.embedding(tokens, self.table, padding_idx=0) + self.other[tokens]
         return self.head(torch.tanh(h).flatten(1))
+
+
+class ScaledWordEmbedding(nn.Embedding):
+    """BART's, mBART's and M2M100's token table: ``nn.Embedding``'s lookup times a fixed scale (its own forward)."""
+
+    def __init__(self, rows: int, width: int, scale: float) -> None:
+        super().__init__(rows, width)
+        self.scale = scale
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return super().forward(tokens) * self.scale
+
+
+class LearnedPositions(nn.Embedding):
+    """A position table of ``nn.Embedding``'s subclass, its rows two past each position, counted as
+
+    * ``"expand"``: ``arange(T)`` expanded to the batch, looked up (BART's);
+    * ``"mask"``: the padding mask's running sum, looked up (OPT's);
+    * ``"shared"``: ``arange(T)``, looked up once for every example;
+    * ``"slice"``: ``weight[2:T + 2]``, no lookup (Whisper's).
+
+    The module returns those rows: their gradient meets the examples in its caller's forward for the last two."""
+
+    OFFSET = 2
+
+    def __init__(self, positions: int, width: int, counted: str = "expand") -> None:
+        super().__init__(positions + self.OFFSET, width)
+        self.counted = counted
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        length = tokens.shape[1]
+        if self.counted == "slice":
+            return self.weight[self.OFFSET:length + self.OFFSET]
+        positions = torch.arange(length, device=tokens.device)
+        if self.counted == "expand":
+            positions = positions.expand(tokens.shape[0], -1)
+        elif self.counted == "mask":
+            mask = (tokens > 0).long()
+            positions = torch.cumsum(mask, dim=1) * mask - 1
+        return super().forward(positions + self.OFFSET)
+
+
+class SubclassedEmbeddings(nn.Module):
+    """Tokens through the two subclasses of ``nn.Embedding`` above, summed, a LayerNorm, a Linear and a GELU,
+    mean-pooled into a head. ``two_towers``: a second scaled token table holding the first's weight (BART's
+    ``encoder.embed_tokens`` and ``decoder.embed_tokens``) reads the tokens reversed, added to the first."""
+
+    def __init__(self, counted: str = "expand", two_towers: bool = False, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.tokens, self.positions = ScaledWordEmbedding(17, 8, scale=4.0), LearnedPositions(64, 8, counted)
+        self.norm, self.mix, self.head = nn.LayerNorm(8), nn.Linear(8, 8), nn.Linear(8, 10)
+        self.other_tokens = ScaledWordEmbedding(17, 8, scale=0.5) if two_towers else None
+        if two_towers:
+            self.other_tokens.weight = self.tokens.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tokens(tokens) + self.positions(tokens)
+        if self.other_tokens is not None:
+            h = h + self.other_tokens(tokens.flip(1))
+        return self.head(F.gelu(self.mix(self.norm(h))).mean(1))
+
+
+class OffsetPositions(nn.Module):
+    """The 64 pixels as 32 tokens, each a pair of pixels (289 of them), plus a position table looked up at
+    ``arange(32) + offset`` (BART's offset is 2), as many positions as a batch of 32 has examples; through a tanh,
+    mean-pooled into a head."""
+
+    def __init__(self, offset: int = 2, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.offset = offset
+        self.tokens, self.positions = nn.Embedding(17 * 17, 8), nn.Embedding(32 + offset, 8)
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        pairs = pixels[:, ::2] * 17 + pixels[:, 1::2]
+        positions = torch.arange(pairs.shape[1], device=pairs.device) + self.offset
+        return self.head(torch.tanh(self.tokens(pairs) + self.positions(positions)).mean(1))
