@@ -3,7 +3,7 @@
 
     python benchmarks/model_scan.py [--seeds 5] [--steps 150] [--only GPT2]
 
-With ``transformers`` installed, Hugging Face's ``GPT2LMHeadModel`` (tiny) is scanned too. Each model is held at its
+With ``transformers`` installed, tiny Hugging Face models are scanned too. Each model is held at its
 initial parameters (SGD with lr 0, so every step samples one distribution) and fitted in
 Lightning for ``--steps`` optimizer steps at batch 32, one micro-batch per step, batches of scikit-learn's digits
 drawn with replacement (``--seeds`` data orders). Tokens are the 64 pixel intensities (0..16) of each image; the
@@ -341,13 +341,22 @@ class HandWrittenLayer(nn.Module):
 
 
 class HuggingFaceGpt2(nn.Module):
-    """``transformers``' ``GPT2LMHeadModel`` (2 layers, width 32, vocabulary 17, dropout off), its logits mean-pooled
-    over positions; the first 10 vocabulary entries are the class logits. Only where ``transformers`` is installed."""
+    """``transformers``' ``GPT2LMHeadModel`` (2 layers, width 32, vocabulary 17, dropout off), or with ``bart`` its
+    ``BartForConditionalGeneration`` (scaled token tables tied to the head, learned positions; encoder and decoder of
+    2 layers), its logits mean-pooled over positions; the first 10 vocabulary entries are the class logits. Only
+    where ``transformers`` is installed."""
 
-    def __init__(self) -> None:
+    def __init__(self, bart: bool = False) -> None:
         super().__init__()
         import transformers
 
+        if bart:
+            config = transformers.BartConfig(vocab_size=17, d_model=32, encoder_layers=2, decoder_layers=2,
+                                             encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                                             decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0,
+                                             scale_embedding=True)
+            self.gpt = transformers.BartForConditionalGeneration(config)
+            return
         config = transformers.GPT2Config(vocab_size=17, n_positions=64, n_embd=32, n_layer=2, n_head=4,
                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                          attn_implementation="eager")
@@ -430,6 +439,7 @@ try:
     import transformers  # noqa: F401  (optional: not a dependency of the package)
 
     MODELS["Hugging Face GPT2LMHeadModel"] = (HuggingFaceGpt2, True)
+    MODELS["Hugging Face BartForConditionalGeneration (tied head)"] = (partial(HuggingFaceGpt2, bart=True), True)
     MODELS.update({f"Hugging Face {name}": (partial(HuggingFaceEncoder, name), True) for name in ENCODERS})
 except ImportError:
     pass

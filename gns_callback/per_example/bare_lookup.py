@@ -18,9 +18,11 @@ import torch
 from torch import Tensor
 
 from .embedding import lookup_sq_norms
+from .matmul import Factors
 from .param_path import lookup_indices
+from .tied import logits_at_tokens
 
-__all__ = ["LookupGrads", "lookup_example_grads"]
+__all__ = ["LookupGrads", "TiedGrads", "lookup_example_grads"]
 
 #: ``F.embedding``'s ``padding_idx`` when it has none, as autograd saves it (-1 as an unsigned 64-bit value).
 _NO_PADDING = (-1, 2**64 - 1)
@@ -64,6 +66,38 @@ class LookupGrads:
         width = self.grads.shape[-1]
         table = self.grads.new_zeros(self.rows, width)
         return table.index_add_(0, self.tokens.reshape(-1), self.grads.reshape(-1, width)).reshape(-1)
+
+
+@dataclass(frozen=True)
+class TiedGrads:
+    """A table both looked up (``lookup``) and applied as a matrix product's weight (``product``: a head tied to
+    subclassed token tables, BART's ``lm_head`` and ``shared``). Example ``i``'s gradient is ``E_i + H_i``, and
+    ``|E_i + H_i|² = |E_i|² + |H_i|² + 2⟨E_i, H_i⟩`` with the cross term read at the example's own tokens
+    (:mod:`.tied`: ``⟨E_i, H_i⟩ = Σ_t' u_t'·δ_t'``), nothing of the table's size per example."""
+
+    lookup: LookupGrads
+    product: Factors
+
+    @property
+    def examples(self) -> int:
+        return self.lookup.examples
+
+    def first(self, count: int) -> TiedGrads:
+        return TiedGrads(self.lookup.first(count), self.product.first(count))
+
+    def sq_norms(self) -> Tensor:
+        """``|g_i|²`` (B,)."""
+        rows, other = ((self.product.delta, self.product.left) if self.product.transposed
+                       else (self.product.left, self.product.delta))  # the table's rows, its columns
+        u = logits_at_tokens(self.lookup.tokens, other, rows)
+        cross = 2.0 * (self.lookup.grads * u).sum(dim=(1, 2))
+        return self.lookup.sq_norms() + self.product.sq_norms() + cross
+
+    def summed(self) -> Tensor:
+        return self.lookup.summed() + self.product.summed()
+
+    def rows(self) -> Tensor:
+        return self.lookup.rows() + self.product.rows()
 
 
 def lookup_example_grads(node: Any, grad_output: Tensor, dim: int, rows: int) -> LookupGrads:

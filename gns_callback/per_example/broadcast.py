@@ -27,7 +27,7 @@ from torch import Tensor
 
 from .matmul import (MATRIX_PRODUCTS, Factors, bias_example_grads, is_bias, row_shape, rows_are_parameter,
                      rows_batch_dim, weight_factors)
-from .bare_lookup import LookupGrads, lookup_example_grads
+from .bare_lookup import LookupGrads, TiedGrads, lookup_example_grads
 from .embedding import shared_table_reason
 from .layout import LayoutError
 from .layout import batch_dim as layout_batch_dim
@@ -108,7 +108,7 @@ class Rows:
 
 
 #: A bare parameter's per-example gradients, as read at one of its uses.
-ExampleGrads = Union[Rows, Factors, LookupGrads]
+ExampleGrads = Union[Rows, Factors, LookupGrads, TiedGrads]
 
 
 def find_consumers(outputs: Iterable[Tensor], params: Mapping[int, Tensor],

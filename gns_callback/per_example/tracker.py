@@ -43,7 +43,7 @@ from .cells import (
     state_feeds_output,
 )
 from .activation import prelu_sq_norms, prelu_summed_grads
-from .bare_lookup import LookupGrads
+from .bare_lookup import LookupGrads, TiedGrads
 from .broadcast import (Consumer, ExampleGrads, Rows, adds_up_to, caller_reads, example_grads, examples_dim,
                         find_consumers)
 from .matmul import MAX_ROWS_ELEMENTS, Factors
@@ -319,12 +319,13 @@ def _calling_module(parents: dict[int, nn.Module], module: nn.Module) -> Optiona
 def _bare_owner(holders: list[nn.Module], parents: dict[int, nn.Module]) -> Optional[nn.Module]:
     """The module whose forward hook reads a bare parameter held by ``holders`` (by no layer this package knows):
     its only holder; for a table several modules hold (BART's ``shared``, ``encoder.embed_tokens`` and
-    ``decoder.embed_tokens``), the innermost module with a forward of its own that holds them all, whose forward
-    holds all their uses. None where a holder is a layer this package knows, or no module holds them all."""
-    if not all(_holds_bare_parameters(m) for m in holders):
-        return None
+    ``decoder.embed_tokens``, and ``lm_head``: an ``nn.Linear`` is read at its product), the innermost module with a
+    forward of its own that holds them all, whose forward holds all their uses. None where a holder is another layer
+    this package knows, or no module holds them all."""
     if len(holders) == 1:
-        return holders[0]
+        return holders[0] if _holds_bare_parameters(holders[0]) else None
+    if not all(_holds_bare_parameters(m) or type(m) is nn.Linear for m in holders):
+        return None
     shared = set.intersection(*({id(m) for m in _ancestry(holder, parents)} for holder in holders))
     common = next((m for m in _ancestry(holders[0], parents) if id(m) in shared), None)
     if common is None:
@@ -1254,7 +1255,7 @@ class PerExampleNormTracker:
         if factors.examples != rows.examples:
             return self._refuse(bare, "its uses in one pass saw batches of different sizes")
         if isinstance(rows, LookupGrads):
-            return self._refuse(bare, "it is both looked up at the examples' indices and used in a matrix product")
+            return TiedGrads(rows, factors)
         if rows.values.numel() > MAX_ROWS_ELEMENTS:
             return self._refuse(bare, f"its per-example gradients, used at both broadcasts and products, would take "
                                       f"{rows.examples} × {rows.values.shape[1]} elements, more than "

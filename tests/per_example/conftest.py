@@ -74,15 +74,17 @@ def tracked_whole() -> Callable[[nn.Module, Tensor, float], None]:
 
 @pytest.fixture
 def assert_subset_reads_exactly(monkeypatch, reference_sq_norms) -> Callable[[nn.Module], None]:
-    """``check(model)`` for a model taking (10, 8) inputs to 3 outputs: with a subset of 4 examples forced, the
-    measured examples' norms and ``|Σ_{i unmeasured} g_i|²`` equal the brute-force ones, as for a layer's."""
+    """``check(model)`` for a model taking (10, 8) inputs (or ``x``, 10 examples): with a subset of 4 examples
+    forced, the measured examples' norms and ``|Σ_{i unmeasured} g_i|²`` equal the brute-force ones, as for a
+    layer's."""
     from gns_callback.per_example import PerExampleNormTracker
     from gns_callback.per_example import tracker as tracker_module
 
     monkeypatch.setattr(tracker_module, "subset_is_cheaper", lambda *args: True)
 
-    def check(model: nn.Module) -> None:
-        x, weights = torch.randn(10, 8), torch.randn(10, 3)
+    def check(model: nn.Module, x: Tensor | None = None) -> None:
+        x = torch.randn(10, 8) if x is None else x
+        weights = torch.randn_like(model(x))
         tracker = PerExampleNormTracker(model, max_examples=4).attach()
         model.zero_grad()
         (model(x) * weights).sum().backward()

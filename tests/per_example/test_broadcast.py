@@ -460,16 +460,19 @@ def test_a_bare_table_looked_up_at_sequence_first_tokens():
 
 
 @pytest.mark.parametrize("counted", ["expand", "mask", "shared", "slice"])
-@pytest.mark.parametrize("two_towers", [False, True], ids=["one table", "a table two subclasses hold"])
-def test_subclassed_embeddings_are_measured_whole_from_their_first_pass(reference_sq_norms, counted, two_towers):
+@pytest.mark.parametrize("two_towers, tied_head", [(False, False), (True, False), (True, True)],
+                         ids=["one table", "a table two subclasses hold", "and a head"])
+def test_subclassed_embeddings_are_measured_whole_from_their_first_pass(reference_sq_norms, counted, two_towers,
+                                                                        tied_head):
     """A subclass of ``nn.Embedding`` with a forward of its own holds a bare table, read at its lookup. Before, a
     position table whose module returns its rows (``return super().forward(positions)``, ``weight[:T]``) was left out:
     the walk from its output began above the lookup, and a table shared by the examples meets them only in the
-    caller's forward (41% coverage on this model); and a table two subclasses hold was left out as "shared by several
-    modules"."""
+    caller's forward (41% coverage on this model); and a table two subclasses and a head hold was left out as
+    "shared by several modules". The head's product and the lookups are one gradient: its cross term is read at the
+    examples' tokens (:class:`~gns_callback.per_example.bare_lookup.TiedGrads`)."""
     from tests.trust.models import SubclassedEmbeddings
 
-    model = SubclassedEmbeddings(counted, two_towers)
+    model = SubclassedEmbeddings(counted, two_towers, tied_head)
     tokens, weights = torch.randint(0, 17, (6, 7)), torch.randn(6, 10)
     tokens[:, -2:] = 0  # padding, for OPT's count of positions
     tracker = PerExampleNormTracker(model).attach()
@@ -522,3 +525,33 @@ def test_a_position_table_at_an_offset_with_as_many_positions_as_examples_is_rea
     exact = reference_sq_norms(model, pixels, weights).float()
     for _ in range(2):
         torch.testing.assert_close(_pass(tracker, model, pixels, weights), exact, rtol=1e-5, atol=0)
+
+
+class SharedWeight(nn.Module):
+    """Two ``nn.Linear`` holding one weight (each its own bias), one after the other, under a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second, self.head = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+        self.second.weight = self.first.weight
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.second(torch.tanh(self.first(x)))))
+
+
+def test_a_weight_two_linear_layers_hold_is_measured_whole_from_its_first_pass(reference_sq_norms):
+    """Read at both products, each example's gradient their sum. Before, left out as "shared by several modules"
+    (52% of this model)."""
+    torch.manual_seed(0)
+    model, x, weights = SharedWeight(), torch.randn(5, 4, 6), torch.randn(5, 4, 3)
+    tracker = PerExampleNormTracker(model).attach()
+    exact = reference_sq_norms(model, x, weights).float()
+    for _ in range(2):
+        torch.testing.assert_close(_pass(tracker, model, x, weights), exact, rtol=1e-5, atol=0)
+        assert tracker.coverage_fraction() == 1.0 and not tracker.excluded_reasons
+
+
+def test_a_subset_of_subclassed_embeddings_with_a_tied_head_reads_exactly(assert_subset_reads_exactly):
+    from tests.trust.models import SubclassedEmbeddings
+
+    assert_subset_reads_exactly(SubclassedEmbeddings("expand", True, True), torch.randint(0, 17, (10, 7)))

@@ -441,22 +441,29 @@ class LearnedPositions(nn.Embedding):
 class SubclassedEmbeddings(nn.Module):
     """Tokens through the two subclasses of ``nn.Embedding`` above, summed, a LayerNorm, a Linear and a GELU,
     mean-pooled into a head. ``two_towers``: a second scaled token table holding the first's weight (BART's
-    ``encoder.embed_tokens`` and ``decoder.embed_tokens``) reads the tokens reversed, added to the first."""
+    ``encoder.embed_tokens`` and ``decoder.embed_tokens``) reads the tokens reversed, added to the first.
+    ``tied_head``: the head is the token table too (BART's ``lm_head``), its logits mean-pooled, the first 10 the
+    classes'."""
 
-    def __init__(self, counted: str = "expand", two_towers: bool = False, seed: int = 0) -> None:
+    def __init__(self, counted: str = "expand", two_towers: bool = False, tied_head: bool = False,
+                 seed: int = 0) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.tokens, self.positions = ScaledWordEmbedding(17, 8, scale=4.0), LearnedPositions(64, 8, counted)
-        self.norm, self.mix, self.head = nn.LayerNorm(8), nn.Linear(8, 8), nn.Linear(8, 10)
+        self.norm, self.mix = nn.LayerNorm(8), nn.Linear(8, 8)
         self.other_tokens = ScaledWordEmbedding(17, 8, scale=0.5) if two_towers else None
         if two_towers:
             self.other_tokens.weight = self.tokens.weight
+        self.head = nn.Linear(8, 17, bias=False) if tied_head else nn.Linear(8, 10)
+        if tied_head:
+            self.head.weight = self.tokens.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tokens(tokens) + self.positions(tokens)
         if self.other_tokens is not None:
             h = h + self.other_tokens(tokens.flip(1))
-        return self.head(F.gelu(self.mix(self.norm(h))).mean(1))
+        h = F.gelu(self.mix(self.norm(h)))
+        return self.head(h).mean(1)[:, :10] if self.head.out_features == 17 else self.head(h.mean(1))
 
 
 class OffsetPositions(nn.Module):
