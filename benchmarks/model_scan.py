@@ -409,6 +409,10 @@ ENCODERS: dict[str, tuple[str, str, dict]] = {
     "DistilBertModel": ("DistilBertConfig", "DistilBertModel", dict(dim=32, n_layers=2, n_heads=4, hidden_dim=64,
                                                                     dropout=0.0, attention_dropout=0.0,
                                                                     max_position_embeddings=64)),
+    "GemmaModel (RMS norms scaled by 1 + weight)": (
+        "GemmaConfig", "GemmaModel", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                          max_position_embeddings=64)),
     "OPTModel (learned positions counted from the mask)": (
         "OPTConfig", "OPTModel", dict(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
                                       word_embed_proj_dim=32, max_position_embeddings=64, dropout=0.0)),

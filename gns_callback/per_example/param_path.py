@@ -66,6 +66,8 @@ def parameter_behind(node: Any, params: dict[int, Tensor]) -> Optional[Parameter
     reshapes alone (each node with that one input); None if ``node`` leads to anything else, or through a view
     whose output shape is not recorded."""
     transposed, views = False, []
+    while node is not None and (shifted := _shift_source(node)) is not None:
+        node = shifted
     while node is not None and len(node.next_functions) == 1:
         kind = type(node).__name__
         if kind in SLICES | RESHAPES or _is_lookup(node) or (kind in PERMUTES and len(node._saved_dims) > 2):
@@ -85,6 +87,19 @@ def parameter_behind(node: Any, params: dict[int, Tensor]) -> Optional[Parameter
         if shape is None:
             return None
     return ParameterPath(params[id(variable)], transposed, tuple(views), tuple(reversed(inputs)), shape)
+
+
+def _shift_source(node: Any) -> Optional[Any]:
+    """What ``node`` shifts, where it is ``P + c`` with ``P`` a parameter (maybe cast) and ``c`` a constant that
+    does not change its shape (Gemma's RMSNorm scales by ``1 + weight``): ``P``'s gradient is the sum's, so the
+    shift is passed over. None for any other node."""
+    inputs = node.next_functions
+    if type(node).__name__ != "AddBackward0" or len(inputs) != 2 or inputs[0][0] is None or inputs[1][0] is not None:
+        return None
+    source = inputs[0][0]
+    leaf = source.next_functions[0][0] if type(source).__name__ in CASTS and len(source.next_functions) == 1 else source
+    variable = getattr(leaf, "variable", None)
+    return source if variable is not None and _shape_taken(node) == tuple(variable.shape) else None
 
 
 def _is_lookup(node: Any) -> bool:

@@ -32,6 +32,8 @@ USES = [
     ("p expanded and concatenated (class token)", (1, 1, D),
      lambda x, p: torch.cat([p.expand(x.shape[0], -1, -1), x], dim=1)),
     ("two uses of p", (1, T, D), lambda x, p: (x + p) * p),
+    ("x ⊙ (1 + p.float()) (Gemma's RMSNorm)", (D,), lambda x, p: x * (1.0 + p.float())),
+    ("x ⊙ (p + c), c a constant of p's shape", (T, D), lambda x, p: x * (p + torch.ones(T, D))),
     ("x + p[:, :T] (minGPT's position table)", (1, T + 3, D), lambda x, p: x + p[:, :x.shape[1]]),
     ("x + p[:, ::2], a strided window", (1, 2 * T, D), lambda x, p: x + p[:, ::2]),
     ("x + p[None]", (T, D), lambda x, p: x + p[None]),
@@ -113,6 +115,17 @@ def test_a_use_through_another_op_is_reported_unread():
     consumers, unread = find_consumers([out], {id(p): p})
     assert unread == {id(p): "SumBackward1"}
     assert [type(c.node).__name__ for c in consumers] == ["MmBackward0"]  # read: :mod:`.matmul`
+
+
+
+def test_a_shift_that_broadcasts_the_parameter_is_not_passed_over():
+    """``p + c`` with ``c`` larger than ``p``: the sum's gradient is not ``p``'s, so it is read at that sum, whose
+    output holds no examples (and is left out there)."""
+    x, p = torch.randn(B, T, D), nn.Parameter(torch.randn(D))
+    out = x * (p + torch.ones(T, D))
+    (consumer,) = find_consumers([out], {id(p): p})[0]
+    assert type(consumer.node).__name__ == "AddBackward0" and consumer.path.shape == (D,)
+    assert examples_dim(consumer, torch.randn(T, D), B) is None
 
 
 class LayerScale(nn.Module):

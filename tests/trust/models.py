@@ -482,3 +482,31 @@ class OffsetPositions(nn.Module):
         pairs = pixels[:, ::2] * 17 + pixels[:, 1::2]
         positions = torch.arange(pairs.shape[1], device=pairs.device) + self.offset
         return self.head(torch.tanh(self.tokens(pairs) + self.positions(positions)).mean(1))
+
+
+class OnePlusScaleNorm(nn.Module):
+    """Gemma's RMSNorm: ``x / rms(x) · (1 + w)`` in float32, ``w`` starting at zero."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (normed * (1.0 + self.weight.float())).type_as(x)
+
+
+class GemmaStyle(nn.Module):
+    """Tokens through an embedding, a Gemma-style norm, a Linear with a GELU and a second such norm, mean-pooled
+    into a head."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed, self.norm, self.mix = nn.Embedding(17, 8), OnePlusScaleNorm(8), nn.Linear(8, 8)
+        self.final_norm, self.head = OnePlusScaleNorm(8), nn.Linear(8, 10)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        h = h + F.gelu(self.mix(self.norm(h)))
+        return self.head(self.final_norm(h).mean(1))
