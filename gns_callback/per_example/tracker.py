@@ -245,13 +245,17 @@ class _CoveredModule:
 class _BareParameter:
     """A trainable parameter of a module no layer function measures (a ViT's class token, a layer scale): left out
     until its first backward pass shows that its per-example gradients are read at its broadcasts
-    (:mod:`.broadcast`), measured from then on, left out for good with ``refused`` where they are not."""
+    (:mod:`.broadcast`), measured from then on, left out for good with ``refused`` where they are not. Its uses are
+    looked for in the forwards of its ``owners``: the module holding it, or each of several holding one table."""
 
     name: str
     param: nn.Parameter
-    owner: nn.Module
+    owners: tuple[nn.Module, ...]
     measured: bool = False
     refused: Optional[str] = None
+
+    def owned_by(self, module: nn.Module) -> bool:
+        return any(owner is module for owner in self.owners)
 
 
 def _unmeasured_reason(module: nn.Module, local_name: str) -> Optional[str]:
@@ -291,15 +295,6 @@ def _replaced_reason(param_name: str) -> str:
             f"per-example gradients are no longer the parameter's; {MICRO_BATCH_HINT}")
 
 
-def _ancestry(module: Optional[nn.Module], parents: dict[int, nn.Module]) -> list[nn.Module]:
-    """``module``, its parent, that one's parent, ... up to the root."""
-    chain: list[nn.Module] = []
-    while module is not None:
-        chain.append(module)
-        module = parents.get(id(module))
-    return chain
-
-
 def _parents(model: nn.Module) -> dict[int, nn.Module]:
     """Each submodule's parent, by the submodule's ``id``."""
     return {id(child): parent for parent in model.modules() for child in parent.children()}
@@ -316,21 +311,14 @@ def _calling_module(parents: dict[int, nn.Module], module: nn.Module) -> Optiona
     return parent
 
 
-def _bare_owner(holders: list[nn.Module], parents: dict[int, nn.Module]) -> Optional[nn.Module]:
-    """The module whose forward hook reads a bare parameter held by ``holders`` (by no layer this package knows):
-    its only holder; for a table several modules hold (BART's ``shared``, ``encoder.embed_tokens`` and
-    ``decoder.embed_tokens``, and ``lm_head``: an ``nn.Linear`` is read at its product), the innermost module with a
-    forward of its own that holds them all, whose forward holds all their uses. None where a holder is another layer
-    this package knows, or no module holds them all."""
+def _bare_owners(holders: list[nn.Module]) -> tuple[nn.Module, ...]:
+    """The modules whose forwards are searched for the uses of a bare parameter held by ``holders`` (by no layer this
+    package knows): its only holder; each of several holding one table (BART's ``shared``, ``encoder.embed_tokens``
+    and ``decoder.embed_tokens``, and ``lm_head``: an ``nn.Linear`` is read at its product). None where a holder is
+    another layer this package knows."""
     if len(holders) == 1:
-        return holders[0] if _holds_bare_parameters(holders[0]) else None
-    if not all(_holds_bare_parameters(m) or type(m) is nn.Linear for m in holders):
-        return None
-    shared = set.intersection(*({id(m) for m in _ancestry(holder, parents)} for holder in holders))
-    common = next((m for m in _ancestry(holders[0], parents) if id(m) in shared), None)
-    if common is None:
-        return None
-    return common if type(common).forward is not nn.Module.forward else _calling_module(parents, common)
+        return tuple(holders) if _holds_bare_parameters(holders[0]) else ()
+    return tuple(holders) if all(_holds_bare_parameters(m) or type(m) is nn.Linear for m in holders) else ()
 
 
 def _holds_bare_parameters(module: nn.Module) -> bool:
@@ -456,7 +444,7 @@ class PerExampleNormTracker:
         return owners
 
     def _analyse(self) -> None:
-        owners, parents = self._owners(), _parents(self.model)
+        owners = self._owners()
 
         self.excluded_reasons = {}
         self._shared_tables = {}
@@ -510,9 +498,9 @@ class PerExampleNormTracker:
             if reason is not None:
                 self.excluded_reasons[param_name] = reason
                 self._uncovered_params.append((param_name, param))
-                owner = _bare_owner(list(distinct_modules.values()), parents)
-                if owner is not None:
-                    self._bare[id(param)] = _BareParameter(param_name, param, owner)
+                searched = _bare_owners(list(distinct_modules.values()))
+                if searched:
+                    self._bare[id(param)] = _BareParameter(param_name, param, searched)
                 continue
             self._covered_params.append((param_name, param))
             covered_names.setdefault(module, (module_name, set()))[1].add(local_name)
@@ -1026,7 +1014,7 @@ class PerExampleNormTracker:
         self._covered_modules.pop(module)
         self._leave_out(moved, f"{reason} (read where its rows are broadcast over the batch)")
         for name, param in moved:
-            bare = _BareParameter(name, param, owner)
+            bare = _BareParameter(name, param, (owner,))
             self._bare[id(param)] = bare
             self._handles.append(param.register_hook(partial(self._on_bare_grad, bare)))
         return True
@@ -1042,7 +1030,7 @@ class PerExampleNormTracker:
         """Per module holding bare parameters, the module whose forward presumably calls it (:func:`_calling_module`):
         their owner should its forward return one as it is (:meth:`_hand_over`)."""
         parents = _parents(self.model)
-        owners = {id(bare.owner): bare.owner for bare in self._bare.values()}
+        owners = {id(owner): owner for bare in self._bare.values() for owner in bare.owners}
         return {owner: caller for owner in owners.values() if (caller := _calling_module(parents, owner)) is not None}
 
     def _covered_params_of(self, module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -1148,7 +1136,7 @@ class PerExampleNormTracker:
     def _bare_hooks(self) -> list[RemovableHandle]:
         """Forward pre-hooks and hooks on each module holding bare parameters or calling an embedding (which may
         turn out to be a shared position table), and a gradient hook on each bare parameter."""
-        owners = {id(bare.owner): bare.owner for bare in self._bare.values()}
+        owners = {id(owner): owner for bare in self._bare.values() for owner in bare.owners}
         owners.update({id(caller): caller for caller in [*self._table_callers.values(), *self._bare_callers.values()]})
         return ([owner.register_forward_pre_hook(self._before_owner_forward, with_kwargs=True)
                  for owner in owners.values()]
@@ -1169,7 +1157,7 @@ class PerExampleNormTracker:
         stop_at = running.pop() if running else []
         if self._refuses_compiled() or not self._active() or not torch.is_grad_enabled():
             return
-        bare = {key: b.param for key, b in self._bare.items() if b.owner is module and b.refused is None}
+        bare = {key: b.param for key, b in self._bare.items() if b.owned_by(module) and b.refused is None}
         outputs = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
         bare = self._hand_over(module, outputs, bare)
         if not bare or not outputs:
@@ -1192,7 +1180,8 @@ class PerExampleNormTracker:
         for output in outputs if caller is not None else ():
             path = caller_reads(output.grad_fn, bare, self.expected_batch_size, self._sequence_first)
             if path is not None:
-                self._bare[id(path.param)].owner = caller
+                handed = self._bare[id(path.param)]
+                handed.owners = tuple(caller if owner is module else owner for owner in handed.owners)
                 bare = {key: param for key, param in bare.items() if param is not path.param}
         return bare
 
@@ -1297,7 +1286,7 @@ class PerExampleNormTracker:
                               stacklevel=2)
             return
         bare.measured = False
-        self._leave_out([(bare.name, bare.param)], f"a bare parameter of {type(bare.owner).__name__}: {reason}")
+        self._leave_out([(bare.name, bare.param)], f"a bare parameter of {type(bare.owners[0]).__name__}: {reason}")
         warnings.warn(f"gns_callback left the parameter '{bare.name}' out of both norms from now on: {reason}. The "
                       f"noise scale now covers {self.coverage_fraction():.1%} of the trainable parameters.",
                       stacklevel=2)
