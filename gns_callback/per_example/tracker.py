@@ -173,6 +173,8 @@ class PassNorms:
     source: str = ""
     fired: set = field(default_factory=set)
     failure: str | None = None  # why this pass can't be measured (matters only if it fills ``.grad``)
+    #: A layer was left out during this pass, which its norms therefore half hold: its step is not measured.
+    dropped: bool = False
     #: Per module of a tied table (:mod:`.tied`) measured in this pass, its calls read as one, ``(input, output
     #: gradient)``, until its partner's are in for the cross term.
     tied_calls: dict = field(default_factory=dict)
@@ -195,6 +197,7 @@ class PassNorms:
             self.failure = problem
             return self
         self.fired |= inner.fired
+        self.dropped |= inner.dropped
         self.subset_grads.update(inner.subset_grads)
         for kept, more in ((self.broadcast, inner.broadcast), (self.products, inner.products)):
             for name, grads in more.items():
@@ -641,6 +644,8 @@ class PerExampleNormTracker:
         self._reset_state()
         if failure is not None:
             raise RuntimeError(f"PerExampleNormTracker: {failure}")
+        if any(p.dropped for p in committed):
+            return []
         return [p for p in committed if p.sq_norms is not None]
 
     def pop(self) -> Tensor | None:
@@ -1019,6 +1024,25 @@ class PerExampleNormTracker:
             self._handles.append(param.register_hook(partial(self._on_bare_grad, bare)))
         return True
 
+    def _to_caller(self, module: nn.Module, caller: nn.Module, reason: str) -> None:
+        """Move ``module``'s parameters from covered to bare parameters of ``caller`` (hooked now, if it was not),
+        and say so once."""
+        hooked = {id(owner) for bare in self._bare.values() for owner in bare.owners}
+        hooked |= {id(m) for m in [*self._table_callers.values(), *self._bare_callers.values()]}
+        moved = self._covered_params_of(module)
+        name = self._covered_modules.pop(module).name
+        self._leave_out(moved, reason)
+        for param_name, param in moved:
+            bare = _BareParameter(param_name, param, (caller,))
+            self._bare[id(param)] = bare
+            self._handles.append(param.register_hook(partial(self._on_bare_grad, bare)))
+        if id(caller) not in hooked:
+            self._handles += [caller.register_forward_pre_hook(self._before_owner_forward, with_kwargs=True),
+                              caller.register_forward_hook(self._on_owner_forward)]
+        warnings.warn(f"gns_callback: the parameters of '{name}' are used outside its forward; from the next step on "
+                      "they are read where the module that calls it uses them, or left out with the reason (this "
+                      "step is not measured).", stacklevel=2)
+
     def _find_table_callers(self) -> dict[nn.Module, nn.Module]:
         """Per measured embedding, the module whose forward presumably calls it (:func:`_calling_module`): the
         owner it would have as a shared position table."""
@@ -1118,7 +1142,20 @@ class PerExampleNormTracker:
             with _no_grad():
                 record.add_unmeasured(param_name, grad)
         if record.failure is None and not any(m in record.fired for m in modules):
-            self._fail_pass(record, self._unseen_output_reason(param_name))
+            self._used_elsewhere(record, modules, param_name)
+
+    def _used_elsewhere(self, record: PassNorms, modules: tuple[nn.Module, ...], param_name: str) -> None:
+        """A parameter's gradient came without its module's output gradient. Where the model's layers were seen run,
+        the parameter is used outside its module's forward (Mamba's ``dt_proj.weight @ x``): the module's parameters
+        become bare parameters of the module that calls it, read at their products and broadcasts from the next
+        step on (or left out with the reason, as any bare parameter), and this pass's step is not measured. The pass
+        fails instead where no caller can be told."""
+        reason = self._unseen_output_reason(param_name)
+        caller = _calling_module(_parents(self.model), modules[0]) if len(modules) == 1 else None
+        if not self._saw_tracked_forward or caller is None:
+            return self._fail_pass(record, reason)
+        self._to_caller(modules[0], caller, reason)
+        record.dropped = True
 
     def _unseen_output_reason(self, param_name: str) -> str:
         """Why a parameter's gradient came without its module's output gradient: the module ran outside its hooks'
@@ -1218,6 +1255,8 @@ class PerExampleNormTracker:
         if bare.refused or not self._active():
             return
         record = self._pass_record()
+        if record.dropped:  # a layer was handed over to bare parameters during this pass: the next pass decides
+            return
         found = self._bare_example_grads(bare, record)
         if record.failure is not None or found is None:
             return

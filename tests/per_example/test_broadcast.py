@@ -607,3 +607,31 @@ def test_hugging_face_models_with_subclassed_tables_or_shifted_norms_are_measure
     got = _pass(tracker, model, tokens, weights)
     assert tracker.coverage_fraction() == 1.0 and not tracker.excluded_reasons
     torch.testing.assert_close(got, reference_sq_norms(model, tokens, weights).float(), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("through_conv", [False, True], ids=["as a product", "as a convolution"])
+def test_a_layer_whose_parameters_are_used_outside_its_forward_is_read_where_they_are_used(reference_sq_norms,
+                                                                                        through_conv):
+    """Its gradient comes without its output's. Before, the pass failed and nothing more was measured. Now its
+    parameters are handed to the module that uses them, that pass's step is dropped (its norms lack them), and from
+    the next on they are read at their product and broadcast, or left out with the reason where their use is not
+    read (a convolution), the rest still exact."""
+    from tests.trust.models import LayerUsedOutside
+
+    model, x, weights = LayerUsedOutside(through_conv), torch.randn(6, 64), torch.randn(6, 10)
+    tracker = PerExampleNormTracker(model).attach()
+    with pytest.warns(UserWarning, match="'hidden' are used outside its forward"):
+        assert not _pass_records(tracker, model, x, weights)
+    covered = {"head.weight", "head.bias"} if through_conv else None
+    for _ in range(2):
+        (record,) = _pass_records(tracker, model, x, weights)
+        torch.testing.assert_close(record.sq_norms, reference_sq_norms(model, x, weights, covered).float(),
+                                   rtol=1e-5, atol=0)
+    assert tracker.coverage_fraction() == (33 * 10 / (65 * 32 + 33 * 10) if through_conv else 1.0)
+    assert ("hidden.weight" in tracker.excluded_reasons) == through_conv
+
+
+def _pass_records(tracker, model, x, weights):
+    model.zero_grad()
+    (model(x) * weights).sum().backward()
+    return tracker.pop_passes()

@@ -510,3 +510,21 @@ class GemmaStyle(nn.Module):
         h = self.embed(tokens)
         h = h + F.gelu(self.mix(self.norm(h)))
         return self.head(self.final_norm(h).mean(1))
+
+
+class LayerUsedOutside(nn.Module):
+    """A digits MLP whose hidden ``nn.Linear`` is never called: the model applies its weight and bias itself
+    (``x @ W.t() + b``, as Mamba's ``dt_proj.weight @ x``), or with ``through_conv`` as a 1×1 convolution, which no
+    reading here takes."""
+
+    def __init__(self, through_conv: bool = False, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.hidden, self.head, self.through_conv = nn.Linear(64, 32), nn.Linear(32, 10), through_conv
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.through_conv:
+            h = F.conv1d(x.unsqueeze(-1), self.hidden.weight.unsqueeze(-1), self.hidden.bias).squeeze(-1)
+        else:
+            h = x @ self.hidden.weight.t() + self.hidden.bias
+        return self.head(torch.tanh(h))
