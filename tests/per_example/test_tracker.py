@@ -331,7 +331,10 @@ def test_second_call_without_gradient_is_fine() -> None:
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=0)
 
 
-def test_functional_use_of_covered_weight_is_reported_at_pop() -> None:
+def test_functional_use_of_covered_weight_is_read_from_the_next_pass(reference_sq_norms) -> None:
+    """``F.linear(h, self.head.weight, self.head.bias)``: the head's parameters are handed to the module that uses them
+    (the first pass is dropped, with a warning) and read at their product from then on. Before, the pass failed."""
+
     class Functional(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -342,11 +345,15 @@ def test_functional_use_of_covered_weight_is_reported_at_pop() -> None:
             return F.linear(self.body(x), self.head.weight, self.head.bias)  # never calls self.head
 
     model = nn.Sequential(nn.Linear(3, 3), Functional()).double()
+    x, weights = torch.randn(BATCH, 3, dtype=torch.float64), torch.randn(BATCH, 2, dtype=torch.float64)
     with PerExampleNormTracker(model) as tracker:
-        out = model(torch.randn(BATCH, 3, dtype=torch.float64))
-        out.sum().backward()
-        with pytest.raises(RuntimeError, match=r"'1\.head\.(weight|bias)'.*outside"):
-            tracker.pop()
+        with pytest.warns(UserWarning, match="'1.head' are used outside its forward"):
+            (model(x) * weights).sum().backward()
+        assert tracker.pop_passes() == []
+        model.zero_grad()
+        (model(x) * weights).sum().backward()
+        torch.testing.assert_close(tracker.pop().double(), reference_sq_norms(model, x, weights), rtol=1e-5, atol=0)
+        assert tracker.coverage_fraction() == 1.0
 
 
 def test_a_weight_pruned_after_attach_is_reported_at_pop() -> None:
