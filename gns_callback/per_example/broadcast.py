@@ -157,7 +157,7 @@ def caller_reads(node: Any, params: Mapping[int, Tensor], batch_size: Optional[i
     examples (BART's decoder positions); its rows meet the examples at that caller's broadcast. None for any other
     output, and for a lookup at the examples' own indices, read at the lookup (:func:`find_consumers`)."""
     path = parameter_behind(node, params)
-    if path is None or path.transposed:
+    if path is None or path.transposed or path.negated:
         return None
     if _looked_up(path) and _indices_batch_dim(lookup_indices(path.views[0]), batch_size, sequence_first) is not None:
         return None
@@ -170,7 +170,7 @@ def _reads(kind: str, index: int, path: ParameterPath) -> bool:
     its rows."""
     if kind not in MATRIX_PRODUCTS:
         return kind in CONSUMERS and not path.transposed
-    if path.views:
+    if path.views or path.negated:
         return False
     return index == MATRIX_PRODUCTS[kind][1] or (is_bias(kind, index) and not path.transposed)
 
@@ -188,7 +188,8 @@ def _consumers(node: Any, index: int, path: ParameterPath) -> list[Consumer]:
 def _looked_up(path: ParameterPath) -> bool:
     """A table looked up as it is (``F.embedding(x, W)``, ``W[x]``) by a node not read here: read at the lookup,
     should its indices hold the examples (:func:`examples_dim`)."""
-    return len(path.views) == 1 and type(path.views[0]).__name__ in LOOKUPS and not path.transposed
+    return (len(path.views) == 1 and type(path.views[0]).__name__ in LOOKUPS and not path.transposed
+            and not path.negated)
 
 
 def _with_view_above(consumer: Consumer, parents: Mapping[int, list[Any]]) -> Consumer:
@@ -275,7 +276,7 @@ def example_grads(consumer: Consumer, grad_output: Tensor, dim: int) -> ExampleG
     rows = delta.movedim(dim, 0).reshape(examples, -1)
     if path.views:
         rows = back_through(path, rows.reshape(examples, *path.shape)).reshape(examples, -1)
-    return Rows(rows)
+    return Rows(rows.neg() if path.negated else rows)
 
 
 def _padded(shape: torch.Size, dims: int) -> tuple[int, ...]:

@@ -52,20 +52,23 @@ VIEWS = frozenset({"ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward
 @dataclass(frozen=True)
 class ParameterPath:
     """A parameter reached through ``views`` (slices and reshapes, outermost first), ``transposed`` or not:
-    ``view_inputs`` holds each view's input shape (outermost first), ``shape`` what the consuming op takes."""
+    ``view_inputs`` holds each view's input shape (outermost first), ``shape`` what the consuming op takes;
+    ``negated`` where it was taken as ``−P`` or ``1 − P`` (RWKV's ``x·μ + x_prev·(1 − μ)``), whose gradient is minus
+    the use's."""
 
     param: Tensor
     transposed: bool
     views: tuple[Any, ...]
     view_inputs: tuple[tuple[int, ...], ...]
     shape: tuple[int, ...]
+    negated: bool = False
 
 
 def parameter_behind(node: Any, params: dict[int, Tensor]) -> Optional[ParameterPath]:
     """The parameter among ``params`` (by ``id``) that ``node`` hands on through transposes, casts, slices and
     reshapes alone (each node with that one input); None if ``node`` leads to anything else, or through a view
     whose output shape is not recorded."""
-    transposed, views = False, []
+    transposed, negated, views = False, False, []
     while node is not None and (shifted := _shift_source(node)) is not None:
         node = shifted
     while node is not None and len(node.next_functions) == 1:
@@ -74,6 +77,8 @@ def parameter_behind(node: Any, params: dict[int, Tensor]) -> Optional[Parameter
             views.append(node)
         elif kind in TRANSPOSES:
             transposed ^= _swaps(node)
+        elif _negates(node):
+            negated = not negated
         elif kind not in CASTS:
             return None
         node = node.next_functions[0][0]
@@ -86,7 +91,14 @@ def parameter_behind(node: Any, params: dict[int, Tensor]) -> Optional[Parameter
         shape = shape_after(view, shape)
         if shape is None:
             return None
-    return ParameterPath(params[id(variable)], transposed, tuple(views), tuple(reversed(inputs)), shape)
+    return ParameterPath(params[id(variable)], transposed, tuple(views), tuple(reversed(inputs)), shape, negated)
+
+
+def _negates(node: Any) -> bool:
+    """``−P``, or ``c − P`` with ``c`` a number (``torch.rsub``'s ``alpha`` 1): the gradient passes with its sign
+    turned."""
+    kind = type(node).__name__
+    return kind == "NegBackward0" or (kind == "RsubBackward1" and float(getattr(node, "_saved_alpha", 1)) == 1)
 
 
 def _shift_source(node: Any) -> Optional[Any]:

@@ -33,6 +33,8 @@ USES = [
      lambda x, p: torch.cat([p.expand(x.shape[0], -1, -1), x], dim=1)),
     ("two uses of p", (1, T, D), lambda x, p: (x + p) * p),
     ("x ⊙ (1 + p.float()) (Gemma's RMSNorm)", (D,), lambda x, p: x * (1.0 + p.float())),
+    ("x ⊙ p + x² ⊙ (1 − p) (RWKV's time mix)", (D,), lambda x, p: x * p + x * x * (1 - p)),
+    ("x + (−p)[:T]", (T + 1, D), lambda x, p: x + (-p)[: x.shape[1]]),
     ("x ⊙ (p + c), c a constant of p's shape", (T, D), lambda x, p: x * (p + torch.ones(T, D))),
     ("x + p[:, :T] (minGPT's position table)", (1, T + 3, D), lambda x, p: x + p[:, :x.shape[1]]),
     ("x + p[:, ::2], a strided window", (1, 2 * T, D), lambda x, p: x + p[:, ::2]),

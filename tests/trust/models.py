@@ -528,3 +528,19 @@ class LayerUsedOutside(nn.Module):
         else:
             h = x @ self.hidden.weight.t() + self.hidden.bias
         return self.head(torch.tanh(h))
+
+
+class TimeMix(nn.Module):
+    """RWKV's token shift: each position mixed with the one before, ``x·μ + x_prev·(1 − μ)`` with a learned ``μ`` per
+    channel, then a Linear with a GELU, mean-pooled into a head."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed, self.mix = nn.Embedding(17, 8), nn.Parameter(torch.rand(8))
+        self.key, self.head = nn.Linear(8, 8), nn.Linear(8, 10)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        previous = F.pad(x, (0, 0, 1, -1))
+        return self.head(F.gelu(self.key(x * self.mix + previous * (1 - self.mix))).mean(1))
