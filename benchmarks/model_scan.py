@@ -416,6 +416,9 @@ ENCODERS: dict[str, tuple[str, str, dict]] = {
     "MambaModel (dt_proj and conv1d applied outside their forward)": (
         "MambaConfig", "MambaModel", dict(hidden_size=32, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=4,
                                           use_mambapy=True)),
+    "RwkvModel (time mix x·μ + x_prev·(1 − μ))": (
+        "RwkvConfig", "RwkvModel", dict(hidden_size=32, num_hidden_layers=2, attention_hidden_size=32,
+                                        intermediate_size=64, context_length=64)),
     "OPTModel (learned positions counted from the mask)": (
         "OPTConfig", "OPTModel", dict(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
                                       word_embed_proj_dim=32, max_position_embeddings=64, dropout=0.0)),
