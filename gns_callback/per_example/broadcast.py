@@ -36,8 +36,11 @@ from .param_path import LOOKUPS, VIEWS, ParameterPath, back_through, lookup_indi
 __all__ = ["CONSUMERS", "Consumer", "ExampleGrads", "Rows", "adds_up_to", "batch_dim", "caller_reads", "example_grads",
            "examples_dim", "find_consumers"]
 
-#: The autograd nodes whose output gradient gives a broadcast parameter's per-example gradient.
-CONSUMERS = frozenset({"AddBackward0", "SubBackward0", "MulBackward0", "ExpandBackward0"})
+#: The autograd nodes whose output gradient gives a broadcast parameter's per-example gradient; a layer norm's
+#: weight and bias (``F.layer_norm(x, shape, self.weight, self.bias)`` in a module of the model's own, nanoGPT's
+#: ``LayerNorm``) are broadcast over its normalised rows.
+CONSUMERS = frozenset({"AddBackward0", "SubBackward0", "MulBackward0", "ExpandBackward0", "NativeLayerNormBackward0"})
+_LAYER_NORM = "NativeLayerNormBackward0"
 
 
 @dataclass(frozen=True)
@@ -168,6 +171,8 @@ def _reads(kind: str, index: int, path: ParameterPath) -> bool:
     """Whether a parameter reached by ``path`` at input ``index`` of a ``kind`` node is read: at a broadcast as it
     is or a slice of it; at a matrix product as its weight, either way round, or (``addmm``) as the bias added to
     its rows."""
+    if kind == _LAYER_NORM:
+        return index in (1, 2) and not (path.views or path.transposed or path.negated)
     if kind not in MATRIX_PRODUCTS:
         return kind in CONSUMERS and not path.transposed
     if path.views or path.negated:
@@ -293,6 +298,8 @@ def _input_grad(consumer: Consumer, delta: Tensor) -> Tensor:
     if kind in ("AddBackward0", "SubBackward0") and consumer.index == 1:
         alpha = float(node._saved_alpha)
         return delta * (-alpha if kind == "SubBackward0" else alpha)
+    if kind == _LAYER_NORM and consumer.index == 1:  # the weight multiplies the normalised input
+        return delta * ((node._saved_input.float() - node._saved_result1.float()) * node._saved_result2.float())
     return delta
 
 

@@ -544,3 +544,40 @@ class TimeMix(nn.Module):
         x = self.embed(tokens)
         previous = F.pad(x, (0, 0, 1, -1))
         return self.head(F.gelu(self.key(x * self.mix + previous * (1 - self.mix))).mean(1))
+
+
+class FunctionalLayerNorm(nn.Module):
+    """nanoGPT's ``LayerNorm``: ``F.layer_norm`` with a weight and an optional bias of its own."""
+
+    def __init__(self, width: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(width))
+        self.bias = nn.Parameter(0.1 * torch.randn(width)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
+class ChannelsFirstLayerNorm(nn.LayerNorm):
+    """SqueezeBERT's ``LayerNorm`` subclass: a ``(B, C, T)`` input permuted to ``nn.LayerNorm``'s and back."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.permute(0, 2, 1)).permute(0, 2, 1)
+
+
+class LayerNormsOfTheirOwn(nn.Module):
+    """Tokens through an embedding, nanoGPT's LayerNorm (with and without a bias) around a Linear with a GELU, and
+    SqueezeBERT's channels-first LayerNorm, mean-pooled into a head."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed, self.first, self.mix = nn.Embedding(17, 8), FunctionalLayerNorm(8, bias=True), nn.Linear(8, 8)
+        self.second, self.channels = FunctionalLayerNorm(8, bias=False), ChannelsFirstLayerNorm(8)
+        self.head = nn.Linear(8, 10)
+        with torch.no_grad():
+            self.channels.weight.add_(0.1 * torch.randn(8))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.second(F.gelu(self.mix(self.first(self.embed(tokens)))))
+        return self.head(self.channels(h.transpose(1, 2)).mean(2))
