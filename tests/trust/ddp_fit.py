@@ -16,12 +16,13 @@ from sklearn.datasets import load_digits
 
 from gns_callback import GradientNoiseScaleCallback
 from tests.helpers import Classifier, mlp, quiet_trainer
-from tests.trust.models import (BatchCentred, LinearOnLearnedTable, LinearTwice, PixelPositions, PixelRelativeBias,
-                                seeded_hand_written, seeded_vit, trained_pixel_tokens)
+from tests.trust.models import (BatchCentred, LayerUsedOutside, LinearOnLearnedTable, LinearTwice, PixelPositions,
+                                PixelRelativeBias, seeded_hand_written, seeded_vit, trained_pixel_tokens)
 
 MODELS = {"mlp": mlp, "linear_on_table": LinearOnLearnedTable, "linear_twice": LinearTwice,
           "pixel_tokens": trained_pixel_tokens, "batch_centred": BatchCentred, "vit": seeded_vit,
-          "hand_written": seeded_hand_written, "position_table": PixelPositions, "relative_bias": PixelRelativeBias}
+          "hand_written": seeded_hand_written, "position_table": PixelPositions, "relative_bias": PixelRelativeBias,
+          "layer_used_outside": LayerUsedOutside}
 BATCH_SIZE = 16  # per rank
 
 

@@ -57,14 +57,18 @@ def test_ddp_spawn_with_the_default_report_path(tmp_path, model, logger, method)
 
 
 @pytest.mark.parametrize("model, widest", [("vit", 2.0), ("hand_written", 2.0), ("position_table", 2.0),
-                                           ("relative_bias", 3.0)])  # B_simple ≈ 4× its batch of 32: wider
+                                           ("relative_bias", 3.0),  # B_simple ≈ 4× its batch of 32: wider
+                                           ("layer_used_outside", 2.0)])
 def test_ddp_spawn_reads_bare_parameters_per_example(tmp_path, model, widest):
+    """A layer whose parameters the model applies itself is handed to its caller on the first step, on both ranks,
+    which then drop that step alike."""
     ddp_fit(str(tmp_path), "ddp_spawn", model, False, with_callback=True, steps=STEPS, method="per_example")
     (report,) = reports(str(tmp_path))
     run = load_estimate(report, "run_estimate")
     saved = json.loads(Path(report).read_text())
     assert run.method == "per_example" and saved["run"]["world_size"] == 2
     assert saved["coverage"]["fraction"] == 1.0
+    assert run.steps == (STEPS - 1 if model == "layer_used_outside" else STEPS)
     assert_matches_exact(run, load_exact(model), max_ci_ratio=widest)
 
 
