@@ -36,10 +36,10 @@ from .param_path import LOOKUPS, VIEWS, ParameterPath, back_through, lookup_indi
 __all__ = ["CONSUMERS", "Consumer", "ExampleGrads", "Rows", "adds_up_to", "batch_dim", "caller_reads", "example_grads",
            "examples_dim", "find_consumers"]
 
-#: The autograd nodes whose output gradient gives a broadcast parameter's per-example gradient; a layer norm's
-#: weight and bias (``F.layer_norm(x, shape, self.weight, self.bias)`` in a module of the model's own, nanoGPT's
-#: ``LayerNorm``) are broadcast over its normalised rows.
-CONSUMERS = frozenset({"AddBackward0", "SubBackward0", "MulBackward0", "ExpandBackward0", "NativeLayerNormBackward0"})
+#: The autograd nodes whose output gradient gives a broadcast parameter's per-example gradient.
+CONSUMERS = frozenset({"AddBackward0", "SubBackward0", "MulBackward0", "ExpandBackward0"})
+#: A layer norm's node, whose weight and bias (inputs 1 and 2: ``F.layer_norm(x, shape, self.weight, self.bias)`` in
+#: a module of the model's own, nanoGPT's ``LayerNorm``) are broadcast over its normalised rows.
 _LAYER_NORM = "NativeLayerNormBackward0"
 
 
@@ -122,8 +122,14 @@ def find_consumers(outputs: Iterable[Tensor], params: Mapping[int, Tensor],
     inputs, made before it: each layer's walk stays in its layer). An output that is itself a lookup of a table
     (a subclass of ``nn.Embedding`` whose forward returns ``super().forward(positions)``, BART's and OPT's) is
     read at that lookup."""
-    found = [lookup for t in outputs if t.grad_fn is not None for lookup in _output_lookup(t.grad_fn, params)]
-    stack = [t.grad_fn for t in outputs if t.grad_fn is not None and not _output_lookup(t.grad_fn, params)]
+    found: list[Consumer] = []
+    stack: list[Any] = []
+    for node in (t.grad_fn for t in outputs if t.grad_fn is not None):
+        lookup = _output_lookup(node, params)
+        if lookup:
+            found += lookup
+        else:
+            stack.append(node)
     seen: dict[int, Any] = {id(node): node for node in stop_at}  # id → node, held so that no id is reused
     parents: dict[int, list[Any]] = {}
     unread: dict[int, str] = {}

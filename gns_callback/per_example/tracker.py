@@ -585,8 +585,8 @@ class PerExampleNormTracker:
                     partial(self._on_param_grad, owners, qualified, id(param), local_name)))
         self._handles += [alias.register_forward_hook(partial(self._on_alias_forward, measured), with_kwargs=True)
                           for alias, measured in self._aliases.items() if measured in self._covered_modules]
-        self._table_callers = self._find_table_callers()
-        self._bare_callers = self._find_bare_callers()
+        parents = _parents(self.model)
+        self._table_callers, self._bare_callers = self._find_table_callers(parents), self._find_bare_callers(parents)
         self._handles += self._bare_hooks()
         # Bare parameters too: a model may hold nothing else (its layers written out as matrix products).
         self._passes.watch([*self.covered_parameters(), *(bare.param for bare in self._bare.values())])
@@ -1015,27 +1015,27 @@ class PerExampleNormTracker:
         owner = self._table_callers.get(module)
         if owner is None:
             return False
+        self._make_bare(module, owner, f"{reason} (read where its rows are broadcast over the batch)")
+        return True
+
+    def _make_bare(self, module: nn.Module, owner: nn.Module, reason: str) -> str:
+        """Move ``module``'s covered parameters to the bare parameters of ``owner``, left out with ``reason`` until
+        their uses are read; returns the module's name."""
         moved = self._covered_params_of(module)
-        self._covered_modules.pop(module)
-        self._leave_out(moved, f"{reason} (read where its rows are broadcast over the batch)")
-        for name, param in moved:
-            bare = _BareParameter(name, param, (owner,))
+        name = self._covered_modules.pop(module).name
+        self._leave_out(moved, reason)
+        for param_name, param in moved:
+            bare = _BareParameter(param_name, param, (owner,))
             self._bare[id(param)] = bare
             self._handles.append(param.register_hook(partial(self._on_bare_grad, bare)))
-        return True
+        return name
 
     def _to_caller(self, module: nn.Module, caller: nn.Module, reason: str) -> None:
         """Move ``module``'s parameters from covered to bare parameters of ``caller`` (hooked now, if it was not),
         and say so once."""
         hooked = {id(owner) for bare in self._bare.values() for owner in bare.owners}
         hooked |= {id(m) for m in [*self._table_callers.values(), *self._bare_callers.values()]}
-        moved = self._covered_params_of(module)
-        name = self._covered_modules.pop(module).name
-        self._leave_out(moved, reason)
-        for param_name, param in moved:
-            bare = _BareParameter(param_name, param, (caller,))
-            self._bare[id(param)] = bare
-            self._handles.append(param.register_hook(partial(self._on_bare_grad, bare)))
+        name = self._make_bare(module, caller, reason)
         if id(caller) not in hooked:
             self._handles += [caller.register_forward_pre_hook(self._before_owner_forward, with_kwargs=True),
                               caller.register_forward_hook(self._on_owner_forward)]
@@ -1043,17 +1043,15 @@ class PerExampleNormTracker:
                       "they are read where the module that calls it uses them, or left out with the reason (this "
                       "step is not measured).", stacklevel=2)
 
-    def _find_table_callers(self) -> dict[nn.Module, nn.Module]:
+    def _find_table_callers(self, parents: dict[int, nn.Module]) -> dict[nn.Module, nn.Module]:
         """Per measured embedding, the module whose forward presumably calls it (:func:`_calling_module`): the
         owner it would have as a shared position table."""
-        parents = _parents(self.model)
         return {m: caller for m in self._covered_modules if type(m) is nn.Embedding and m not in self._tied
                 and (caller := _calling_module(parents, m)) is not None}
 
-    def _find_bare_callers(self) -> dict[nn.Module, nn.Module]:
+    def _find_bare_callers(self, parents: dict[int, nn.Module]) -> dict[nn.Module, nn.Module]:
         """Per module holding bare parameters, the module whose forward presumably calls it (:func:`_calling_module`):
         their owner should its forward return one as it is (:meth:`_hand_over`)."""
-        parents = _parents(self.model)
         owners = {id(owner): owner for bare in self._bare.values() for owner in bare.owners}
         return {owner: caller for owner in owners.values() if (caller := _calling_module(parents, owner)) is not None}
 
