@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .linear import linear_part_sq_norms
+from .subclass import runs_as
 
 __all__ = ["MEASURED_ATTENTION_PARAMS", "ProjectionCall", "ProjectionCalls", "attention_batch_size",
            "attention_query", "is_attention", "projection_sq_norms"]
@@ -40,8 +41,8 @@ MEASURED_ATTENTION_PARAMS = frozenset({"in_proj_weight", "in_proj_bias", "q_proj
 
 
 def is_attention(module: nn.Module) -> bool:
-    """Whether ``module`` is exactly ``nn.MultiheadAttention`` (a subclass may override ``forward``)."""
-    return type(module) is nn.MultiheadAttention
+    """Whether ``module`` runs as ``nn.MultiheadAttention`` (:func:`~.subclass.runs_as`)."""
+    return runs_as(type(module)) is nn.MultiheadAttention
 
 
 def attention_batch_size(module: nn.Module, query: Any) -> Optional[int]:

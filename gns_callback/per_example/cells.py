@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from .linear import linear_part_sq_norms
 from .recurrent import gru_terms, lstm_step, lstm_terms, rnn_slope
+from .subclass import runs_as
 
 __all__ = ["CELL_MODULES", "CELL_PARAM_NAMES", "CellCall", "cell_call", "cell_input_reason", "cell_outputs",
            "cell_sq_norms", "is_cell", "state_feeds_output"]
@@ -42,8 +43,8 @@ CELL_PARAM_NAMES = frozenset({"weight_ih", "weight_hh", "bias_ih", "bias_hh"})
 
 
 def is_cell(module: nn.Module) -> bool:
-    """Whether ``module`` is exactly one of :data:`CELL_MODULES` (a subclass may override ``forward``)."""
-    return type(module) in CELL_MODULES
+    """Whether ``module`` runs as one of :data:`CELL_MODULES` (:func:`~.subclass.runs_as`)."""
+    return runs_as(type(module)) in CELL_MODULES
 
 
 def cell_input_reason(inp: Any) -> Optional[str]:

@@ -131,8 +131,26 @@ def lookup_indices(node: Any) -> Tensor:
 
 
 def _permutation(node: Any, dims: int) -> list[int]:
-    """A permute node's dims, each in ``0..dims-1`` (a negative dim is saved as its unsigned 64-bit value)."""
-    return [(int(d) - 2**64 if int(d) >= 2**63 else int(d)) % dims for d in node._saved_dims]
+    """A permute node's dims, each in ``0..dims-1``."""
+    return [signed(d) % dims for d in node._saved_dims]
+
+
+def signed(value: Any) -> int:
+    """A dim, index or slice bound a node saved, as Python reads it: torch saves a negative one (``unsqueeze(-1)``,
+    ``table[-1]``, ``table[-2:]``) as its unsigned 64-bit value, 2**64 − |value|. A slice's open end is saved as
+    2**63 − 1, which is kept."""
+    value = int(value)
+    return value - 2**64 if value >= 2**63 else value
+
+
+def _dim(node: Any, dims: int) -> int:
+    """The dim a slice, select, unsqueeze or squeeze node saved, in ``0..dims-1``."""
+    return signed(node._saved_dim) % dims
+
+
+def _window(node: Any, size: int) -> slice:
+    """The window a slice node took of a dim of ``size``."""
+    return slice(*slice(signed(node._saved_start), signed(node._saved_end), signed(node._saved_step)).indices(size))
 
 
 def _shape_taken(node: Any) -> Optional[tuple[int, ...]]:
@@ -164,20 +182,20 @@ def shape_after(node: Any, shape: tuple[int, ...]) -> Optional[tuple[int, ...]]:
     if kind in PERMUTES:
         return tuple(shape[d] for d in _permutation(node, len(shape)))
     if kind == "SliceBackward0":
-        dim = node._saved_dim % len(shape)
-        window = range(*slice(node._saved_start, node._saved_end, node._saved_step).indices(shape[dim]))
+        dim = _dim(node, len(shape))
+        window = range(shape[dim])[_window(node, shape[dim])]
         return shape[:dim] + (len(window),) + shape[dim + 1:]
     if kind == "SelectBackward0":
-        dim = node._saved_dim % len(shape)
+        dim = _dim(node, len(shape))
         return shape[:dim] + shape[dim + 1:]
     if kind == "UnsqueezeBackward0":
-        dim = node._saved_dim % (len(shape) + 1)
+        dim = _dim(node, len(shape) + 1)
         return shape[:dim] + (1,) + shape[dim:]
     if kind in VIEWS:
         return _shape_taken(node)
     if kind == "SqueezeBackward0":
         return tuple(n for n in shape if n != 1)
-    dim = node._saved_dim % len(shape)  # SqueezeBackward1: one dim
+    dim = _dim(node, len(shape))  # SqueezeBackward1: one dim
     return shape[:dim] + shape[dim + 1:] if shape[dim] == 1 else shape
 
 
@@ -200,12 +218,11 @@ def _back(node: Any, in_shape: tuple[int, ...], grads: Tensor) -> Tensor:
     if kind not in SLICES:
         return grads.reshape(examples, *in_shape)
     full = grads.new_zeros(examples, *in_shape)
-    dim = node._saved_dim % len(in_shape)
+    dim = _dim(node, len(in_shape))
     if kind == "SelectBackward0":
-        full.select(dim + 1, node._saved_index).copy_(grads)
+        full.select(dim + 1, signed(node._saved_index)).copy_(grads)
     else:
-        window = slice(*slice(node._saved_start, node._saved_end, node._saved_step).indices(in_shape[dim]))
-        full[(slice(None),) * (dim + 1) + (window,)] = grads
+        full[(slice(None),) * (dim + 1) + (_window(node, in_shape[dim]),)] = grads
     return full
 
 

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from .linear import linear_part_sq_norms
+from .subclass import runs_as
 
 __all__ = ["RECURRENT_MODULES", "is_recurrent", "recurrent_param_names", "recurrent_unsupported_reason",
            "input_reason", "recurrent_batch_size", "recompute", "recurrent_sq_norms", "lstm_terms", "gru_terms",
@@ -45,8 +46,8 @@ RECURRENT_MODULES = (nn.RNN, nn.LSTM, nn.GRU)
 
 
 def is_recurrent(module: nn.Module) -> bool:
-    """Whether ``module`` is exactly ``nn.RNN``, ``nn.LSTM`` or ``nn.GRU`` (a subclass may override ``forward``)."""
-    return type(module) in RECURRENT_MODULES
+    """Whether ``module`` runs as ``nn.RNN``, ``nn.LSTM`` or ``nn.GRU`` (:func:`~.subclass.runs_as`)."""
+    return runs_as(type(module)) in RECURRENT_MODULES
 
 
 def _suffixes(module: nn.RNNBase) -> list[str]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from functools import partial
+from functools import partial, wraps
 from types import TracebackType
 from typing import Any, ContextManager, Optional
 import warnings
@@ -69,6 +69,7 @@ from .recurrent import (
 )
 from .tied import cross_term, logits_at_tokens, same_table, tied_pair
 from .transposed_linear import TransposedLinear, layer_kind, transposed_linear_summed_grads
+from .subclass import runs_as
 from .weight_norm import weight_normed, weight_normed_owner, weight_normed_sq_norms, weight_normed_summed_grads
 from .normalization import (
     INSTANCE_NORMS,
@@ -87,9 +88,9 @@ __all__ = ["SUPPORTED_MODULES", "PerExampleNormTracker", "supported_layer_names"
 SqNormFunction = Callable[..., Tensor]
 SummedGradFunction = Callable[..., dict[str, Tensor]]
 
-#: Exact module types handled (keys: :func:`~.transposed_linear.layer_kind`). Subclasses are deliberately not
-#: matched: a subclass may override ``forward`` so that the gradient w.r.t. its output is no longer the gradient
-#: w.r.t. the base op.
+#: Module types handled (keys: :func:`~.transposed_linear.layer_kind`). A subclass is matched only where it changes
+#: nothing but how the layer is built (:func:`~.subclass.runs_as`): one that overrides ``forward`` or anything it
+#: reaches may compute something else, so that the gradient w.r.t. its output is no longer the base op's.
 SUPPORTED_MODULES: dict[type, SqNormFunction] = {
     nn.Linear: linear_sq_norms,
     TransposedLinear: linear_sq_norms,  # transformers' Conv1D: the same norms as the Linear it transposes
@@ -218,6 +219,21 @@ class PassNorms:
         self.unmeasured_sq = sq if self.unmeasured_sq is None else self.unmeasured_sq + sq
 
 
+def _never_raises(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """A hook of the tracker that can't end the user's run: an error inside it stops the measurement, with the
+    error as the reason, and the forward or backward it ran in goes on as without the hook."""
+    @wraps(hook)
+    def guarded(self: PerExampleNormTracker, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return hook(self, *args, **kwargs)
+        except Exception as error:  # noqa: BLE001 - a hook must never end the user's run
+            self._fail(f"an error inside its hook {hook.__name__} ({type(error).__name__}: {error}): a bug in "
+                       f"gns_callback, please report it with the model. Training goes on as without the callback; "
+                       f"{MICRO_BATCH_HINT}.")
+            return None
+    return guarded
+
+
 def _merge_problem(outer: PassNorms, inner: PassNorms) -> Optional[str]:
     """Why two records of one backward pass (:meth:`PassNorms.merged`) can't be added, or None."""
     hint = f"pass use_reentrant=False to torch.utils.checkpoint, or {MICRO_BATCH_HINT}"
@@ -332,8 +348,8 @@ def _holds_bare_parameters(module: nn.Module) -> bool:
 
 
 def _is_bag(module: nn.Module) -> bool:
-    """Exactly ``nn.EmbeddingBag`` (:mod:`.embedding_bag`)."""
-    return type(module) is nn.EmbeddingBag
+    """``nn.EmbeddingBag`` (:mod:`.embedding_bag`), or a subclass that runs as it (:func:`~.subclass.runs_as`)."""
+    return runs_as(type(module)) is nn.EmbeddingBag
 
 
 def _no_grad() -> ContextManager[Any]:
@@ -697,6 +713,7 @@ class PerExampleNormTracker:
             return True
         return False
 
+    @_never_raises
     def _on_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
     ) -> None:
@@ -723,6 +740,7 @@ class PerExampleNormTracker:
             self._forward_costs.append((*covered.cost(module, inp, output, batch), covered.param_count))
             self._forward_launch_cost = launch_cost(output.device)
 
+    @_never_raises
     def _on_alias_forward(self, measured: nn.Module, _alias: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                           output: Any) -> None:
         """A call of an embedding sharing ``measured``'s table: a call of ``measured``."""
@@ -731,6 +749,7 @@ class PerExampleNormTracker:
     def _pass_record(self) -> PassNorms:
         return self._passes.record(self._passes.current())
 
+    @_never_raises
     def _on_output_grad(self, module: nn.Module, inp: Tensor, grad_output: Tensor) -> None:
         """One call's output gradient: the layer waits for its parameters' gradient, which arrives after every
         call's (:meth:`_measure_calls`), so that a layer applied several times is measured over all its calls
@@ -769,6 +788,7 @@ class PerExampleNormTracker:
             record.tied_calls[module] = (inp, grad_output)
             self._add_cross_term(record, module)
 
+    @_never_raises
     def _on_table_call(self, module: nn.Module, grad_output: Tensor) -> None:
         """A layer ran on a learned parameter (a table of class prototypes, say), not on the examples: its rows
         are not examples, and read as a batch (when they happen to number as many) they would give wrong norms."""
@@ -818,6 +838,7 @@ class PerExampleNormTracker:
 
     # ------------------------------------------------------------------ attention modules (:mod:`.attention`)
 
+    @_never_raises
     def _on_attention_start(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._refuses_compiled():
             return
@@ -827,17 +848,20 @@ class PerExampleNormTracker:
             capture = ProjectionCalls(module, self._covered_modules[module].param_names, on_call)
             self._captures[module] = capture.__enter__()
 
+    @_never_raises
     def _on_attention_end(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         capture = self._captures.pop(module, None)
         if capture is not None:
             capture.__exit__(None, None, None)
 
+    @_never_raises
     def _on_projection(self, module: nn.Module, batch: Optional[int], call: ProjectionCall, inp: Tensor,
                        output: Tensor) -> None:
         if output.requires_grad:
             self._saw_tracked_forward = True
             output.register_hook(partial(self._on_projection_grad, module, call, inp.detach(), batch))
 
+    @_never_raises
     def _on_projection_grad(self, module: nn.Module, call: ProjectionCall, inp: Tensor, batch: Optional[int],
                             grad_output: Tensor) -> None:
         """One projection of an attention module: its rows' per-example squared norms join the pass."""
@@ -870,6 +894,7 @@ class PerExampleNormTracker:
 
     # ------------------------------------------------------------------ bag embeddings (:mod:`.embedding_bag`)
 
+    @_never_raises
     def _on_bag_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         if self._refuses_compiled() or not self._active():
             return
@@ -878,6 +903,7 @@ class PerExampleNormTracker:
             tokens, offsets, weights = (v.detach() if isinstance(v, Tensor) else v for v in bag_inputs(args, kwargs))
             output.register_hook(partial(self._on_bag_grad, module, tokens, offsets, weights))
 
+    @_never_raises
     def _on_bag_grad(self, module: nn.Module, tokens: Tensor, offsets: Optional[Tensor], weights: Optional[Tensor],
                      grad_output: Tensor) -> None:
         """One bag per example: the bags' squared norms join the pass."""
@@ -921,6 +947,7 @@ class PerExampleNormTracker:
 
         torch.autograd.graph.register_multi_grad_hook([tensor for _, tensor in outputs], deliver, mode="all")
 
+    @_never_raises
     def _on_recurrent_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                               output: Any) -> None:
         outputs = _recurrent_outputs(output)
@@ -932,6 +959,7 @@ class PerExampleNormTracker:
         self._when_all_grads(outputs, 3, partial(self._on_recurrent_grads, module, saved, state, own,
                                                  input_reason(module, inp)))
 
+    @_never_raises
     def _on_recurrent_grads(self, module: nn.Module, inp: Optional[Tensor], hx: Any, output: Optional[Tensor],
                             reason: Optional[str], grads: list[Optional[Tensor]]) -> None:
         """A recurrent module's output gradients (``output``, ``h_n``, ``c_n``; None where none came) are all in: its
@@ -952,6 +980,7 @@ class PerExampleNormTracker:
 
     # ------------------------------------------------------------------ recurrent cells (:mod:`.cells`)
 
+    @_never_raises
     def _on_cell_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                          output: Any) -> None:
         outputs = cell_outputs(output)
@@ -962,6 +991,7 @@ class PerExampleNormTracker:
         self._when_all_grads(outputs, 2, partial(self._on_cell_grads, module, saved, state,
                                                  state_feeds_output(output), cell_input_reason(inp)))
 
+    @_never_raises
     def _on_cell_grads(self, module: nn.Module, inp: Optional[Tensor], hx: Any, state_grad_is_total: bool,
                        reason: Optional[str], grads: list[Optional[Tensor]]) -> None:
         """One call's output gradients (``h``, and ``c`` for LSTM; None where none came) are in: its gates' gradients
@@ -1123,6 +1153,7 @@ class PerExampleNormTracker:
             record.subset = self._last_subset
         return record.subset
 
+    @_never_raises
     def _on_param_grad(self, modules: tuple[nn.Module, ...], param_name: str, param_id: int, local_name: str,
                        grad: Tensor) -> None:
         """``modules``: the parameter's module, or both modules of a tied table."""
@@ -1178,6 +1209,7 @@ class PerExampleNormTracker:
                 + [owner.register_forward_hook(self._on_owner_forward) for owner in owners.values()]
                 + [bare.param.register_hook(partial(self._on_bare_grad, bare)) for bare in self._bare.values()])
 
+    @_never_raises
     def _before_owner_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """The graph made before this forward (its inputs' nodes, taken before it may change them in place):
         where the walk for its bare parameters' uses stops."""
@@ -1186,6 +1218,7 @@ class PerExampleNormTracker:
         nodes = [t.grad_fn for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor) and t.grad_fn is not None]
         self._owner_inputs.setdefault(module, []).append(nodes)
 
+    @_never_raises
     def _on_owner_forward(self, module: nn.Module, _inputs: tuple[Any, ...], output: Any) -> None:
         """Find where this forward broadcast the module's bare parameters, and hook those nodes."""
         running = self._owner_inputs.get(module)
@@ -1220,6 +1253,7 @@ class PerExampleNormTracker:
                 bare = {key: param for key, param in bare.items() if param is not path.param}
         return bare
 
+    @_never_raises
     def _on_consumer_grad(self, consumer: Consumer, grad_outputs: tuple[Optional[Tensor], ...]) -> None:
         """The examples' gradients of a bare parameter at one of its broadcasts, kept until its gradient comes."""
         bare, grad_output = self._bare.get(id(consumer.param)), grad_outputs[0]
@@ -1247,6 +1281,7 @@ class PerExampleNormTracker:
         if grad_output.dtype in (torch.float16, torch.bfloat16):
             record.half_inputs.add(bare.name)
 
+    @_never_raises
     def _on_bare_grad(self, bare: _BareParameter, grad: Tensor) -> None:
         """A bare parameter's whole gradient of the pass: on its first pass, the check that its examples'
         gradients add up to it (else it stays left out); then their squared norms join the pass's."""

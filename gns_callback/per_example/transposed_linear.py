@@ -17,6 +17,7 @@ from collections.abc import Collection
 from torch import Tensor, nn
 
 from .linear import linear_summed_grads
+from .subclass import runs_as
 from .weight_norm import plain_type
 
 __all__ = ["TransposedLinear", "is_transposed_linear", "layer_kind", "transposed_linear_summed_grads"]
@@ -37,9 +38,10 @@ def is_transposed_linear(module: nn.Module) -> bool:
 
 
 def layer_kind(module: nn.Module) -> type:
-    """The key of ``module`` in the per-layer tables: its exact type, :class:`TransposedLinear`, or for a
-    weight-normalised layer the class it parametrizes (:func:`~.weight_norm.plain_type`)."""
-    return TransposedLinear if is_transposed_linear(module) else plain_type(module)
+    """The key of ``module`` in the per-layer tables: :class:`TransposedLinear`, or its type (for a
+    weight-normalised layer the class it parametrizes, :func:`~.weight_norm.plain_type`), read as the ``torch.nn``
+    layer it runs as where it only changes how that layer is built (:func:`~.subclass.runs_as`)."""
+    return TransposedLinear if is_transposed_linear(module) else runs_as(plain_type(module))
 
 
 def transposed_linear_summed_grads(module: nn.Module, inp: Tensor, grad_output: Tensor, *,

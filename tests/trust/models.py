@@ -581,3 +581,33 @@ class LayerNormsOfTheirOwn(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.second(F.gelu(self.mix(self.first(self.embed(tokens)))))
         return self.head(self.channels(h.transpose(1, 2)).mean(2))
+
+
+class BuiltOnlyGroupNorm(nn.GroupNorm):
+    """``transformers``' ``PoolFormerGroupNorm``: ``nn.GroupNorm`` with one group, set in ``__init__`` alone."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__(1, channels)
+
+
+class PoolFormerStyle(nn.Module):
+    """PoolFormer's block on the digits' 8×8 pixels: a 1×1 convolution into 8 channels, then twice a GroupNorm
+    subclass, a token mixer (average pooling less its input, or a 1×1 convolution MLP) and a layer scale of shape
+    ``(C,)`` applied channels-first as ``scale.unsqueeze(-1).unsqueeze(-1) * h`` (negative dims), each added back;
+    mean-pooled into a head."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.stem, self.head = nn.Conv2d(1, 8, 1), nn.Linear(8, 10)
+        self.before, self.after = BuiltOnlyGroupNorm(8), BuiltOnlyGroupNorm(8)
+        self.pool, self.mlp = nn.AvgPool2d(3, 1, 1, count_include_pad=False), nn.Sequential(
+            nn.Conv2d(8, 16, 1), nn.GELU(), nn.Conv2d(16, 8, 1))
+        self.scale_1, self.scale_2 = nn.Parameter(0.5 + torch.rand(8)), nn.Parameter(0.5 + torch.rand(8))
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        h = self.stem(pixels.view(-1, 1, 8, 8))
+        mixed = self.before(h)
+        h = h + self.scale_1.unsqueeze(-1).unsqueeze(-1) * (self.pool(mixed) - mixed)
+        h = h + self.scale_2.unsqueeze(-1).unsqueeze(-1) * self.mlp(self.after(h))
+        return self.head(h.mean((2, 3)))
