@@ -557,8 +557,10 @@ class GradientNoiseScaleMeter:
         try:
             passes = self.collector.pop_into(window, batch_sizes=sizes, loss_divisor=loss_divisor,
                                              loss_reduction=self.loss_reduction)
-        except RuntimeError as error:  # the hooks found the step unmeasurable: never kill the run
-            self._problem = self._problem or str(error)
+        except Exception as error:  # noqa: BLE001 - the hooks found the step unmeasurable, or a bug: never kill the run
+            self._problem = self._problem or (str(error) if isinstance(error, RuntimeError) else
+                                              f"an error reading the step's norms ({type(error).__name__}: {error}): "
+                                              "a bug in gns_callback, please report it with the model")
             self.discard_pending()
             return AccumulationWindow()  # this rank adds nothing to the step
         window.loss_divisor = float(loss_divisor or max(passes, 1))

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gns_callback import GradientNoiseScaleCallback, GradientNoiseScaleMeter
-from gns_callback.per_example.tracker import SUPPORTED_MODULES
+from gns_callback.per_example.tracker import SUPPORTED_MODULES, PerExampleNormTracker
 from tests.helpers import Classifier, mlp, quiet_trainer, with_replacement_loader
 from tests.trust.setups import assert_withheld, messages, single
 
@@ -42,16 +42,27 @@ def fit(x, y, callbacks):
     return {k: v.clone() for k, v in module.state_dict().items()}
 
 
-def test_a_lightning_fit_goes_on_unchanged_and_says_why_it_stopped_measuring(digits, linear_norms_fail_mid_run):
-    x, y = digits
-    torch.manual_seed(0)
-    without = fit(x, y, [])
-    callback = GradientNoiseScaleCallback(verbose=False)
+def fits_unchanged(digits, callback, without) -> list:
+    """A fit with ``callback`` ends with the weights ``without`` it, to the bit; the warnings it raised."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.manual_seed(0)
-        with_callback = fit(x, y, [callback])
+        with_callback = fit(*digits, [callback])
     assert all(torch.equal(without[k], with_callback[k]) for k in without)
+    return caught
+
+
+@pytest.fixture
+def without(digits):
+    """The weights of the fit without the callback."""
+    torch.manual_seed(0)
+    return fit(*digits, [])
+
+
+def test_a_lightning_fit_goes_on_unchanged_and_says_why_it_stopped_measuring(digits, without,
+                                                                             linear_norms_fail_mid_run):
+    callback = GradientNoiseScaleCallback(verbose=False)
+    caught = fits_unchanged(digits, callback, without)
     stopped = single(messages(caught, "stopped measuring"))
     assert "IndexError: injected" in stopped and "a bug in gns_callback" in stopped
     assert_withheld(callback.estimate, "IndexError: injected")
@@ -71,3 +82,18 @@ def test_in_your_own_loop_backward_and_step_do_not_raise(digits, linear_norms_fa
                 meter.step()
     single(messages(caught, "stopped measuring"))
     assert_withheld(meter.estimate, "IndexError: injected")
+
+
+def test_an_error_reading_the_step_s_norms_stops_measuring_and_leaves_the_run_as_it_was(digits, without, monkeypatch):
+    calls, real = count(), PerExampleNormTracker.pop_passes
+
+    def failing(self):
+        if next(calls) >= FAILS_FROM:
+            raise ValueError("injected")
+        return real(self)
+
+    monkeypatch.setattr(PerExampleNormTracker, "pop_passes", failing)
+    callback = GradientNoiseScaleCallback(verbose=False)
+    caught = fits_unchanged(digits, callback, without)
+    assert "ValueError: injected" in single(messages(caught, "stopped measuring"))
+    assert_withheld(callback.estimate, "a bug in gns_callback")
