@@ -32,9 +32,10 @@ from .embedding import shared_table_reason
 from .layout import LayoutError
 from .layout import batch_dim as layout_batch_dim
 from .param_path import LOOKUPS, VIEWS, ParameterPath, back_through, lookup_indices, parameter_behind
+from .window_rows import example_major_rows
 
 __all__ = ["CONSUMERS", "Consumer", "ExampleGrads", "Rows", "adds_up_to", "batch_dim", "caller_reads", "example_grads",
-           "examples_dim", "find_consumers"]
+           "examples_dim", "find_consumers", "rows_per_example"]
 
 #: The autograd nodes whose output gradient gives a broadcast parameter's per-example gradient.
 CONSUMERS = frozenset({"AddBackward0", "SubBackward0", "MulBackward0", "ExpandBackward0"})
@@ -267,10 +268,25 @@ def batch_dim(out_shape: torch.Size, param_shape: torch.Size, batch_size: Option
     return fits[0] if len(fits) == 1 else None
 
 
-def example_grads(consumer: Consumer, grad_output: Tensor, dim: int) -> ExampleGrads:
+def rows_per_example(consumer: Consumer, grad_output: Tensor, batch_size: Optional[int],
+                     sequence_first: bool) -> int:
+    """Where a broadcast's output holds no dim of the batch's size but rows that each hold a part of one example,
+    example by example (a relative-position bias added to Swin's windows, ``(B·nW, heads, T, T)``;
+    :func:`~.window_rows.example_major_rows`), and the parameter is broadcast along them: the rows per example,
+    ``nW``. Else 1."""
+    if consumer.is_product or consumer.is_lookup or consumer.above is not None or sequence_first or not batch_size:
+        return 1
+    shape = tuple(grad_output.shape)
+    if _padded(torch.Size(consumer.path.shape), len(shape))[0] != 1:
+        return 1
+    return shape[0] // batch_size if example_major_rows(consumer.node, shape, batch_size) else 1
+
+
+def example_grads(consumer: Consumer, grad_output: Tensor, dim: int, rows_each: int = 1) -> ExampleGrads:
     """Example ``i``'s gradient of ``P`` through ``consumer``, from the hooked node's output gradient ``grad_output``
-    with the examples along ``dim`` (:func:`examples_dim`; module docstring): (B, P.numel()) float32
-    :class:`Rows`, or a matrix product's weight's two factors (:class:`~.matmul.Factors`)."""
+    with the examples along ``dim`` (:func:`examples_dim`; module docstring), or ``rows_each`` rows of dim 0 per
+    example (:func:`rows_per_example`): (B, P.numel()) float32 :class:`Rows`, or a matrix product's weight's two
+    factors (:class:`~.matmul.Factors`)."""
     if consumer.is_product:
         if is_bias(type(consumer.node).__name__, consumer.index):
             return Rows(bias_example_grads(consumer.node, grad_output, dim))
@@ -279,6 +295,8 @@ def example_grads(consumer: Consumer, grad_output: Tensor, dim: int) -> ExampleG
         return lookup_example_grads(consumer.node, grad_output, dim, consumer.param.shape[0])
     path = consumer.path
     delta = _input_grad(consumer, grad_output.float())
+    if rows_each > 1:  # (B·nW, ...) read as (B, nW, ...): each example's rows summed with the broadcast's dims
+        delta = delta.reshape(-1, rows_each, *delta.shape[1:])
     padded = _padded(torch.Size(path.shape), delta.dim())
     summed = [d for d, (n, p) in enumerate(zip(delta.shape, padded)) if d != dim and p == 1 and n != 1]
     if summed:

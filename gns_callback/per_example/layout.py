@@ -28,6 +28,7 @@ from typing import Any, Optional
 from torch import Tensor, nn
 
 from .transposed_linear import TransposedLinear, layer_kind
+from .window_rows import example_major_rows
 
 __all__ = ["LayoutError", "LayoutMemory", "batch_dim", "is_sequence_first", "position_dims", "unflattened"]
 
@@ -70,20 +71,24 @@ _ROW_WISE = {**dict.fromkeys(["TanhBackward0", "ReluBackward0", "GeluBackward0",
 _MAX_ROW_WISE = 32
 
 
-def unflattened(module: nn.Module, inp: Tensor, expected: Optional[int]) -> Optional[tuple[int, ...]]:
+def unflattened(module: nn.Module, inp: Tensor, expected: Optional[int],
+                sequence_first: bool = False) -> Optional[tuple[int, ...]]:
     """The shape to read ``inp`` at, where its rows hold no batch of ``expected`` examples but come from a view
     that flattened the examples' positions into rows (``h.view(B·T, D)``, ``h.flatten(0, 1)``), maybe through
     row-wise layers and activations since (:data:`_ROW_WISE`): ``(B, T, *features)``, or ``(T, B, *features)``,
     which :func:`batch_dim` then reads. None otherwise. A view keeps its elements in row-major order, so row
     ``b·T + t`` is position ``t`` of example ``b``: read at the source's leading shape, each example's rows are its
-    own. Only for a layer that treats every leading dim as a position (:data:`_ROW_LAYERS`) and reads 2-D rows."""
-    if (expected is None or inp.shape[0] == expected or layer_kind(module) not in _ROW_LAYERS
-            or position_dims(module, inp) != 1):
+    own. Only for a layer that treats every leading dim as a position (:data:`_ROW_LAYERS`). Otherwise, in a
+    batch-first model, rows that each hold a part of one example, example by example (Swin's windows, ``(B·nW, T,
+    C)``; :func:`~.window_rows.example_major_rows`): ``(B, nW, T, C)``."""
+    if expected is None or inp.shape[0] == expected or layer_kind(module) not in _ROW_LAYERS:
         return None
-    leading = _flattened_from(inp.grad_fn, int(inp.shape[0]))
-    if leading is None or expected not in leading[:2]:
+    leading = _flattened_from(inp.grad_fn, int(inp.shape[0])) if position_dims(module, inp) == 1 else None
+    if leading is not None and expected in leading[:2]:
+        return (*leading, *inp.shape[1:])
+    if sequence_first or not example_major_rows(inp.grad_fn, tuple(inp.shape), expected):
         return None
-    return (*leading, *inp.shape[1:])
+    return (expected, inp.shape[0] // expected, *inp.shape[1:])
 
 
 def _flattened_from(node: Any, rows: int) -> Optional[tuple[int, ...]]:

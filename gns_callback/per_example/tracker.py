@@ -45,7 +45,7 @@ from .cells import (
 from .activation import prelu_sq_norms, prelu_summed_grads
 from .bare_lookup import LookupGrads, TiedGrads
 from .broadcast import (Consumer, ExampleGrads, Rows, adds_up_to, caller_reads, example_grads, examples_dim,
-                        find_consumers)
+                        find_consumers, rows_per_example)
 from .matmul import MAX_ROWS_ELEMENTS, Factors
 from .param_path import is_parameter
 from .conv import conv_sq_norms, conv_summed_grads
@@ -729,8 +729,8 @@ class PerExampleNormTracker:
             output.register_hook(partial(self._on_table_call, module))
             return
         saved = inp.detach()
-        source = unflattened(module, inp, self.expected_batch_size)
-        if source is not None:  # (B·T, D) rows viewed from (B, T, D): read at that shape
+        source = unflattened(module, inp, self.expected_batch_size, self._sequence_first)
+        if source is not None:  # (B·T, D) rows viewed from (B, T, D), or Swin's windows: read at that shape
             saved = saved.reshape(source)
         # The hook lives on the output's autograd node, so the saved input is freed with the graph.
         output.register_hook(partial(self._on_output_grad, module, saved))
@@ -1265,11 +1265,13 @@ class PerExampleNormTracker:
         dim = examples_dim(consumer, grad_output, self.expected_batch_size, self._sequence_first)
         if dim is None and consumer.dual:
             return  # read by its other reading, or by neither (then refused when its gradient comes)
-        if dim is None:
+        rows_each = 1 if dim is not None else rows_per_example(consumer, grad_output, self.expected_batch_size,
+                                                               self._sequence_first)
+        if dim is None and rows_each == 1:
             return self._refuse(bare, f"{type(consumer.node).__name__} takes it along no dim of the batch's "
                                       "examples that can be told")
         with _no_grad():
-            found = example_grads(consumer, grad_output, dim)
+            found = example_grads(consumer, grad_output, dim or 0, rows_each)
         kept = record.products if isinstance(found, Factors) else record.broadcast
         before = kept.get(bare.name)
         if before is not None and before.examples != found.examples:

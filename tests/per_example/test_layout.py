@@ -93,7 +93,9 @@ def _flat(source: tuple[int, ...], make) -> torch.Tensor:
     (nn.Linear(6, 4), (5, 3, 6), lambda h: h.view(15, 6), 15, None),  # dim 0 holds the batch as it is
     (nn.Linear(6, 4), (5, 3, 6), lambda h: h.view(15, 6), None, None),  # size unknown: no guess
     (nn.Linear(6, 4), (3, 2, 5, 6), lambda h: h.reshape(-1, 6), 5, None),  # the batch deeper than dim 1
-    (nn.Linear(6, 4), (5, 3, 6), lambda h: h.transpose(1, 2).reshape(15, 6), 5, None),  # features mixed in
+    (nn.Linear(6, 4), (5, 3, 6), lambda h: h.transpose(1, 2).reshape(15, 6), 5, (5, 3, 6)),  # features as rows,
+    # example by example: each example's rows are its own (:mod:`~gns_callback.per_example.window_rows`)
+    (nn.Linear(6, 4), (5, 3, 6), lambda h: h.transpose(0, 1).reshape(15, 6), 5, (3, 5, 6)),  # position by position
     (nn.Linear(18, 4), (5, 3, 6), lambda h: h.view(5, 18), 5, None),  # already holds the batch
     (nn.Conv1d(3, 4, 1), (5, 3, 6), lambda h: h.view(15, 6).view(5, 3, 6), 5, None),  # channels-first: never
     (nn.Linear(6, 4), (5, 3, 6), lambda h: torch.tanh(nn.Linear(6, 6)(nn.LayerNorm(6)(h.view(15, 6)))), 5,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -611,3 +612,61 @@ class PoolFormerStyle(nn.Module):
         h = h + self.scale_1.unsqueeze(-1).unsqueeze(-1) * (self.pool(mixed) - mixed)
         h = h + self.scale_2.unsqueeze(-1).unsqueeze(-1) * self.mlp(self.after(h))
         return self.head(h.mean((2, 3)))
+
+
+def windows(h: torch.Tensor, size: int) -> torch.Tensor:
+    """Swin's ``window_partition``: ``(B, H, W, C)`` cut into ``size × size`` windows stacked as rows, example by
+    example: ``(B·nW, size², C)``."""
+    b, height, width, c = h.shape
+    h = h.view(b, height // size, size, width // size, size, c).permute(0, 1, 3, 2, 4, 5)
+    return h.reshape(-1, size * size, c)
+
+
+def unwindowed(rows: torch.Tensor, size: int, height: int, width: int) -> torch.Tensor:
+    """Swin's ``window_reverse``: the rows of :func:`windows` back to ``(B, H, W, C)``."""
+    c = rows.shape[-1]
+    h = rows.view(-1, height // size, width // size, size, size, c).permute(0, 1, 3, 2, 4, 5)
+    return h.reshape(-1, height, width, c)
+
+
+class WindowAttention(nn.Module):
+    """Attention within each window of rows ``(B·nW, T, C)``: a LayerNorm, separate q/k/v Linear layers, scores
+    scaled, plus a learned relative bias ``(heads, T, T)`` and an optional constant mask, a softmax, an output
+    Linear."""
+
+    def __init__(self, width: int, heads: int, tokens: int) -> None:
+        super().__init__()
+        self.heads, self.norm = heads, nn.LayerNorm(width)
+        self.q, self.k, self.v, self.out = (nn.Linear(width, width) for _ in range(4))
+        self.bias = nn.Parameter(0.1 * torch.randn(heads, tokens, tokens))
+
+    def forward(self, rows: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        n, t, c = rows.shape
+        x = self.norm(rows)
+        q, k, v = (f(x).view(n, t, self.heads, -1).transpose(1, 2) for f in (self.q, self.k, self.v))
+        scores = q @ k.transpose(-1, -2) / (c // self.heads) ** 0.5 + self.bias.unsqueeze(0)
+        if mask is not None:
+            scores = scores + mask
+        out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(n, t, c)
+        return self.out(out)
+
+
+class SwinStyle(nn.Module):
+    """Swin on the digits' 8×8 pixels: a 1×1 convolution into 8 channels, then two blocks of attention within 2×2
+    windows (the second on the map rolled by one pixel, with a constant mask), each added back, mean-pooled into a
+    head. Its attention layers see the windows as rows, ``(B·16, 4, 8)``, with no batch of B in any dim."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.stem, self.head = nn.Conv2d(1, 8, 1), nn.Linear(8, 10)
+        self.blocks = nn.ModuleList([WindowAttention(8, 2, 4), WindowAttention(8, 2, 4)])
+        self.register_buffer("mask", torch.where(torch.rand(16, 1, 4, 4) < 0.2, -1e4, 0.0))
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        h = self.stem(pixels.view(-1, 1, 8, 8)).permute(0, 2, 3, 1)  # (B, 8, 8, C)
+        h = h + unwindowed(self.blocks[0](windows(h, 2)), 2, 8, 8)
+        shifted = torch.roll(h, (-1, -1), (1, 2))
+        rows = self.blocks[1](windows(shifted, 2), self.mask.repeat(shifted.shape[0], 1, 1, 1))
+        h = h + torch.roll(unwindowed(rows, 2, 8, 8), (1, 1), (1, 2))
+        return self.head(h.mean((1, 2)))

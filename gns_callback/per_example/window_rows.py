@@ -1,0 +1,174 @@
+"""Rows that each hold a part of one example, example by example: Swin's windows, ``(B·nW, T, C)``.
+
+Swin's attention cuts each example's feature map into ``nW`` windows and stacks them as rows:
+``x.view(B, h, w, w_, w, C).permute(0, 1, 3, 2, 4, 5).reshape(B·nW, w·w, C)``. A Linear on those rows sees no batch of
+``B`` in any dim. Row ``r`` belongs to example ``r // nW`` when the rows are *example-major*: every example's
+elements lie together, in one block of the tensor's row-major order, in example order. Then the rows read at shape
+``(B, nW, T, C)`` are each example's own (:func:`example_major_rows`).
+
+That is proven, not assumed, by walking back through the autograd graph from the layer's input to tensors whose dim
+0 holds the ``B`` examples, through steps that keep the property:
+
+* a view or reshape (the same row-major order);
+* an op that maps each index of dim 0 to the same index and leaves that dim alone: a copy, an elementwise activation,
+  dropout, a softmax or layer norm over later dims, a transpose or permutation of later dims, an expand of later dims,
+  a Linear (``addmm``, ``mm`` by a parameter), a batched matrix product (``bmm``, both factors walked);
+* a sum or product with a tensor of the same rows (walked too), a constant, or a parameter broadcast over the rows
+  (a relative-position bias: the parameter's slices, lookups and views alone).
+
+Anything else on the way (a permutation that moves dim 0, a reduction over it, a concatenation, an op not listed)
+ends the walk, and the layer is refused as before. Only in a batch-first model: where a module is sequence-first,
+dim 0 of size ``B`` might be positions. Torch only.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from .param_path import signed
+
+__all__ = ["example_major_rows"]
+
+#: Ops whose output's dim 0 is their first input's, index for index, and whose other dims are their own concern.
+_SAME_ROWS = frozenset({"CloneBackward0", "TanhBackward0", "ReluBackward0", "GeluBackward0", "SigmoidBackward0",
+                        "SiluBackward0", "LeakyReluBackward0", "EluBackward0", "HardtanhBackward0",
+                        "SoftplusBackward0", "MishBackward0", "HardswishBackward0", "NativeDropoutBackward0",
+                        "ToCopyBackward0", "NegBackward0", "MulBackward1", "DivBackward1", "AddBackward1",
+                        "SubBackward1", "RsubBackward1"})
+
+#: Views: the same elements in the same row-major order.
+_VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
+
+#: Elementwise ops of two tensors, each broadcast to the output's shape.
+_BINARY = frozenset({"AddBackward0", "SubBackward0", "MulBackward0", "DivBackward0"})
+
+#: Ops a broadcast parameter may pass through (its slices, lookups, views, copies and casts).
+_PARAMETER_STEPS = frozenset({*_VIEWS, "CloneBackward0", "PermuteBackward0", "TransposeBackward0",
+                              "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1", "IndexBackward0",
+                              "SliceBackward0", "SelectBackward0", "ExpandBackward0", "ToCopyBackward0", "TBackward0"})
+
+#: Nodes visited at most per layer call (a Swin block's attention output takes about 40).
+_BUDGET = 200
+
+
+def example_major_rows(node: Any, shape: tuple[int, ...], examples: int) -> bool:
+    """Whether a tensor of ``shape`` made by ``node`` holds its ``examples`` example-major along dim 0 (module
+    docstring): ``shape[0]`` a multiple of ``examples``, shown by the walk back to tensors whose dim 0 holds them."""
+    if not shape or shape[0] % examples or shape[0] == examples:
+        return False
+    return _Walk(examples).proves(node, shape)
+
+
+class _Walk:
+    def __init__(self, examples: int) -> None:
+        self.examples, self.left, self.proven = examples, _BUDGET, set[tuple[int, tuple[int, ...]]]()
+
+    def proves(self, node: Any, shape: tuple[int, ...]) -> bool:
+        """``node``'s output of ``shape`` is example-major."""
+        if node is None or not shape or shape[0] % self.examples:
+            return False
+        if shape[0] == self.examples:
+            return not hasattr(node, "variable")  # the examples, not a parameter of as many rows
+        key = (id(node), shape)
+        if key in self.proven:
+            return True
+        self.left -= 1
+        if self.left < 0:
+            return False
+        found = self._step(node, shape)
+        if found:
+            self.proven.add(key)
+        return found
+
+    def _step(self, node: Any, shape: tuple[int, ...]) -> bool:
+        kind = type(node).__name__
+        if kind in _VIEWS or kind in _SAME_ROWS or kind == "NativeLayerNormBackward0" or kind in _ROWS_KEPT:
+            return _ROWS_KEPT.get(kind, _always)(node, shape) and self._input(node, 0)
+        if kind == "AddmmBackward0":
+            return _is_parameter(_edge(node, 2)) and self._input(node, 1)
+        if kind == "MmBackward0":
+            return _is_parameter(_edge(node, 1)) and self._input(node, 0)
+        if kind == "BmmBackward0":
+            return self._input(node, 0) and self._input(node, 1)
+        if kind in _BINARY:
+            return all(self._operand(node, index, len(shape)) for index in range(len(node.next_functions)))
+        return False
+
+    def _input(self, node: Any, index: int) -> bool:
+        edge = node.next_functions[index] if index < len(node.next_functions) else (None, 0)
+        source = _shape(edge)
+        return source is not None and self.proves(edge[0], source)
+
+    def _operand(self, node: Any, index: int, dims: int) -> bool:
+        """An operand of an elementwise op: a constant, a parameter broadcast over the rows, or rows of its own."""
+        edge = node.next_functions[index]
+        if edge[0] is None:
+            return True
+        source = _shape(edge)
+        if source is None or len(source) > dims:
+            return False
+        if len(source) < dims or source[0] == 1:
+            return _is_parameter(edge)
+        return self.proves(edge[0], source)
+
+
+def _always(_node: Any, _shape: tuple[int, ...]) -> bool:
+    return True
+
+
+def _softmax_keeps_rows(node: Any, shape: tuple[int, ...]) -> bool:
+    return signed(node._saved_dim) % len(shape) != 0
+
+
+def _transpose_keeps_rows(node: Any, shape: tuple[int, ...]) -> bool:
+    return 0 not in (signed(node._saved_dim0) % len(shape), signed(node._saved_dim1) % len(shape))
+
+
+def _permute_keeps_rows(node: Any, shape: tuple[int, ...]) -> bool:
+    return signed(node._saved_dims[0]) % len(shape) == 0
+
+
+def _expand_keeps_rows(node: Any, shape: tuple[int, ...]) -> bool:
+    source = tuple(int(n) for n in node._saved_self_sym_sizes)
+    return len(source) == len(shape) and source[0] == shape[0]
+
+
+def _layer_norm_keeps_rows(node: Any, shape: tuple[int, ...]) -> bool:
+    return len(node._saved_normalized_shape) < len(shape)
+
+
+#: Ops that keep dim 0 only under a condition on their arguments.
+_ROWS_KEPT = {"SoftmaxBackward0": _softmax_keeps_rows, "SafeSoftmaxBackward0": _softmax_keeps_rows,
+              "TransposeBackward0": _transpose_keeps_rows, "PermuteBackward0": _permute_keeps_rows,
+              "ExpandBackward0": _expand_keeps_rows, "NativeLayerNormBackward0": _layer_norm_keeps_rows}
+
+
+def _edge(node: Any, index: int) -> tuple[Any, int]:
+    return node.next_functions[index] if index < len(node.next_functions) else (None, 0)
+
+
+def _shape(edge: tuple[Any, int]) -> Optional[tuple[int, ...]]:
+    """The shape of the tensor along a graph edge: the gradient its node takes at that input (torch's record of it,
+    a private attribute, so None where a torch version lacks it)."""
+    node, index = edge
+    try:
+        return tuple(int(n) for n in node._input_metadata[index].shape)
+    except (AttributeError, IndexError, TypeError):
+        return None
+
+
+def _is_parameter(edge: tuple[Any, int]) -> bool:
+    """A parameter, through its slices, lookups, views, copies and casts alone (nothing of the examples)."""
+    node = edge[0]
+    for _ in range(_BUDGET):
+        if node is None:
+            return False
+        if hasattr(node, "variable"):
+            return True
+        if type(node).__name__ not in _PARAMETER_STEPS or len(node.next_functions) < 1:
+            return False
+        inputs = [edge for edge in node.next_functions if edge[0] is not None]
+        if len(inputs) != 1:
+            return False
+        node = inputs[0][0]
+    return False
