@@ -437,16 +437,20 @@ class HuggingFaceEncoder(nn.Module):
         super().__init__()
         import transformers
 
-        config, model, kwargs = ENCODERS[name]
+        config, model, kwargs = self.table()[name]
         self.body = getattr(transformers, model)(getattr(transformers, config)(vocab_size=17, **kwargs))
         self.head = nn.Linear(32, 10)
+
+    @staticmethod
+    def table() -> dict[str, tuple[str, str, dict]]:
+        return ENCODERS
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.head(self.body(input_ids=tokens).last_hidden_state.mean(1))
 
 
 #: ``transformers`` image models on the digits' 8×8 pixels (as 3 channels): their config class, the model class, and
-#: the config's arguments.
+#: the config's arguments (dropout and stochastic depth off: with them the brute-force value is one random draw).
 VISION: dict[str, tuple[str, str, dict]] = {
     "ConvNextModel (layer scale, channels-first layer norms)": (
         "ConvNextConfig", "ConvNextModel", dict(patch_size=2, hidden_sizes=[16, 32], depths=[1, 1], num_stages=2,
@@ -457,10 +461,11 @@ VISION: dict[str, tuple[str, str, dict]] = {
     "BeitModel (layer scale, relative-position table)": (
         "BeitConfig", "BeitModel", dict(image_size=8, patch_size=2, hidden_size=32, num_hidden_layers=2,
                                         num_attention_heads=4, intermediate_size=64, use_relative_position_bias=True,
-                                        layer_scale_init_value=0.1, use_mean_pooling=True)),
+                                        layer_scale_init_value=0.1, use_mean_pooling=True,
+                                        drop_path_rate=0.0)),
     "SwinModel (windows of the examples as rows)": (
         "SwinConfig", "SwinModel", dict(image_size=8, patch_size=2, embed_dim=16, depths=[1, 1], num_heads=[2, 4],
-                                        window_size=2)),
+                                        window_size=2, drop_path_rate=0.0)),
 }
 
 #: ``transformers`` encoder-decoders, fed the tokens as both the encoder's and the decoder's input.
@@ -471,7 +476,7 @@ SEQ2SEQ: dict[str, tuple[str, str, dict]] = {
     "ProphetNetModel (an n-gram table's row at a negative index)": ("ProphetNetConfig", "ProphetNetModel", dict(
         hidden_size=32, encoder_ffn_dim=64, decoder_ffn_dim=64, num_encoder_layers=2, num_decoder_layers=2,
         num_encoder_attention_heads=4, num_decoder_attention_heads=4, max_position_embeddings=80, dropout=0.0,
-        pad_token_id=0)),
+        attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0)),
 }
 
 
@@ -501,17 +506,13 @@ class HuggingFaceVision(nn.Module):
         return self.head(self.features(pixels))
 
 
-class HuggingFaceSeq2Seq(nn.Module):
+class HuggingFaceSeq2Seq(HuggingFaceEncoder):
     """A ``transformers`` encoder-decoder of :data:`SEQ2SEQ`, the tokens its encoder's and its decoder's input, the
     decoder's last hidden state mean-pooled into a Linear head. Only where ``transformers`` is installed."""
 
-    def __init__(self, name: str) -> None:
-        super().__init__()
-        import transformers
-
-        config, model, kwargs = SEQ2SEQ[name]
-        self.body = getattr(transformers, model)(getattr(transformers, config)(vocab_size=17, **kwargs))
-        self.head = nn.Linear(32, 10)
+    @staticmethod
+    def table() -> dict[str, tuple[str, str, dict]]:
+        return SEQ2SEQ
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.head(self.body(input_ids=tokens, decoder_input_ids=tokens).last_hidden_state.mean(1))
