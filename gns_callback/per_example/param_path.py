@@ -24,8 +24,9 @@ __all__ = ["CASTS", "LOOKUPS", "PERMUTES", "RESHAPES", "SLICES", "TRANSPOSES", "
 #: Nodes that transpose a 2-D parameter (before a matrix product): the norm does not see them.
 TRANSPOSES = frozenset({"TBackward0", "TransposeBackward0", "PermuteBackward0"})
 
-#: The cast autocast puts before a matrix product (bf16/fp16 mixed precision): it changes only the precision.
-CASTS = frozenset({"ToCopyBackward0"})
+#: The cast autocast puts before a matrix product (bf16/fp16 mixed precision): it changes only the precision; and a
+#: copy (``.contiguous()`` after a permutation, Swin's relative-position bias), which changes nothing.
+CASTS = frozenset({"ToCopyBackward0", "CloneBackward0"})
 
 #: Nodes that take a window or a row of a parameter.
 SLICES = frozenset({"SliceBackward0", "SelectBackward0"})

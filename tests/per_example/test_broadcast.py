@@ -55,6 +55,8 @@ USES = [
     ("x + p[:-2], a window to a negative end", (T + 2, D), lambda x, p: x + p[:-2]),
     ("x + p[:, -T - 1:-1] along a negative dim", (1, T + 2, D), lambda x, p: x + p.narrow(-2, 1, T)),
     ("x + p.squeeze(-1)", (T, D, 1), lambda x, p: x + p.squeeze(-1)),
+    ("x + p.permute(2, 1, 0).contiguous() (Swin's bias, copied)", (D, T, 1),
+     lambda x, p: x + p.permute(2, 1, 0).contiguous()),
     ("x + p.reshape(T, D)[:T - 1] over a flat table", (T * D,), lambda x, p: x[:, :T - 1] + p.reshape(T, D)[:T - 1]),
     ("x + F.embedding(arange(T), p) (nanoGPT's wpe)", (T + 2, D),
      lambda x, p: x + F.embedding(torch.arange(x.shape[1]), p)),
