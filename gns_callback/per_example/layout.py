@@ -28,7 +28,8 @@ from typing import Any, Optional
 from torch import Tensor, nn
 
 from .transposed_linear import TransposedLinear, layer_kind
-from .window_rows import example_major_rows
+from .param_path import VIEWS, shape_taken
+from .window_rows import ACTIVATIONS, example_major_rows
 
 __all__ = ["LayoutError", "LayoutMemory", "batch_dim", "is_sequence_first", "position_dims", "unflattened"]
 
@@ -57,15 +58,9 @@ def position_dims(module: nn.Module, inp: Tensor) -> int:
 #: Layers whose rows may be an ``(examples × positions)`` flattening: any of their leading dims are positions.
 _ROW_LAYERS = (nn.Linear, TransposedLinear, nn.LayerNorm, nn.RMSNorm)
 
-#: Autograd's views: a flattening ``x.view(B·T, D)``, ``reshape``, ``flatten(0, 1)`` saves the shape it was given.
-_VIEW_NODES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
-
 #: Nodes that map row ``r`` of their input to row ``r`` of their output: elementwise activations and dropout (their
 #: one input), and the layers of :data:`_ROW_LAYERS` on 2-D rows (the input given: ``addmm``'s rows are its second).
-_ROW_WISE = {**dict.fromkeys(["TanhBackward0", "ReluBackward0", "GeluBackward0", "SigmoidBackward0", "SiluBackward0",
-                              "LeakyReluBackward0", "EluBackward0", "HardtanhBackward0", "SoftplusBackward0",
-                              "MishBackward0", "HardswishBackward0", "NativeDropoutBackward0"], 0),
-             "AddmmBackward0": 1, "MmBackward0": 0, "NativeLayerNormBackward0": 0}
+_ROW_WISE = {**dict.fromkeys(ACTIVATIONS, 0), "AddmmBackward0": 1, "MmBackward0": 0, "NativeLayerNormBackward0": 0}
 
 #: How far back through :data:`_ROW_WISE` nodes the flattening is looked for.
 _MAX_ROW_WISE = 32
@@ -96,7 +91,7 @@ def _flattened_from(node: Any, rows: int) -> Optional[tuple[int, ...]]:
     where the walk meets anything else first."""
     for _ in range(_MAX_ROW_WISE):
         kind = type(node).__name__
-        if kind in _VIEW_NODES:
+        if kind in VIEWS:
             return _folded(node, rows)
         if kind not in _ROW_WISE or len(node.next_functions) <= _ROW_WISE[kind] or _across_rows(node):
             return None
@@ -114,9 +109,8 @@ def _across_rows(node: Any) -> bool:
 def _folded(view: Any, rows: int) -> Optional[tuple[int, ...]]:
     """The leading dims of the view's input that became its output's ``rows`` rows (its trailing dims kept)."""
     source = tuple(int(n) for n in getattr(view, "_saved_self_sym_sizes", ()))
-    try:
-        output = tuple(int(n) for n in view._input_metadata[0].shape)
-    except (AttributeError, IndexError, TypeError):
+    output = shape_taken(view)
+    if output is None:
         return None
     kept = len(output) - 1
     leading = source[:len(source) - kept]

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 __all__ = ["CASTS", "LOOKUPS", "PERMUTES", "RESHAPES", "SLICES", "TRANSPOSES", "VIEWS", "ParameterPath", "back_through",
-           "is_parameter", "lookup_indices", "parameter_behind", "shape_after"]
+           "is_parameter", "lookup_indices", "parameter_behind", "shape_after", "shape_taken", "signed"]
 
 #: Nodes that transpose a 2-D parameter (before a matrix product): the norm does not see them.
 TRANSPOSES = frozenset({"TBackward0", "TransposeBackward0", "PermuteBackward0"})
@@ -45,7 +45,7 @@ RESHAPES = frozenset({"UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward
                       "ReshapeAliasBackward0", "UnsafeViewBackward0"})
 
 #: Of those, the views proper: their output shape is not saved, and is read from the node's record of the gradient
-#: it takes (:func:`_shape_taken`; a parameter behind one is not read where torch keeps no such record). The same
+#: it takes (:func:`shape_taken`; a parameter behind one is not read where torch keeps no such record). The same
 #: nodes view a matrix product's rows back to its input's shape (:mod:`.matmul`).
 VIEWS = frozenset({"ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0"})
 
@@ -112,7 +112,7 @@ def _shift_source(node: Any) -> Optional[Any]:
     source = inputs[0][0]
     leaf = source.next_functions[0][0] if type(source).__name__ in CASTS and len(source.next_functions) == 1 else source
     variable = getattr(leaf, "variable", None)
-    return source if variable is not None and _shape_taken(node) == tuple(variable.shape) else None
+    return source if variable is not None and shape_taken(node) == tuple(variable.shape) else None
 
 
 def _is_lookup(node: Any) -> bool:
@@ -154,11 +154,11 @@ def _window(node: Any, size: int) -> slice:
     return slice(*slice(signed(node._saved_start), signed(node._saved_end), signed(node._saved_step)).indices(size))
 
 
-def _shape_taken(node: Any) -> Optional[tuple[int, ...]]:
-    """The shape of the gradient ``node`` takes (its forward output's), from torch's record of it (a private
-    attribute, so None where a torch version lacks it)."""
+def shape_taken(node: Any, output: int = 0) -> Optional[tuple[int, ...]]:
+    """The shape of the gradient ``node`` takes for its forward output ``output`` (that output's shape), from torch's
+    record of it (a private attribute, so None where a torch version lacks it)."""
     try:
-        return tuple(int(n) for n in node._input_metadata[0].shape)
+        return tuple(int(n) for n in node._input_metadata[output].shape)
     except (AttributeError, IndexError, TypeError):
         return None
 
@@ -193,7 +193,7 @@ def shape_after(node: Any, shape: tuple[int, ...]) -> Optional[tuple[int, ...]]:
         dim = _dim(node, len(shape) + 1)
         return shape[:dim] + (1,) + shape[dim:]
     if kind in VIEWS:
-        return _shape_taken(node)
+        return shape_taken(node)
     if kind == "SqueezeBackward0":
         return tuple(n for n in shape if n != 1)
     dim = _dim(node, len(shape))  # SqueezeBackward1: one dim

@@ -10,6 +10,7 @@ hold: what it computes is not known. Torch only.
 from __future__ import annotations
 
 import inspect
+from functools import cache
 
 from torch import nn
 
@@ -21,9 +22,11 @@ BUILD_ONLY = frozenset({"__init__", "extra_repr", "reset_parameters", "__repr__"
                         "__static_attributes__", "__orig_bases__", "__parameters__", "_is_protocol"})
 
 
+@cache
 def runs_as(cls: type) -> type:
     """The nearest ``torch.nn`` class ``cls`` runs as: itself if it is one, or its base where every class between
-    them defines only :data:`BUILD_ONLY` names and plain data; ``cls`` itself otherwise."""
+    them defines only :data:`BUILD_ONLY` names and plain data; ``cls`` itself otherwise. Kept per class: the layer
+    tables look it up at every layer call."""
     for base in cls.__mro__:
         if _is_torch_layer(base):
             return base

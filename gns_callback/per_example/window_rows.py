@@ -25,27 +25,25 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .param_path import signed
+from .param_path import CASTS, LOOKUPS, RESHAPES, SLICES, TRANSPOSES, VIEWS, shape_taken, signed
 
-__all__ = ["example_major_rows"]
+__all__ = ["ACTIVATIONS", "example_major_rows"]
+
+#: Elementwise activations and dropout: each output element is its one input's element's function.
+ACTIVATIONS = frozenset({"TanhBackward0", "ReluBackward0", "GeluBackward0", "SigmoidBackward0", "SiluBackward0",
+                         "LeakyReluBackward0", "EluBackward0", "HardtanhBackward0", "SoftplusBackward0",
+                         "MishBackward0", "HardswishBackward0", "NativeDropoutBackward0"})
 
 #: Ops whose output's dim 0 is their first input's, index for index, and whose other dims are their own concern.
-_SAME_ROWS = frozenset({"CloneBackward0", "TanhBackward0", "ReluBackward0", "GeluBackward0", "SigmoidBackward0",
-                        "SiluBackward0", "LeakyReluBackward0", "EluBackward0", "HardtanhBackward0",
-                        "SoftplusBackward0", "MishBackward0", "HardswishBackward0", "NativeDropoutBackward0",
-                        "ToCopyBackward0", "NegBackward0", "MulBackward1", "DivBackward1", "AddBackward1",
-                        "SubBackward1", "RsubBackward1"})
-
-#: Views: the same elements in the same row-major order.
-_VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
+_SAME_ROWS = frozenset({*ACTIVATIONS, "CloneBackward0", "ToCopyBackward0", "NegBackward0", "MulBackward1",
+                        "DivBackward1", "AddBackward1", "SubBackward1", "RsubBackward1"})
 
 #: Elementwise ops of two tensors, each broadcast to the output's shape.
 _BINARY = frozenset({"AddBackward0", "SubBackward0", "MulBackward0", "DivBackward0"})
 
-#: Ops a broadcast parameter may pass through (its slices, lookups, views, copies and casts).
-_PARAMETER_STEPS = frozenset({*_VIEWS, "CloneBackward0", "PermuteBackward0", "TransposeBackward0",
-                              "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1", "IndexBackward0",
-                              "SliceBackward0", "SelectBackward0", "ExpandBackward0", "ToCopyBackward0", "TBackward0"})
+#: Ops a broadcast parameter may pass through (its slices, lookups, reshapes, transposes, copies, casts and
+#: expands: :mod:`.param_path`'s steps).
+_PARAMETER_STEPS = frozenset({*RESHAPES, *SLICES, *LOOKUPS, *TRANSPOSES, *CASTS, "ExpandBackward0"})
 
 #: Nodes visited at most per layer call (a Swin block's attention output takes about 40).
 _BUDGET = 200
@@ -82,7 +80,7 @@ class _Walk:
 
     def _step(self, node: Any, shape: tuple[int, ...]) -> bool:
         kind = type(node).__name__
-        if kind in _VIEWS or kind in _SAME_ROWS or kind == "NativeLayerNormBackward0" or kind in _ROWS_KEPT:
+        if kind in VIEWS or kind in _SAME_ROWS or kind in _ROWS_KEPT:
             return _ROWS_KEPT.get(kind, _always)(node, shape) and self._input(node, 0)
         if kind == "AddmmBackward0":
             return _is_parameter(_edge(node, 2)) and self._input(node, 1)
@@ -95,7 +93,7 @@ class _Walk:
         return False
 
     def _input(self, node: Any, index: int) -> bool:
-        edge = node.next_functions[index] if index < len(node.next_functions) else (None, 0)
+        edge = _edge(node, index)
         source = _shape(edge)
         return source is not None and self.proves(edge[0], source)
 
@@ -148,13 +146,8 @@ def _edge(node: Any, index: int) -> tuple[Any, int]:
 
 
 def _shape(edge: tuple[Any, int]) -> Optional[tuple[int, ...]]:
-    """The shape of the tensor along a graph edge: the gradient its node takes at that input (torch's record of it,
-    a private attribute, so None where a torch version lacks it)."""
-    node, index = edge
-    try:
-        return tuple(int(n) for n in node._input_metadata[index].shape)
-    except (AttributeError, IndexError, TypeError):
-        return None
+    """The shape of the tensor along a graph edge: the output of its node that the edge takes."""
+    return None if edge[0] is None else shape_taken(*edge)
 
 
 def _is_parameter(edge: tuple[Any, int]) -> bool:
