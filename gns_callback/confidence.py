@@ -11,6 +11,10 @@ interval; otherwise the data cannot rule out ``|G|² ≈ 0`` and the interval is
 Unlike the delta method it stays honest when the denominator is noisy, which is the common case
 for ``|G|²`` late in training. Assumption: the per-step pairs ``(x, y)`` are independent draws
 (true at fixed parameters with i.i.d. batches; approximately true while parameters move slowly).
+
+Heavy tails: Student-t's ``n − 1`` degrees of freedom assume the per-step values are normal. Where a few examples
+carry most of the gradient, the spread read from ``n`` steps is itself far noisier than that, and mostly too small;
+:func:`kurtosis_dof` gives the degrees of freedom that the spread's measured kurtosis leaves.
 """
 
 from __future__ import annotations
@@ -27,6 +31,20 @@ def t_quantile(confidence: float, dof: float) -> float:
     if not dof > 0:
         return math.inf
     return float(stats.t.ppf(0.5 + confidence / 2.0, dof))
+
+
+def kurtosis_dof(n: float, excess_kurtosis: float) -> float:
+    """Degrees of freedom of a spread read from ``n`` draws of excess kurtosis ``κ``, by moment matching.
+
+    ``Var(s²)/σ⁴ = 2/(n − 1) + κ/n`` (e.g. Kendall & Stuart, vol. 1, 10.17); a scaled ``χ²_ν/ν`` has ``2/ν``, so
+    ``ν = 1/(1/(n − 1) + κ/(2n))`` (Satterthwaite 1946's matching). ``κ ≤ 0`` or unknown (``nan``) keeps
+    ``n − 1``: tails lighter than normal are not used to narrow the interval.
+    """
+    if not n > 1.0:
+        return n - 1.0
+    if not excess_kurtosis > 0.0:
+        return n - 1.0
+    return 1.0 / (1.0 / (n - 1.0) + excess_kurtosis / (2.0 * n))
 
 
 def fieller_interval(

@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from gns_callback.json_values import json_safe
-from gns_callback.smoothing import SUM_FIELDS, RatioSummary, step_vector, summarize_ratio
+from gns_callback.smoothing import SUM_FIELDS, RatioSummary, full_sums, moment_columns, step_vector, summarize_ratio
 
 #: Steps are kept in at most this many consecutive blocks (merged pairwise as the run grows: a power-of-two size).
 BLOCKS = 256
@@ -69,6 +69,7 @@ MIN_LOSS_FALL = 2.0
 MODEL_FACTOR = 2.0
 #: Columns of a block: the ``SUM_FIELDS`` sums of (tr Σ̂, |Ĝ|²), then the sum of the steps' losses.
 BLOCK_FIELDS = (*SUM_FIELDS, "loss")
+_SUMS = len(SUM_FIELDS)
 
 LOSS_WINDOWS = "log-loss midpoint"
 RUN_AVERAGE = "run average"
@@ -163,7 +164,7 @@ def block_depths(blocks: torch.Tensor, smoothing: int = SMOOTHING) -> torch.Tens
 
 def summarize_blocks(blocks: torch.Tensor, *, windows: int = 2, trim: float = 0.25, smoothing: int = SMOOTHING,
                      confidence: float = 0.95, loss_positive: bool = True) -> CriticalBatchEstimate:
-    """The estimate from consecutive blocks of steps (``(n, 8)`` rows in ``BLOCK_FIELDS`` order): the geometric
+    """The estimate from consecutive blocks of steps (rows in ``BLOCK_FIELDS`` order): the geometric
     mean over the loss windows; one window over the same range if one of them is unresolved; the run average
     (with the reason in ``method``) when the loss range itself is not usable."""
     blocks = blocks.detach().to("cpu", torch.float64)
@@ -198,7 +199,7 @@ def early_window(blocks: torch.Tensor, depth: torch.Tensor, trim: float,
     is 32–35 (``benchmarks/payoff.py``). On breast cancer (held out) it read 34 (lower end 17.6) from a run at
     batch 8, where the tuned LRs fit ``B_noise ≈ 15–30``; an LR increase uses the lower end
     (:mod:`gns_callback.recommendation.learning_rate`)."""
-    part = summarize_ratio(blocks[depth <= trim * float(depth[-1]), :7].sum(0).tolist(), confidence)
+    part = summarize_ratio(blocks[depth <= trim * float(depth[-1]), :_SUMS].sum(0).tolist(), confidence)
     if not (part.effective_steps > 1.0 and 0.0 < part.ratio < math.inf):
         return math.nan, math.nan
     return part.ratio, part.ci_low
@@ -207,13 +208,13 @@ def early_window(blocks: torch.Tensor, depth: torch.Tensor, trim: float,
 def _windows_estimate(blocks: torch.Tensor, masks: list[torch.Tensor], confidence: float, loss_start: float,
                       loss_end: float) -> CriticalBatchEstimate | None:
     steps = int(round(float(blocks[:, 0].sum())))
-    parts = [summarize_ratio(blocks[inside, :7].sum(0).tolist(), confidence) for inside in masks]
+    parts = [summarize_ratio(blocks[inside, :_SUMS].sum(0).tolist(), confidence) for inside in masks]
     if all(p.effective_steps > 1.0 and p.ci_high < math.inf for p in parts):
         g, low, high = geometric_mean_interval(parts)
         if 0.0 < g < math.inf:
             values = tuple(p.ratio for p in parts)
             return CriticalBatchEstimate(g, low, high, confidence, values, loss_start, loss_end, steps, LOSS_WINDOWS)
-    whole = summarize_ratio(blocks[torch.stack(masks).any(0), :7].sum(0).tolist(), confidence)
+    whole = summarize_ratio(blocks[torch.stack(masks).any(0), :_SUMS].sum(0).tolist(), confidence)
     if whole.effective_steps > 1.0 and 0.0 < whole.ratio < math.inf:  # resolved as one window where K are not
         method = f"{LOSS_WINDOWS} (one window: the {len(masks)} windows are not all resolved)"
         return CriticalBatchEstimate(whole.ratio, whole.ci_low, whole.ci_high, confidence, (whole.ratio,),
@@ -229,7 +230,7 @@ def _window_masks(depth: torch.Tensor, windows: int, trim: float) -> list[torch.
 
 def _run_average(blocks: torch.Tensor, loss_start: float, loss_end: float, confidence: float,
                  reason: str) -> CriticalBatchEstimate:
-    whole = summarize_ratio(blocks[:, :7].sum(0).tolist(), confidence)
+    whole = summarize_ratio(blocks[:, :_SUMS].sum(0).tolist(), confidence)
     steps = int(round(float(blocks[:, 0].sum())))
     return CriticalBatchEstimate(whole.ratio, whole.ci_low, whole.ci_high, confidence, (whole.ratio,), loss_start,
                                  loss_end, steps, f"{RUN_AVERAGE} ({reason})")
@@ -316,7 +317,8 @@ class CriticalBatchAccumulator:
         device = self.blocks.device
         self.windows, self.trim, self.smoothing = int(state["windows"]), float(state["trim"]), int(state["smoothing"])
         self.calls, self.block_size = int(state["calls"]), int(state["block_size"])
-        self.blocks = torch.tensor(state["blocks"], dtype=torch.float64, device=device)
+        self.blocks = torch.tensor([[*full_sums(row[:-1]), row[-1]] for row in state["blocks"]], dtype=torch.float64,
+                                   device=device)
         self.nonpositive_loss = torch.tensor(bool(state["nonpositive_loss"]), device=device)
 
 
@@ -334,7 +336,7 @@ def step_blocks(trace: Values, grad_sq: Values, loss: Values, blocks: int = BLOC
     while len(x) > blocks * block_size:
         block_size *= 2
     valid = np.isfinite(x) & np.isfinite(y) & np.isfinite(l)
-    rows = np.stack([np.ones_like(x), np.ones_like(x), x, y, x * x, y * y, x * y, l], axis=1)
+    rows = np.stack([*moment_columns(x, y, np.ones_like(x)), l], axis=1)
     sums = np.zeros((blocks, len(BLOCK_FIELDS)))
     np.add.at(sums, np.arange(len(x))[valid] // block_size, rows[valid])
     return torch.from_numpy(sums), bool((l[valid] > 0).all())

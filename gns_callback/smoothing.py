@@ -8,21 +8,29 @@ product, and only form the ratio (and its Fieller interval) when it is read.
 Weights are ``w_t = decay^(T−t)``. The weighted mean ``Σw·x/Σw`` is exactly the bias-corrected EMA
 ``m_T/(1 − decay^T)`` of Adam-style smoothing; ``decay = 1`` gives the plain run average. The variance of
 a weighted mean of independent draws is ``σ²·Σw²/(Σw)² = σ²/n_eff`` with ``n_eff = (Σw)²/Σw²``.
+
+The fourth-order sums give the kurtosis of ``x − R̂·y``, the quantity Fieller's interval studentizes; heavy tails
+lower its degrees of freedom (:func:`gns_callback.confidence.kurtosis_dof`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
-from gns_callback.confidence import fieller_interval, t_quantile
+from gns_callback.confidence import fieller_interval, kurtosis_dof, t_quantile
 
-#: Order of the entries of :attr:`RatioAccumulator.sums`.
-SUM_FIELDS = ("w", "w2", "x", "y", "xx", "yy", "xy")
+#: Order of the entries of :attr:`RatioAccumulator.sums`: the weights, the first and second moments, and the fourth
+#: moments (``xxxy`` is ``Σw·x³·y``).
+SUM_FIELDS = ("w", "w2", "x", "y", "xx", "yy", "xy", "xxxx", "xxxy", "xxyy", "xyyy", "yyyy")
+#: The sums kept before the fourth moments were (a state saved then resumes with them unknown).
+SECOND_ORDER_FIELDS = 7
+#: Below this share of its terms' size, ``Σw·(x − R·y)⁴`` is lost to rounding and the kurtosis counts as unknown.
+_CANCELLATION = 1e-9
 
 
 @dataclass(frozen=True)
@@ -42,9 +50,10 @@ def summarize_ratio(sums: Sequence[float], confidence: float = 0.95) -> RatioSum
 
     The ratio is clamped to ``[0, ∞)`` only here, at read time; ``inf`` when ``mean_y <= 0``
     (the true gradient is not resolved yet). The (co)variances use reliability-weight corrections and the
-    Student-t quantile with ``n_eff − 1`` degrees of freedom.
+    Student-t quantile with ``n_eff − 1`` degrees of freedom, fewer where ``x − R̂·y`` is heavy-tailed
+    (:func:`excess_kurtosis`; sums without the fourth moments read as normal).
     """
-    w, w2, sx, sy, sxx, syy, sxy = (float(v) for v in sums)
+    w, w2, sx, sy, sxx, syy, sxy = (float(v) for v in sums[:SECOND_ORDER_FIELDS])
     if w <= 0.0:
         return RatioSummary(math.nan, math.nan, math.nan, 0.0, math.inf, 0.0)
     mx, my = sx / w, sy / w
@@ -57,21 +66,58 @@ def summarize_ratio(sums: Sequence[float], confidence: float = 0.95) -> RatioSum
     var_x = max(sxx - w * mx * mx, 0.0) / norm
     var_y = max(syy - w * my * my, 0.0) / norm
     cov_xy = (sxy - w * mx * my) / norm
-    t = t_quantile(confidence, n_eff - 1.0)
+    kurtosis = excess_kurtosis(sums, mx / my) if my != 0.0 else math.nan
+    t = t_quantile(confidence, kurtosis_dof(n_eff, kurtosis))
     low, high = fieller_interval(mx, my, var_x / n_eff, var_y / n_eff, cov_xy / n_eff, t)
     return RatioSummary(mx, my, ratio, low, high, n_eff)
 
 
+def excess_kurtosis(sums: Sequence[float], r: float) -> float:
+    """Weighted excess kurtosis ``m4/m2² − 3`` of ``z = x − r·y`` from the sums in ``SUM_FIELDS`` order.
+
+    At ``r = R̂ = mean_x/mean_y`` the weighted mean of ``z`` is zero, so its central moments are its raw ones:
+    ``m2 = Σw·z²/Σw``, ``m4 = Σw·z⁴/Σw`` with ``z⁴`` expanded binomially. ``nan`` where unknown: sums without
+    the fourth moments, a non-finite sum, or ``m4`` lost to rounding against its terms.
+    """
+    if len(sums) < len(SUM_FIELDS) or not math.isfinite(r):
+        return math.nan
+    w, _, _, _, sxx, syy, sxy, *fourth = (float(v) for v in sums)
+    terms = [c * r**k * s for k, (c, s) in enumerate(zip((1.0, -4.0, 6.0, -4.0, 1.0), fourth))]
+    m4, m2 = sum(terms) / w, (sxx - 2.0 * r * sxy + r * r * syy) / w
+    size = sum(abs(term) for term in terms) / w
+    if not (math.isfinite(size) and m2 > 0.0 and m4 > _CANCELLATION * size):
+        return math.nan
+    return m4 / (m2 * m2) - 3.0
+
+
+def moment_columns(x: Any, y: Any, one: Any) -> list[Any]:
+    """One step's (or, elementwise, many steps') contributions in ``SUM_FIELDS`` order: ``[1, 1, x, y, x², y², xy,
+    x⁴, x³y, x²y², xy³, y⁴]`` (``one``: ones shaped like ``x``; tensors or NumPy arrays)."""
+    xx, yy, xy = x * x, y * y, x * y
+    return [one, one, x, y, xx, yy, xy, xx * xx, xx * xy, xx * yy, xy * yy, yy * yy]
+
+
 def step_vector(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """One step's contribution in ``SUM_FIELDS`` order (float64): ``[1, 1, x, y, x², y², xy]``."""
+    """One step's contribution in ``SUM_FIELDS`` order (float64): :func:`moment_columns`."""
     x, y = x.to(torch.float64), y.to(torch.float64)
-    one = torch.ones_like(x)
-    return torch.stack([one, one, x, y, x * x, y * y, x * y])
+    return torch.stack(moment_columns(x, y, torch.ones_like(x)))
 
 
 def step_values(x: float, y: float) -> np.ndarray:
     """:func:`step_vector` of host floats, as a NumPy float64 array (the same numbers)."""
-    return np.array([1.0, 1.0, x, y, x * x, y * y, x * y], dtype=np.float64)
+    x, y = np.float64(x), np.float64(y)
+    return np.array(moment_columns(x, y, np.float64(1.0)), dtype=np.float64)
+
+
+def decay_factors(decay: float) -> list[float]:
+    """What one step multiplies each of the sums by: ``d`` for every weighted sum, ``d²`` for ``Σw²``."""
+    return [decay * decay if field == "w2" else decay for field in SUM_FIELDS]
+
+
+def full_sums(sums: Sequence[float]) -> list[float]:
+    """``sums`` in ``SUM_FIELDS`` order; a state saved before the fourth moments gets them as unknown (``nan``)."""
+    sums = [float(v) for v in sums]
+    return sums + [math.nan] * (len(SUM_FIELDS) - len(sums))
 
 
 class RatioAccumulator:
@@ -85,8 +131,7 @@ class RatioAccumulator:
             raise ValueError(f"decay must be in [0, 1], got {decay}")
         self.decay = float(decay)
         self.sums = torch.zeros(len(SUM_FIELDS), dtype=torch.float64)
-        d = self.decay
-        self._decays = torch.tensor([d, d * d, d, d, d, d, d], dtype=torch.float64)
+        self._decays = torch.tensor(decay_factors(self.decay), dtype=torch.float64)
 
     def update(self, x: torch.Tensor, y: torch.Tensor, valid: torch.Tensor) -> None:
         """Add one step's ``(x, y)``; a step with ``valid == False`` changes nothing (no decay either)."""
@@ -116,7 +161,6 @@ class RatioAccumulator:
 
     def load_state_dict(self, state: dict) -> None:
         self.decay = float(state["decay"])
-        d = self.decay
         device = self.sums.device
-        self.sums = torch.tensor(state["sums"], dtype=torch.float64, device=device)
-        self._decays = torch.tensor([d, d * d, d, d, d, d, d], dtype=torch.float64, device=device)
+        self.sums = torch.tensor(full_sums(state["sums"]), dtype=torch.float64, device=device)
+        self._decays = torch.tensor(decay_factors(self.decay), dtype=torch.float64, device=device)

@@ -16,11 +16,12 @@ from gns_callback.critical_batch import (
     critical_batch_size,
     critical_batch_target,
     geometric_mean_interval,
+    summarize_blocks,
     window_edges,
 )
 from gns_callback.estimators import grad_sq_norm_estimate, trace_sigma_estimate
 from gns_callback.exact import exact_noise_scale, per_example_gradients
-from gns_callback.smoothing import RatioSummary, summarize_ratio
+from gns_callback.smoothing import SECOND_ORDER_FIELDS, RatioSummary, moment_columns, summarize_ratio
 from tests.helpers import mlp
 
 
@@ -168,6 +169,25 @@ def test_state_dict_round_trip_continues_exactly():
     assert torch.allclose(resumed.blocks, whole.blocks)
 
 
+def test_a_state_saved_before_the_fourth_moments_resumes_with_its_estimate():
+    """Blocks of eight columns (seven sums and the loss, the state before this change) resume: the same estimate and
+    interval as the second-order sums give, with the fourth moments unknown."""
+    loss, rng = _geometric_loss(200), np.random.default_rng(3)
+    x, y = rng.normal(30.0, 8.0, 200), rng.normal(1.0, 0.3, 200)
+    acc = CriticalBatchAccumulator(blocks=64)
+    _feed(acc, x, y, loss)
+    state = acc.state_dict()
+    state["blocks"] = [row[:SECOND_ORDER_FIELDS] + row[-1:] for row in state["blocks"]]
+    resumed = CriticalBatchAccumulator()
+    resumed.load_state_dict(state)
+    assert resumed.blocks.shape == acc.blocks.shape
+    assert torch.isnan(resumed.blocks[:, SECOND_ORDER_FIELDS:-1]).all()
+    assert torch.equal(resumed.blocks[:, -1], acc.blocks[:, -1])
+    unknown = acc.blocks.clone()
+    unknown[:, SECOND_ORDER_FIELDS:-1] = math.nan
+    assert resumed.summary() == summarize_blocks(unknown)
+
+
 def test_geometric_mean_interval_adds_log_half_widths_in_quadrature():
     a = RatioSummary(0, 0, 10.0, 10.0 / math.e, 10.0 * math.e**2, 50)
     b = RatioSummary(0, 0, 40.0, 40.0 / math.e**2, 40.0 * math.e, 50)
@@ -259,8 +279,7 @@ def test_early_noise_scale_low_is_the_fieller_lower_end_over_the_early_steps():
     x, grad_sq, loss, early = _noisy_early_phase(np.random.default_rng(0))
     est = critical_batch_size(x, grad_sq, loss, smoothing=0)
     xe, ye = x[early], grad_sq[early]
-    n = float(len(xe))
-    want = summarize_ratio([n, n, xe.sum(), ye.sum(), (xe * xe).sum(), (ye * ye).sum(), (xe * ye).sum()])
+    want = summarize_ratio([column.sum() for column in moment_columns(xe, ye, np.ones_like(xe))])
     assert est.early_noise_scale == pytest.approx(want.ratio, rel=1e-9)
     assert est.early_noise_scale_low == pytest.approx(want.ci_low, rel=1e-9)
     assert 0.0 < est.early_noise_scale_low < est.early_noise_scale

@@ -2,10 +2,11 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from gns_callback.smoothing import RatioAccumulator, summarize_ratio
+from gns_callback.smoothing import SECOND_ORDER_FIELDS, RatioAccumulator, excess_kurtosis, summarize_ratio
 
 
 def _feed(acc, pairs, valid=None):
@@ -76,3 +77,36 @@ def test_state_round_trip_is_exact():
 def test_rejects_bad_decay():
     with pytest.raises(ValueError, match="decay"):
         RatioAccumulator(1.5)
+
+
+def test_excess_kurtosis_from_the_sums_is_the_weighted_kurtosis_of_x_minus_r_y():
+    rng = np.random.default_rng(0)
+    xs, ys = rng.standard_t(4, 60) + 5.0, rng.exponential(size=60)
+    acc = RatioAccumulator(0.97)
+    _feed(acc, zip(xs.tolist(), ys.tolist()))
+    w = 0.97 ** np.arange(59, -1, -1.0)
+    r = (w * xs).sum() / (w * ys).sum()
+    z = xs - r * ys  # its weighted mean is zero at r
+    want = (w * z**4).sum() / w.sum() / ((w * z * z).sum() / w.sum()) ** 2 - 3.0
+    assert excess_kurtosis(acc.sums.tolist(), r) == pytest.approx(want, rel=1e-9)
+
+
+def test_kurtosis_lost_to_rounding_or_not_kept_is_unknown():
+    acc = RatioAccumulator(1.0)
+    _feed(acc, [(1e8 + 1e-4 * k, 1.0) for k in range(10)])  # z⁴ cancels to nothing against x⁴
+    assert math.isnan(excess_kurtosis(acc.sums.tolist(), acc.summary().ratio))
+    assert math.isnan(excess_kurtosis(acc.sums[:SECOND_ORDER_FIELDS].tolist(), 1.0))
+
+
+def test_a_state_saved_before_the_fourth_moments_resumes_with_the_interval_it_had():
+    """Seven sums (the state before this change): the same interval as then (Student-t at n − 1), and the fourth
+    moments stay unknown for the rest of the run rather than read from part of it."""
+    before = RatioAccumulator(1.0)
+    _feed(before, [(float(k % 5), 1.0 + 0.1 * k) for k in range(20)])
+    old_state = {"decay": 1.0, "sums": before.sums[:SECOND_ORDER_FIELDS].tolist()}
+    resumed = RatioAccumulator(1.0)
+    resumed.load_state_dict(old_state)
+    assert resumed.summary() == summarize_ratio(old_state["sums"])
+    _feed(resumed, [(3.0, 2.0)])
+    assert torch.isnan(resumed.sums[SECOND_ORDER_FIELDS:]).all()
+    assert resumed.summary() == summarize_ratio(resumed.sums[:SECOND_ORDER_FIELDS].tolist())
