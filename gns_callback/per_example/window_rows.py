@@ -16,9 +16,15 @@ That is proven, not assumed, by walking back through the autograd graph from the
 * a sum or product with a tensor of the same rows (walked too), a constant, or a parameter broadcast over the rows
   (a relative-position bias: the parameter's slices, lookups and views alone).
 
-Anything else on the way (a permutation that moves dim 0, a reduction over it, a concatenation, an op not listed)
-ends the walk, and the layer is refused as before. Only in a batch-first model: where a module is sequence-first,
-dim 0 of size ``B`` might be positions. Torch only.
+On the way the rows may leave dim 0 and come back: timm's attention computes ``q, k, v`` as
+``qkv(x).reshape(B·nW, T, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)``, which puts the rows at dim 1 and then
+picks along dim 0. The walk follows the dim that holds the rows through permutations, transposes, picks (``unbind``,
+``x[i]``), elementwise ops, and views that leave every dim up to it as it is; a view that merges dims, a Linear and
+a batched matrix product must find the rows at dim 0.
+
+Anything else on the way (a reduction over the rows, a concatenation, an op not listed) ends the walk, and the layer
+is refused as before. Only in a batch-first model: where a module is sequence-first, dim 0 of size ``B`` might be
+positions. Torch only.
 """
 
 from __future__ import annotations
@@ -58,87 +64,128 @@ def example_major_rows(node: Any, shape: tuple[int, ...], examples: int) -> bool
 
 
 class _Walk:
-    def __init__(self, examples: int) -> None:
-        self.examples, self.left, self.proven = examples, _BUDGET, set[tuple[int, tuple[int, ...]]]()
+    """The walk back from one layer's input; ``dim``: the dim of a node's output that holds the rows."""
 
-    def proves(self, node: Any, shape: tuple[int, ...]) -> bool:
-        """``node``'s output of ``shape`` is example-major."""
-        if node is None or not shape or shape[0] % self.examples:
+    def __init__(self, examples: int) -> None:
+        self.examples, self.left, self.proven = examples, _BUDGET, set[tuple[int, tuple[int, ...], int]]()
+
+    def proves(self, node: Any, shape: tuple[int, ...], dim: int = 0) -> bool:
+        """``node``'s output of ``shape`` holds its rows example-major along ``dim``."""
+        if node is None or not 0 <= dim < len(shape) or shape[dim] % self.examples:
             return False
-        if shape[0] == self.examples:
-            return not hasattr(node, "variable")  # the examples, not a parameter of as many rows
-        key = (id(node), shape)
+        key = (id(node), shape, dim)
         if key in self.proven:
             return True
         self.left -= 1
         if self.left < 0:
             return False
-        found = self._step(node, shape)
+        found = self._at_examples(node, shape, dim) if shape[dim] == self.examples else self._step(node, shape, dim)
         if found:
             self.proven.add(key)
         return found
 
-    def _step(self, node: Any, shape: tuple[int, ...]) -> bool:
+    def _at_examples(self, node: Any, shape: tuple[int, ...], dim: int) -> bool:
+        """A dim of ``B``: the examples where it is dim 0 of a tensor the model made there, not a parameter. Where an
+        op moved it there from another dim (windows stacked window by window, ``nW = B``), that dim is followed, also
+        through copies and elementwise ops on the way."""
         kind = type(node).__name__
-        if kind in VIEWS or kind in _SAME_ROWS or kind in _ROWS_KEPT:
-            return _ROWS_KEPT.get(kind, _always)(node, shape) and self._input(node, 0)
+        if kind in _MOVES:
+            return self._input(node, 0, _MOVES[kind](node, shape, dim))
+        if kind in _SAME_ROWS:
+            return self._input(node, 0, dim)
+        return dim == 0 and not hasattr(node, "variable")
+
+    def _step(self, node: Any, shape: tuple[int, ...], dim: int) -> bool:
+        kind = type(node).__name__
+        if kind in _MOVES:
+            return self._input(node, 0, _MOVES[kind](node, shape, dim))
+        if kind in VIEWS:
+            return self._through_view(node, shape, dim)
+        if kind in _SAME_ROWS or kind in _ROWS_KEPT:
+            return _ROWS_KEPT.get(kind, _always)(node, shape, dim) and self._input(node, 0, dim)
+        if kind in _BINARY:
+            return all(self._operand(node, index, shape, dim) for index in range(len(node.next_functions)))
+        if dim != 0:
+            return False
         if kind == "AddmmBackward0":
             return _is_parameter(_edge(node, 2)) and self._input(node, 1)
         if kind == "MmBackward0":
             return _is_parameter(_edge(node, 1)) and self._input(node, 0)
         if kind == "BmmBackward0":
             return self._input(node, 0) and self._input(node, 1)
-        if kind in _BINARY:
-            return all(self._operand(node, index, len(shape)) for index in range(len(node.next_functions)))
         return False
 
-    def _input(self, node: Any, index: int) -> bool:
+    def _through_view(self, node: Any, shape: tuple[int, ...], dim: int) -> bool:
+        """A view keeps the row-major order: rows at dim 0 stay example-major blocks; rows at a later dim stay where
+        they are if every dim up to theirs is unchanged."""
+        edge = _edge(node, 0)
+        source = _shape(edge)
+        if source is None:
+            return False
+        if dim == 0:
+            return self.proves(edge[0], source)
+        return source[: dim + 1] == shape[: dim + 1] and self.proves(edge[0], source, dim)
+
+    def _input(self, node: Any, index: int, dim: int = 0) -> bool:
         edge = _edge(node, index)
         source = _shape(edge)
-        return source is not None and self.proves(edge[0], source)
+        return source is not None and dim >= 0 and self.proves(edge[0], source, dim)
 
-    def _operand(self, node: Any, index: int, dims: int) -> bool:
+    def _operand(self, node: Any, index: int, shape: tuple[int, ...], dim: int) -> bool:
         """An operand of an elementwise op: a constant, a parameter broadcast over the rows, or rows of its own."""
         edge = node.next_functions[index]
         if edge[0] is None:
             return True
         source = _shape(edge)
-        if source is None or len(source) > dims:
+        if source is None or len(source) > len(shape):
             return False
-        if len(source) < dims or source[0] == 1:
+        aligned = dim - (len(shape) - len(source))  # the operand's dim broadcast along the rows
+        if aligned < 0 or source[aligned] == 1:
             return _is_parameter(edge)
-        return self.proves(edge[0], source)
+        return self.proves(edge[0], source, aligned)
 
 
-def _always(_node: Any, _shape: tuple[int, ...]) -> bool:
+def _always(_node: Any, _shape: tuple[int, ...], _dim: int) -> bool:
     return True
 
 
-def _softmax_keeps_rows(node: Any, shape: tuple[int, ...]) -> bool:
-    return signed(node._saved_dim) % len(shape) != 0
+def _softmax_keeps_rows(node: Any, shape: tuple[int, ...], dim: int) -> bool:
+    return signed(node._saved_dim) % len(shape) != dim
 
 
-def _transpose_keeps_rows(node: Any, shape: tuple[int, ...]) -> bool:
-    return 0 not in (signed(node._saved_dim0) % len(shape), signed(node._saved_dim1) % len(shape))
-
-
-def _permute_keeps_rows(node: Any, shape: tuple[int, ...]) -> bool:
-    return signed(node._saved_dims[0]) % len(shape) == 0
-
-
-def _expand_keeps_rows(node: Any, shape: tuple[int, ...]) -> bool:
+def _expand_keeps_rows(node: Any, shape: tuple[int, ...], dim: int) -> bool:
     source = tuple(int(n) for n in node._saved_self_sym_sizes)
-    return len(source) == len(shape) and source[0] == shape[0]
+    return len(source) == len(shape) and source[dim] == shape[dim]
 
 
-def _layer_norm_keeps_rows(node: Any, shape: tuple[int, ...]) -> bool:
-    return len(node._saved_normalized_shape) < len(shape)
+def _layer_norm_keeps_rows(node: Any, shape: tuple[int, ...], dim: int) -> bool:
+    return dim < len(shape) - len(node._saved_normalized_shape)
 
 
-#: Ops that keep dim 0 only under a condition on their arguments.
+#: Ops that keep the rows' dim only under a condition on their arguments.
 _ROWS_KEPT = {"SoftmaxBackward0": _softmax_keeps_rows, "SafeSoftmaxBackward0": _softmax_keeps_rows,
-              "TransposeBackward0": _transpose_keeps_rows, "PermuteBackward0": _permute_keeps_rows,
               "ExpandBackward0": _expand_keeps_rows, "NativeLayerNormBackward0": _layer_norm_keeps_rows}
+
+
+def _permuted_from(node: Any, shape: tuple[int, ...], dim: int) -> int:
+    """Output dim ``j`` of a permutation is its input's ``dims[j]``."""
+    return signed(node._saved_dims[dim]) % len(shape)
+
+
+def _transposed_from(node: Any, shape: tuple[int, ...], dim: int) -> int:
+    a, b = (signed(d) % len(shape) for d in (node._saved_dim0, node._saved_dim1))
+    return b if dim == a else a if dim == b else dim
+
+
+def _picked_from(node: Any, shape: tuple[int, ...], dim: int) -> int:
+    """``unbind(s)`` and ``x.select(s, i)`` drop input dim ``s``: output dim ``d`` is the input's ``d + (s ≤ d)``."""
+    picked = signed(node._saved_dim) % (len(shape) + 1)
+    return dim + 1 if picked <= dim else dim
+
+
+#: Ops that keep every element's row and move the rows' dim: the input dim that holds the output's rows.
+_MOVES = {"PermuteBackward0": _permuted_from, "TransposeBackward0": _transposed_from,
+          "UnbindBackward0": _picked_from, "SelectBackward0": _picked_from}
 
 
 def _edge(node: Any, index: int) -> tuple[Any, int]:

@@ -10,7 +10,7 @@ from torch import nn
 
 from gns_callback.per_example import PerExampleNormTracker
 from gns_callback.per_example.window_rows import example_major_rows
-from tests.trust.models import SwinStyle, unwindowed, windows
+from tests.trust.models import FusedWindowAttention, SwinStyle, WindowAttention, unwindowed, windows
 
 B = 3
 
@@ -30,6 +30,22 @@ def _attention(rows: torch.Tensor, linear: nn.Linear, bias: nn.Parameter, extra=
     return (scores.softmax(-1) @ q).transpose(1, 2).reshape(n, t, c)
 
 
+def _fused_attention(rows: torch.Tensor, bias: nn.Parameter, pick: str = "unbind") -> torch.Tensor:
+    """timm's attention: one Linear for q, k and v, ``reshape(n, t, 3, H, D).permute(2, 0, 3, 1, 4)``, then the
+    three picked along dim 0 (``unbind(0)``, or ``qkv[0], qkv[1], qkv[2]`` as older timm)."""
+    n, t, c = rows.shape
+    qkv = nn.Linear(c, 3 * c)(rows).reshape(n, t, 3, 2, c // 2).permute(2, 0, 3, 1, 4)
+    q, k, v = qkv.unbind(0) if pick == "unbind" else (qkv[0], qkv[1], qkv[2])
+    scores = (q * 0.5) @ k.transpose(-2, -1) + bias.unsqueeze(0)
+    return (scores.softmax(-1) @ v).transpose(1, 2).reshape(n, t, c)
+
+
+def _heads_first(rows: torch.Tensor) -> torch.Tensor:
+    """Heads stacked ahead of the rows: row ``h·n + r``, not example-major."""
+    n, t, c = rows.shape
+    return rows.view(n, t, 2, c // 2).permute(2, 0, 1, 3).reshape(2 * n, t, c // 2)
+
+
 def _window_major(h: torch.Tensor) -> torch.Tensor:
     """The windows of every example stacked window by window: row ``w·B + b``."""
     rows = windows(h, 2)
@@ -43,7 +59,12 @@ CASES = {
     "attention output, with a bias parameter": (lambda h, lin, bias: _attention(windows(h, 2), lin, bias), True),
     "attention output, with a constant mask": (
         lambda h, lin, bias: _attention(windows(h, 2), lin, bias, torch.zeros(1, 1, 4, 4)), True),
+    "attention output, q, k, v of one Linear unbound (timm)": (
+        lambda h, lin, bias: _fused_attention(windows(h, 2), bias), True),
+    "attention output, q, k, v of one Linear indexed (older timm)": (
+        lambda h, lin, bias: _fused_attention(windows(h, 2), bias, pick="index"), True),
     "windows stacked window by window": (lambda h, lin, bias: _window_major(h), False),
+    "heads stacked ahead of the rows": (lambda h, lin, bias: _heads_first(windows(h, 2)), False),
     "a mean over the batch added to every row": (
         lambda h, lin, bias: windows(h, 2) + windows(h, 2).mean(0, keepdim=True), False),
     "attention output with the batch's mean scores added": (
@@ -61,10 +82,22 @@ def test_which_rows_are_proven_example_major(name):
     assert example_major_rows(rows.grad_fn, tuple(rows.shape), B) is expected
 
 
-def test_a_swin_style_model_is_measured_whole(reference_sq_norms):
+def test_windows_stacked_window_by_window_are_refused_when_there_are_as_many_windows_as_examples():
+    """With ``nW = B`` the tensor ``(nW, B, T, C)`` before the stacking has ``B`` rows at dim 0: moved there by the
+    transpose from dim 1, which holds the windows; before, it was taken for the examples."""
+    maps = nn.Linear(2, 6)(torch.randn(4, 4, 4, 2))  # 4 examples, 4 windows of 2×2 each
+    rows = windows(maps, 2)
+    window_major = rows.view(4, 4, 4, 6).transpose(0, 1).reshape(16, 4, 6)
+    assert example_major_rows(rows.grad_fn, tuple(rows.shape), 4)
+    assert not example_major_rows(window_major.grad_fn, tuple(window_major.shape), 4)
+
+
+@pytest.mark.parametrize("attention", [WindowAttention, FusedWindowAttention])
+def test_a_swin_style_model_is_measured_whole(reference_sq_norms, attention):
     """Both the Linear and LayerNorm layers on the windows and the relative bias added to their scores (a bare
-    parameter, read from its first pass on): every example's squared norm, against ``torch.func``."""
-    model, x = SwinStyle(), torch.rand(5, 64)
+    parameter, read from its first pass on): every example's squared norm, against ``torch.func``; with separate
+    q, k, v layers, and with timm's fused one (before, its output layer's input was refused)."""
+    model, x = SwinStyle(attention=attention), torch.rand(5, 64)
     weights = torch.randn(5, 10)
     with PerExampleNormTracker(model) as tracker:
         tracker.expected_batch_size = 5

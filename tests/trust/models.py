@@ -651,16 +651,35 @@ class WindowAttention(nn.Module):
         return self.out(out)
 
 
+class FusedWindowAttention(WindowAttention):
+    """:class:`WindowAttention` in timm's layout: one Linear for q, k and v, ``reshape(n, t, 3, H, D).permute(2, 0,
+    3, 1, 4).unbind(0)``, which moves the rows to dim 1 and picks along dim 0."""
+
+    def __init__(self, width: int, heads: int, tokens: int) -> None:
+        super().__init__(width, heads, tokens)
+        del self.q, self.k, self.v
+        self.qkv = nn.Linear(width, 3 * width)
+
+    def forward(self, rows: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        n, t, c = rows.shape
+        qkv = self.qkv(self.norm(rows)).reshape(n, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        scores = (q * (c // self.heads) ** -0.5) @ k.transpose(-2, -1) + self.bias.unsqueeze(0)
+        if mask is not None:
+            scores = scores + mask
+        return self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(n, t, c))
+
+
 class SwinStyle(nn.Module):
     """Swin on the digits' 8×8 pixels: a 1×1 convolution into 8 channels, then two blocks of attention within 2×2
     windows (the second on the map rolled by one pixel, with a constant mask), each added back, mean-pooled into a
     head. Its attention layers see the windows as rows, ``(B·16, 4, 8)``, with no batch of B in any dim."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, attention: type[WindowAttention] = WindowAttention) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.stem, self.head = nn.Conv2d(1, 8, 1), nn.Linear(8, 10)
-        self.blocks = nn.ModuleList([WindowAttention(8, 2, 4), WindowAttention(8, 2, 4)])
+        self.blocks = nn.ModuleList([attention(8, 2, 4), attention(8, 2, 4)])
         self.register_buffer("mask", torch.where(torch.rand(16, 1, 4, 4) < 0.2, -1e4, 0.0))
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
