@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.sketch_accuracy import digits  # noqa: E402
 from gns_callback import GradientNoiseScaleCallback  # noqa: E402
 from gns_callback.exact import exact_noise_scale, per_example_gradients  # noqa: E402
-from tests.trust.models import FusedWindowAttention, SwinStyle  # noqa: E402
+from tests.trust.models import FusedWindowAttention, KernelWindowAttention, SwinStyle  # noqa: E402
 
 
 class LstmNet(nn.Module):
@@ -395,6 +395,8 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], bool]] = {  # name → (model, 
     "Swin-style windows as rows (q, k, v layers)": (SwinStyle, False),
     "Swin-style windows as rows (timm's fused qkv, permute(2, 0, 3, 1, 4).unbind(0))": (
         partial(SwinStyle, attention=FusedWindowAttention), False),
+    "Swin-style windows as rows (timm's fused qkv, scaled_dot_product_attention's kernel)": (
+        partial(SwinStyle, attention=KernelWindowAttention), False),
 }
 
 

@@ -12,7 +12,8 @@ That is proven, not assumed, by walking back through the autograd graph from the
 * a view or reshape (the same row-major order);
 * an op that maps each index of dim 0 to the same index and leaves that dim alone: a copy, an elementwise activation,
   dropout, a softmax or layer norm over later dims, a transpose or permutation of later dims, an expand of later dims,
-  a Linear (``addmm``, ``mm`` by a parameter), a batched matrix product (``bmm``, both factors walked);
+  a Linear (``addmm``, ``mm`` by a parameter), a batched matrix product (``bmm``, both factors walked), a fused
+  ``scaled_dot_product_attention`` (``q``, ``k`` and ``v`` walked);
 * a sum or product with a tensor of the same rows (walked too), a constant, or a parameter broadcast over the rows
   (a relative-position bias: the parameter's slices, lookups and views alone).
 
@@ -50,6 +51,11 @@ _BINARY = frozenset({"AddBackward0", "SubBackward0", "MulBackward0", "DivBackwar
 #: Ops a broadcast parameter may pass through (its slices, lookups, reshapes, transposes, copies, casts and
 #: expands: :mod:`.param_path`'s steps).
 _PARAMETER_STEPS = frozenset({*RESHAPES, *SLICES, *LOOKUPS, *TRANSPOSES, *CASTS, "ExpandBackward0"})
+
+#: ``F.scaled_dot_product_attention``'s fused kernels: inputs ``q, k, v`` (then an attention bias, where it takes
+#: one), batched over every dim but the last two. (Its math fallback is the ops above.)
+_ATTENTION = frozenset({"ScaledDotProductFlashAttentionForCpuBackward0", "ScaledDotProductFlashAttentionBackward0",
+                        "ScaledDotProductEfficientAttentionBackward0", "ScaledDotProductCudnnAttentionBackward0"})
 
 #: Nodes visited at most per layer call (a Swin block's attention output takes about 40).
 _BUDGET = 200
@@ -105,6 +111,8 @@ class _Walk:
             return _ROWS_KEPT.get(kind, _always)(node, shape, dim) and self._input(node, 0, dim)
         if kind in _BINARY:
             return all(self._operand(node, index, shape, dim) for index in range(len(node.next_functions)))
+        if kind in _ATTENTION:
+            return self._attention(node, shape, dim)
         if dim != 0:
             return False
         if kind == "AddmmBackward0":
@@ -114,6 +122,12 @@ class _Walk:
         if kind == "BmmBackward0":
             return self._input(node, 0) and self._input(node, 1)
         return False
+
+    def _attention(self, node: Any, shape: tuple[int, ...], dim: int) -> bool:
+        """A fused attention: the rows at a batch dim of ``q``, ``k`` and ``v`` alike; a bias, like an operand."""
+        inputs = range(len(node.next_functions))
+        return (dim < len(shape) - 2 and all(self._input(node, index, dim) for index in inputs[:3])
+                and all(self._operand(node, index, shape, dim) for index in inputs[3:]))
 
     def _through_view(self, node: Any, shape: tuple[int, ...], dim: int) -> bool:
         """A view keeps the row-major order: rows at dim 0 stay example-major blocks; rows at a later dim stay where

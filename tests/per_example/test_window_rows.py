@@ -10,7 +10,8 @@ from torch import nn
 
 from gns_callback.per_example import PerExampleNormTracker
 from gns_callback.per_example.window_rows import example_major_rows
-from tests.trust.models import FusedWindowAttention, SwinStyle, WindowAttention, unwindowed, windows
+from tests.trust.models import (FusedWindowAttention, KernelWindowAttention, SwinStyle, WindowAttention, unwindowed,
+                               windows)
 
 B = 3
 
@@ -40,6 +41,13 @@ def _fused_attention(rows: torch.Tensor, bias: nn.Parameter, pick: str = "unbind
     return (scores.softmax(-1) @ v).transpose(1, 2).reshape(n, t, c)
 
 
+def _fused_kernel_attention(rows: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """q, k, v as in timm, attention by ``F.scaled_dot_product_attention`` (timm's ``fused_attn``)."""
+    n, t, c = rows.shape
+    q, k, v = linear(rows).reshape(n, t, 3, 2, c // 6).permute(2, 0, 3, 1, 4).unbind(0)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n, t, c // 3)
+
+
 def _heads_first(rows: torch.Tensor) -> torch.Tensor:
     """Heads stacked ahead of the rows: row ``h·n + r``, not example-major."""
     n, t, c = rows.shape
@@ -63,6 +71,8 @@ CASES = {
         lambda h, lin, bias: _fused_attention(windows(h, 2), bias), True),
     "attention output, q, k, v of one Linear indexed (older timm)": (
         lambda h, lin, bias: _fused_attention(windows(h, 2), bias, pick="index"), True),
+    "attention output of scaled_dot_product_attention (timm's fused_attn)": (
+        lambda h, lin, bias: _fused_kernel_attention(windows(h, 2), lin), True),
     "windows stacked window by window": (lambda h, lin, bias: _window_major(h), False),
     "heads stacked ahead of the rows": (lambda h, lin, bias: _heads_first(windows(h, 2)), False),
     "a mean over the batch added to every row": (
@@ -92,11 +102,12 @@ def test_windows_stacked_window_by_window_are_refused_when_there_are_as_many_win
     assert not example_major_rows(window_major.grad_fn, tuple(window_major.shape), 4)
 
 
-@pytest.mark.parametrize("attention", [WindowAttention, FusedWindowAttention])
+@pytest.mark.parametrize("attention", [WindowAttention, FusedWindowAttention, KernelWindowAttention])
 def test_a_swin_style_model_is_measured_whole(reference_sq_norms, attention):
     """Both the Linear and LayerNorm layers on the windows and the relative bias added to their scores (a bare
     parameter, read from its first pass on): every example's squared norm, against ``torch.func``; with separate
-    q, k, v layers, and with timm's fused one (before, its output layer's input was refused)."""
+    q, k, v layers, and with timm's fused one, by hand or through ``scaled_dot_product_attention``'s kernel (before,
+    its output layer's input was refused)."""
     model, x = SwinStyle(attention=attention), torch.rand(5, 64)
     weights = torch.randn(5, 10)
     with PerExampleNormTracker(model) as tracker:

@@ -670,6 +670,21 @@ class FusedWindowAttention(WindowAttention):
         return self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(n, t, c))
 
 
+class KernelWindowAttention(FusedWindowAttention):
+    """:class:`FusedWindowAttention` through ``F.scaled_dot_product_attention`` (timm's ``fused_attn``), with no
+    relative bias, so that the CPU runs its fused kernel rather than the math fallback."""
+
+    def __init__(self, width: int, heads: int, tokens: int) -> None:
+        super().__init__(width, heads, tokens)
+        del self.bias
+
+    def forward(self, rows: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        n, t, c = rows.shape
+        qkv = self.qkv(self.norm(rows)).reshape(n, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(*qkv.unbind(0), attn_mask=mask)  # a constant mask: still the kernel
+        return self.out(out.transpose(1, 2).reshape(n, t, c))
+
+
 class SwinStyle(nn.Module):
     """Swin on the digits' 8×8 pixels: a 1×1 convolution into 8 channels, then two blocks of attention within 2×2
     windows (the second on the map rolled by one pixel, with a constant mask), each added back, mean-pooled into a
