@@ -82,12 +82,13 @@ def excess_kurtosis(sums: Sequence[float], r: float) -> float:
     if len(sums) < len(SUM_FIELDS) or not math.isfinite(r):
         return math.nan
     w, _, _, _, sxx, syy, sxy, *fourth = (float(v) for v in sums)
-    terms = [c * r**k * s for k, (c, s) in enumerate(zip((1.0, -4.0, 6.0, -4.0, 1.0), fourth))]
+    powers = [1.0, r, r * r, r * r * r, r * r * r * r]  # products, not r**k: they overflow to inf, never raise
+    terms = [c * p * s for c, p, s in zip((1.0, -4.0, 6.0, -4.0, 1.0), powers, fourth)]
     m4, m2 = sum(terms) / w, (sxx - 2.0 * r * sxy + r * r * syy) / w
-    size = sum(abs(term) for term in terms) / w
-    if not (math.isfinite(size) and m2 > 0.0 and m4 > _CANCELLATION * size):
+    size, square = sum(abs(term) for term in terms) / w, m2 * m2
+    if not (math.isfinite(size) and square > 0.0 and m4 > _CANCELLATION * size):
         return math.nan
-    return m4 / (m2 * m2) - 3.0
+    return m4 / square - 3.0
 
 
 def moment_columns(x: Any, y: Any, one: Any) -> list[Any]:

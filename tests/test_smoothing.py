@@ -110,3 +110,13 @@ def test_a_state_saved_before_the_fourth_moments_resumes_with_the_interval_it_ha
     _feed(resumed, [(3.0, 2.0)])
     assert torch.isnan(resumed.sums[SECOND_ORDER_FIELDS:]).all()
     assert resumed.summary() == summarize_ratio(resumed.sums[:SECOND_ORDER_FIELDS].tolist())
+
+
+def test_a_ratio_too_large_for_its_fourth_power_reads_without_raising():
+    """|G|² resolved at 1e-300 against tr Σ near 1: R̂⁴ overflows. Before, ``R̂**4`` raised OverflowError at read
+    time (in a fit: inside the callback's logging); now the kurtosis is unknown and the interval is Student-t's."""
+    acc = RatioAccumulator(1.0)
+    _feed(acc, [(1.0, 1e-300), (2.0, 2e-300), (1.5, 2.9e-300)])
+    summary = acc.summary()
+    assert summary.ratio > 1e299 and summary == summarize_ratio(acc.sums[:SECOND_ORDER_FIELDS].tolist())
+
