@@ -40,9 +40,7 @@ def kurtosis_dof(n: float, excess_kurtosis: float) -> float:
     ``ν = 1/(1/(n − 1) + κ/(2n))`` (Satterthwaite 1946's matching). ``κ ≤ 0`` or unknown (``nan``) keeps
     ``n − 1``: tails lighter than normal are not used to narrow the interval.
     """
-    if not n > 1.0:
-        return n - 1.0
-    if not excess_kurtosis > 0.0:
+    if not (n > 1.0 and excess_kurtosis > 0.0):
         return n - 1.0
     return 1.0 / (1.0 / (n - 1.0) + excess_kurtosis / (2.0 * n))
 

@@ -85,26 +85,26 @@ class _Walk:
         self.left -= 1
         if self.left < 0:
             return False
-        found = self._at_examples(node, shape, dim) if shape[dim] == self.examples else self._step(node, shape, dim)
+        kind = type(node).__name__
+        if kind in _MOVES:  # the rows' dim followed to where the op took it from, whatever its size
+            found = self._input(node, 0, _MOVES[kind](node, shape, dim))
+        elif shape[dim] == self.examples:
+            found = self._at_examples(node, kind, dim)
+        else:
+            found = self._step(node, kind, shape, dim)
         if found:
             self.proven.add(key)
         return found
 
-    def _at_examples(self, node: Any, shape: tuple[int, ...], dim: int) -> bool:
+    def _at_examples(self, node: Any, kind: str, dim: int) -> bool:
         """A dim of ``B``: the examples where it is dim 0 of a tensor the model made there, not a parameter. Where an
-        op moved it there from another dim (windows stacked window by window, ``nW = B``), that dim is followed, also
-        through copies and elementwise ops on the way."""
-        kind = type(node).__name__
-        if kind in _MOVES:
-            return self._input(node, 0, _MOVES[kind](node, shape, dim))
+        op moved it there from another dim (windows stacked window by window, ``nW = B``), :meth:`proves` follows
+        that dim, also through the copies and elementwise ops followed here."""
         if kind in _SAME_ROWS:
             return self._input(node, 0, dim)
         return dim == 0 and not hasattr(node, "variable")
 
-    def _step(self, node: Any, shape: tuple[int, ...], dim: int) -> bool:
-        kind = type(node).__name__
-        if kind in _MOVES:
-            return self._input(node, 0, _MOVES[kind](node, shape, dim))
+    def _step(self, node: Any, kind: str, shape: tuple[int, ...], dim: int) -> bool:
         if kind in VIEWS:
             return self._through_view(node, shape, dim)
         if kind in _SAME_ROWS or kind in _ROWS_KEPT:
@@ -143,7 +143,7 @@ class _Walk:
     def _input(self, node: Any, index: int, dim: int = 0) -> bool:
         edge = _edge(node, index)
         source = _shape(edge)
-        return source is not None and dim >= 0 and self.proves(edge[0], source, dim)
+        return source is not None and self.proves(edge[0], source, dim)
 
     def _operand(self, node: Any, index: int, shape: tuple[int, ...], dim: int) -> bool:
         """An operand of an elementwise op: a constant, a parameter broadcast over the rows, or rows of its own."""
