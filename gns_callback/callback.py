@@ -41,7 +41,7 @@ from gns_callback.recommendation.calibration import CALIBRATED, uncalibrated_rea
 from gns_callback.recommendation.objective import BALANCED, OBJECTIVES
 from gns_callback.recommendation.rules import LR_RULES
 from gns_callback.report import DEFAULT_REPORT_NAME, write_report
-from gns_callback.sampling import population_of
+from gns_callback.sampling import draws_may_vary, population_of
 
 STATE_VERSION = 2
 
@@ -112,6 +112,11 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             and the DataLoader reads it in order (``shuffle=False``): measure its batches as random draws. Left
             ``False``, a training DataLoader that does not shuffle is refused at fit start: its batches are the same
             every epoch, not random draws (:mod:`gns_callback.sampling`).
+        draws_vary: whether an example's gradient differs from one draw to the next (data augmentation as the data
+            set loads it, a collate function of one's own, dropout). On shuffled epochs the estimate's correction
+            for draws without replacement then may read ``B_simple`` low, by up to ``B_simple/N``, so the intervals'
+            upper ends make room for it. ``None``: False only for a ``TensorDataset`` batched by torch's collate
+            function under a model without dropout modules (:func:`gns_callback.sampling.draws_may_vary`).
 
     After fit: ``estimate`` (recent) and ``run_estimate`` (run average) are :class:`GNSEstimate` objects,
     ``probe`` the probe result (or None) and ``recommendation`` the recommendation (or None); with
@@ -151,6 +156,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         max_devices: Optional[int] = None,
         measure_every_n_steps: int = 1,
         data_in_random_order: bool = False,
+        draws_vary: Optional[bool] = None,
     ) -> None:
         _check_arguments({name: value for name, value in locals().items() if name != "self"})
         self.method = method
@@ -163,6 +169,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         self.per_example_max_examples = per_example_max_examples
         self.measure_every_n_steps = measure_every_n_steps
         self.data_in_random_order = data_in_random_order
+        self.draws_vary = draws_vary
         self.probe_enabled = probe
         self.memory_budget_bytes = None if memory_budget_bytes is None else int(memory_budget_bytes)
         self.headroom = headroom
@@ -201,6 +208,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         self._started = False  # the first training batch has been seen (or a checkpoint restored past it)
         self._micro_batch_size: Optional[int] = None  # the first training batch's size (per device; None: unknown)
         self._base_lr: Optional[float] = None
+        self._draws_vary_reason: Optional[str] = None  # why an example's gradient may vary between draws
         self._fit_report_path: Optional[str] = None
         self._adapter = Adapter(self.adapt_factor, self.adapt_patience) if self.adapt else None
         self.sharpness_monitor = (SharpnessMonitor(lr_rule=self.recommend_options["lr_rule"])
@@ -351,7 +359,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         meter.load_state_dict(self._restored)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        self._read_sampling(trainer)  # on a resumed fit too: the sampler is not part of the checkpoint
+        self._read_sampling(trainer, pl_module)  # on a resumed fit too: the sampler is not part of the checkpoint
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self._detach()
@@ -405,16 +413,17 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         mode): ``micro_batch`` where the run allows it, else refused, before the first step."""
         if self.meter.method != "per_example" or per_example_problem(pl_module, batch_norm=True)[0] is None:
             return
-        population = self.meter.population
+        population, draws_vary = self.meter.population, self.meter.draws_vary
         self.meter.detach()
         self.meter = self._build_meter(trainer, pl_module, batch_norm=True)
-        self.meter.population = population
+        self.meter.population, self.meter.draws_vary = population, draws_vary
         self.meter.attach()
         self.meter.expect_batch_size(self._batch_size)
 
-    def _read_sampling(self, trainer: Any) -> None:
-        """The examples each epoch's batches are drawn from without replacement, corrected for
-        (:mod:`gns_callback.sampling`). Batches not drawn at random at all are refused, before the first step."""
+    def _read_sampling(self, trainer: Any, pl_module: Any) -> None:
+        """The examples each epoch's batches are drawn from without replacement, corrected for, and whether their
+        draws may vary (:mod:`gns_callback.sampling`). Batches not drawn at random at all are refused, before the
+        first step."""
         population, problem = population_of(facts.train_sampler(trainer), trainer.world_size,
                                             in_random_order=self.data_in_random_order)
         if problem is not None:
@@ -424,6 +433,11 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
                 "be read in order, GradientNoiseScaleCallback(data_in_random_order=True)."
             )
         self.meter.population = population
+        if self.draws_vary is None:
+            self._draws_vary_reason = draws_may_vary(getattr(trainer, "train_dataloader", None), pl_module)
+            self.meter.draws_vary = self._draws_vary_reason is not None
+        else:
+            self._draws_vary_reason, self.meter.draws_vary = f"draws_vary={self.draws_vary} given", self.draws_vary
 
     def _say_size_unknown(self, trainer: Any) -> None:
         if self._probe_wanted(trainer) or self.recommend_enabled:
@@ -553,7 +567,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             dataset_size=facts.dataset_size(trainer),
             steps_per_epoch=facts.steps_per_epoch(trainer),
             coverage=coverage.get("fraction", 1.0),
-            left_out_share=coverage.get("left_out_gradient_share", 0.0),
+            left_out_share=coverage.get("left_out_gradient_share") or 0.0,
             **self.recommend_options,
         )
 
@@ -681,6 +695,8 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
                 "dataset_size": facts.dataset_size(trainer),
                 "steps_per_epoch": facts.steps_per_epoch(trainer),
                 "drawn_without_replacement_from": self.meter.population,
+                "draws_vary": self.meter.draws_vary,
+                "draws_vary_reason": self._draws_vary_reason,
             },
         }
 

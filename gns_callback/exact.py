@@ -32,13 +32,21 @@ def per_example_gradients(model: torch.nn.Module, loss_fn, x: torch.Tensor, y: t
 
 
 def _looped_gradients(model: torch.nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """:func:`per_example_gradients` by one backward pass per example."""
+    """:func:`per_example_gradients` by one backward pass per example (a sparse gradient, of
+    ``nn.Embedding(sparse=True)``, made dense)."""
     params = [v for v in model.parameters() if v.requires_grad]
     rows = []
     for xi, yi in zip(x, y):
         grads = torch.autograd.grad(loss_fn(model(xi.unsqueeze(0)), yi.unsqueeze(0)), params, allow_unused=True)
-        rows.append(torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, grads)]))
+        rows.append(torch.cat([_dense(p, g).reshape(-1) for p, g in zip(params, grads)]))
     return torch.stack(rows).double()
+
+
+def _dense(param: torch.Tensor, grad) -> torch.Tensor:
+    """``grad`` of ``param`` as a dense tensor (zeros where the parameter was not used)."""
+    if grad is None:
+        return torch.zeros_like(param)
+    return grad.to_dense() if grad.is_sparse else grad
 
 
 def exact_noise_scale(per_example: torch.Tensor) -> tuple[float, float, float]:

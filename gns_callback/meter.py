@@ -50,7 +50,7 @@ from gns_callback.per_example.tracker import MICRO_BATCH_HINT
 from gns_callback.per_example.sketch import reseed_probes
 from gns_callback.per_example.sum_check import SumCheck
 from gns_callback.probe.state import preserved_state
-from gns_callback.sampling import population_from, without_replacement
+from gns_callback.sampling import draws_may_vary, population_from, varying_draws_high, without_replacement
 from gns_callback.scalar_ops import host_errors_ignored
 from gns_callback.smoothing import RatioAccumulator, RatioSummary, step_values, summarize_ratio
 from gns_callback.tracking import LocalLinearRatio
@@ -92,6 +92,9 @@ ARGUMENTS: dict[str, args.Rule] = {
                                           "an int ≥ 2, e.g. 16, or None to measure every example of each batch"),
     "measure_every_n_steps": args.Rule(args.int_at_least(1),
                                        "an int ≥ 1, e.g. 1 to measure every optimizer step or 4 for one in four"),
+    "draws_vary": args.Rule(args.optional(args.is_bool),
+                            "None (told from the data set and the model), True where an example's gradient differs "
+                            "from one draw to the next (data augmentation, dropout), or False where it never does"),
 }
 _METHOD = args.Rule(args.one_of(*MEASURING_METHODS), "one of 'per_example', 'micro_batch', e.g. 'per_example'")
 _FALLBACK = args.Rule(args.one_of(None, *MEASURING_METHODS), "None or 'micro_batch'")
@@ -138,6 +141,11 @@ class GradientNoiseScaleMeter:
             it: the estimates then correct for it (:mod:`gns_callback.sampling`; left out, ``B_simple`` reads high by
             about ``B_simple/N``). None: batches drawn with replacement, or from a stream. The Lightning callback
             reads it off the training sampler.
+        draws_vary: with ``population``, whether an example's gradient differs from one draw to the next (data
+            augmentation as the data set loads it, dropout): the correction then may read ``B_simple`` low, by up to
+            ``B_simple/N``, and the intervals' upper ends make room for it (:func:`~gns_callback.sampling.
+            varying_draws_high`). None: True unless ``population`` is a DataLoader over a ``TensorDataset`` and the
+            model has no dropout module (:func:`~gns_callback.sampling.draws_may_vary`).
         measure_every_n_steps: measure one optimizer step in ``n`` (the first, then every ``n``-th): the hooks do
             nothing on the others, so the meter's cost per step falls about ``n``-fold, and the run average's
             standard error at a given number of optimizer steps grows about ``√n``-fold, more in short runs
@@ -171,11 +179,12 @@ class GradientNoiseScaleMeter:
         fallback_method: Optional[str] = None,
         measure_every_n_steps: int = 1,
         population: Optional[int] = None,
+        draws_vary: Optional[bool] = None,
     ) -> None:
         args.check_arguments("GradientNoiseScaleMeter", {
             "method": method, "ema_decay": ema_decay, "confidence": confidence, "loss_reduction": loss_reduction,
             "per_example_max_examples": per_example_max_examples, "fallback_method": fallback_method,
-            "measure_every_n_steps": measure_every_n_steps, "population": population,
+            "measure_every_n_steps": measure_every_n_steps, "population": population, "draws_vary": draws_vary,
         }, {**ARGUMENTS, "method": _METHOD, "fallback_method": _FALLBACK, "population": _POPULATION})
         self.model = model
         self.method = method
@@ -188,6 +197,8 @@ class GradientNoiseScaleMeter:
         self.reduce = reduce
         self.measure_every_n_steps = int(measure_every_n_steps)
         self.population = population_from(population)  # examples each epoch's batches are drawn from
+        #: Whether an example's gradient may differ between draws (see ``draws_vary``): widens the upper ends.
+        self.draws_vary = draws_may_vary(population, model) is not None if draws_vary is None else draws_vary
         self.collector: Collector = COLLECTORS[method](model, max_examples=per_example_max_examples)
         self._watch = GradientWatch([])  # the measured parameters, once attached
         self._stale: Optional[StaleGradients] = None  # the first steps' check for gradients left from before
@@ -730,7 +741,14 @@ class GradientNoiseScaleMeter:
         )
         if self.failure is not None:
             return estimate.not_measured(self.failure)
+        if estimate.measured:
+            estimate = dataclasses.replace(estimate, ci_high=self._upper_end(estimate.ci_high))
         return self.left_out.widened(estimate, self.population)
+
+    def _upper_end(self, high: float) -> float:
+        """An interval's upper end, made to hold a ``B_simple`` whose noise is drawn afresh at each draw of an
+        example where :attr:`draws_vary` (:func:`~gns_callback.sampling.varying_draws_high`)."""
+        return varying_draws_high(high, self.population) if self.draws_vary else high
 
     @property
     def critical_batch(self) -> CriticalBatchEstimate:
@@ -745,7 +763,7 @@ class GradientNoiseScaleMeter:
                                        method=f"not measured ({self.failure})")
         # The parameters left out, with the run's share: the critical batch's blocks are the run's steps, weighted
         # by the loss windows it draws, so this is the run average's bound applied to them (gns_callback/left_out.py).
-        low, high = self.left_out.interval(estimate.ci_low, estimate.ci_high, self.population)
+        low, high = self.left_out.interval(estimate.ci_low, self._upper_end(estimate.ci_high), self.population)
         early_low = self.left_out.interval(estimate.early_noise_scale_low, math.inf, self.population)[0]
         return dataclasses.replace(estimate, ci_low=low, ci_high=high, early_noise_scale_low=early_low)
 
@@ -753,8 +771,10 @@ class GradientNoiseScaleMeter:
     def coverage(self) -> dict[str, Any]:
         """Measured vs trainable parameter counts, why the rest is left out, and the left-out parameters' share of
         the step gradient's squared norm against the measured ones' over the run (``r`` of
-        :mod:`gns_callback.left_out`: the estimates' intervals make room for it)."""
-        return {**self.collector.coverage().to_dict(), "left_out_gradient_share": self.left_out.share()}
+        :mod:`gns_callback.left_out`: the estimates' intervals make room for it). That share is None below
+        ``MIN_COVERAGE``, where it is not read: the estimate is then the covered parameters' own."""
+        share = self.left_out.share() if self._widens_for_left_out else None
+        return {**self.collector.coverage().to_dict(), "left_out_gradient_share": share}
 
 
 def _host_loss(loss: Union[torch.Tensor, float, None]) -> float:

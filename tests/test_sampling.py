@@ -1,15 +1,19 @@
 """Batches drawn without replacement (:mod:`gns_callback.sampling`): the correction makes the estimates exactly
-unbiased, checked over every batch a small population allows; and which torch samplers draw that way."""
+unbiased, checked over every batch a small population allows; which torch samplers draw that way; and where an
+example's draws may vary, the interval's upper end that also holds noise drawn afresh."""
 
 import itertools
+import math
 
 import pytest
 import torch
-from torch.utils.data import (DistributedSampler, RandomSampler, SequentialSampler, SubsetRandomSampler,
-                              WeightedRandomSampler)
+from torch import nn
+from torch.utils.data import (DataLoader, DistributedSampler, RandomSampler, SequentialSampler, Subset,
+                              SubsetRandomSampler, TensorDataset, WeightedRandomSampler)
 
 from gns_callback.estimators import grad_sq_norm_estimate, trace_sigma_estimate
-from gns_callback.sampling import NOT_SHUFFLED, population_of, without_replacement
+from gns_callback.sampling import (NOT_SHUFFLED, draws_may_vary, population_of, varying_draws_high,
+                                   without_replacement)
 
 N = 8
 
@@ -73,3 +77,40 @@ def test_the_meter_reads_the_population_off_a_loader():
     assert GradientNoiseScaleMeter(model, population=DataLoader(data, batch_size=None)).population is None
     with pytest.raises(ValueError, match="population"):
         GradientNoiseScaleMeter(model, population="30")
+
+
+def test_the_varying_draws_upper_end_is_the_uncorrected_ratio():
+    """``x/y`` from the corrected ratio ``x(N − 1)/(N·y + x)``, for any pair; infinite once the corrected ratio
+    reaches ``N − 1``; unchanged without a population."""
+    population = 178
+    for x, y in [(3.0, 0.05), (0.7, 0.2), (12.0, 0.01)]:
+        trace, grad_sq = without_replacement(x, y, population)
+        assert varying_draws_high(trace / grad_sq, population) == pytest.approx(x / y, rel=1e-12)
+    assert varying_draws_high(177.0, population) == math.inf
+    assert varying_draws_high(math.inf, population) == math.inf
+    assert varying_draws_high(40.0, None) == 40.0
+
+
+class Jittered(torch.utils.data.Dataset):
+    def __init__(self, x):
+        self.x = x
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i] + torch.randn_like(self.x[i])
+
+
+def test_draws_shown_fixed_only_for_tensors_batched_as_they_are_under_a_model_without_dropout():
+    x = torch.randn(10, 3)
+    tensors = TensorDataset(x, torch.zeros(10))
+    mlp = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    assert draws_may_vary(DataLoader(tensors, batch_size=2, shuffle=True), mlp) is None
+    assert draws_may_vary(DataLoader(Subset(tensors, range(6)), batch_size=2, shuffle=True), mlp) is None
+    assert "Jittered" in draws_may_vary(DataLoader(Jittered(x), batch_size=2, shuffle=True), mlp)
+    assert "collate" in draws_may_vary(DataLoader(tensors, batch_size=2, collate_fn=lambda rows: rows), mlp)
+    assert "can't be seen" in draws_may_vary(None, mlp)
+    assert "'1'" in draws_may_vary(DataLoader(tensors), nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.1)))
+    assert draws_may_vary(DataLoader(tensors), nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.0))) is None
+    assert "'attn'" in draws_may_vary(DataLoader(tensors), nn.ModuleDict({"attn": nn.MultiheadAttention(4, 2, 0.1)}))

@@ -37,6 +37,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from gns_callback.curvature import hessian_vector_product_fn, lanczos_top_eigenvalue
 from gns_callback.probe.lightning import lightning_step, module_internals, silenced_logging
@@ -131,7 +132,9 @@ class SharpnessMonitor:
     def _measure(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int, quiet: Quiet) -> tuple[float, str]:
         step = lightning_step(pl_module, None, batch_idx)  # no autocast: the double backward in full precision
         params = [p for p in pl_module.parameters() if p.requires_grad]
+        # Attention by the math kernel: the fused ones (flash, memory-efficient) have no double backward.
         with quiet(), silenced_logging(pl_module), local_batch_norm(pl_module), torch.enable_grad(), \
+                sdpa_kernel(SDPBackend.MATH), \
                 preserved_state(pl_module, list(trainer.optimizers), keep=[trainer], skip=module_internals()):
             hvp = hessian_vector_product_fn(lambda: step(batch), params)
             value = lanczos_top_eigenvalue(hvp, _random_start(params, trainer.global_step),

@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torchmetrics
 from torch.func import functional_call
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from gns_callback import GradientNoiseScaleCallback
 from gns_callback.lightning import sharpness as sharpness_module
@@ -267,3 +268,30 @@ def test_bad_settings_name_the_argument(kwargs, match):
 
 def test_default_schedule_is_doublings_from_4_to_1024():
     assert DEFAULT_STEPS == tuple(4 * 2**k for k in range(9))
+
+
+class AttentionNet(Net):
+    """Digits as 8 rows of 8 through ``nn.TransformerEncoderLayer`` (its attention by
+    ``scaled_dot_product_attention``), mean-pooled into a Linear head."""
+
+    def __init__(self):
+        super().__init__(batch_norm=False, dropout=0.0, dtype=torch.float64, lr=0.2)
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Unflatten(1, (8, 8)),
+                                 nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True),
+                                 nn.Flatten(), nn.Linear(64, 10)).double()
+
+
+def test_attention_is_measured_by_the_math_kernel(digits):
+    """The CPU's fused attention kernel has no double backward: before, λ_max of any model with
+    ``nn.MultiheadAttention`` was never measured on the CPU ("derivative for
+    aten::_scaled_dot_product_flash_attention_for_cpu_backward is not implemented")."""
+    module = AttentionNet()
+    monitor = SharpnessMonitor(steps=(0,), max_iterations=200, rtol=1e-10)
+    measure = Measure(monitor)
+    _fit(digits, module, [measure], steps=2)
+    assert monitor.failure is None and [s for s, _ in monitor.measurements] == [0]
+    batch, params = measure.seen[0]
+    with sdpa_kernel(SDPBackend.MATH):
+        exact = _exact_top_eigenvalue(module, params, batch)
+    assert monitor.largest == pytest.approx(exact, rel=1e-6)
