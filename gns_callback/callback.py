@@ -13,6 +13,7 @@ strategy's all-reduce. Where the gradients are read (Lightning 2.x):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import warnings
@@ -32,12 +33,14 @@ from gns_callback.lightning import trainer_facts as facts
 from gns_callback.lightning.adaptation import Adapter
 from gns_callback.lightning.compat import CALLBACK_BASES, misconfiguration
 from gns_callback.lightning.per_example_check import check_first_batch
+from gns_callback.lightning.random_forward import forward_draws_randomness
 from gns_callback.lightning.sharpness import SharpnessMonitor
 from gns_callback.meter import ARGUMENTS as METER_ARGUMENTS
 from gns_callback.meter import GradientNoiseScaleMeter
 from gns_callback.probe import ProbeResult
 from gns_callback.recommendation import Recommendation, recommend
 from gns_callback.recommendation.calibration import CALIBRATED, uncalibrated_reason
+from gns_callback.recommendation.learning_rate import peak_schedule_note
 from gns_callback.recommendation.objective import BALANCED, OBJECTIVES
 from gns_callback.recommendation.rules import LR_RULES
 from gns_callback.report import DEFAULT_REPORT_NAME, write_report
@@ -116,7 +119,9 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             set loads it, a collate function of one's own, dropout). On shuffled epochs the estimate's correction
             for draws without replacement then may read ``B_simple`` low, by up to ``B_simple/N``, so the intervals'
             upper ends make room for it. ``None``: False only for a ``TensorDataset`` batched by torch's collate
-            function under a model without dropout modules (:func:`gns_callback.sampling.draws_may_vary`).
+            function under a model without dropout modules (:func:`gns_callback.sampling.draws_may_vary`) whose
+            ``training_step`` reads the same loss twice on the first batch
+            (:mod:`gns_callback.lightning.random_forward`).
 
     After fit: ``estimate`` (recent) and ``run_estimate`` (run average) are :class:`GNSEstimate` objects,
     ``probe`` the probe result (or None) and ``recommendation`` the recommendation (or None); with
@@ -209,6 +214,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         self._micro_batch_size: Optional[int] = None  # the first training batch's size (per device; None: unknown)
         self._base_lr: Optional[float] = None
         self._draws_vary_reason: Optional[str] = None  # why an example's gradient may vary between draws
+        self._forward_to_check = False  # whether the first batch's training_step is checked for random draws
         self._fit_report_path: Optional[str] = None
         self._adapter = Adapter(self.adapt_factor, self.adapt_patience) if self.adapt else None
         self.sharpness_monitor = (SharpnessMonitor(lr_rule=self.recommend_options["lr_rule"])
@@ -374,6 +380,8 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
     # ------------------------------------------------------------------ per batch and step
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._next_micro_batch(batch_size_of(batch))
+        if self._forward_to_check:
+            self._check_forward(trainer, pl_module, batch, batch_idx)
         if not self._started:
             self._start_measuring(trainer, pl_module, batch, batch_idx)
         elif self.meter.needs_check:
@@ -438,6 +446,17 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             self.meter.draws_vary = self._draws_vary_reason is not None
         else:
             self._draws_vary_reason, self.meter.draws_vary = f"draws_vary={self.draws_vary} given", self.draws_vary
+        # Fixed data and no dropout module: the forward may still draw random numbers by functions of its own.
+        self._forward_to_check = population is not None and not self.meter.draws_vary
+
+    def _check_forward(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        """Whether ``training_step`` draws random numbers (:mod:`gns_callback.lightning.random_forward`), once per
+        fit, with the meter's hooks paused."""
+        self._forward_to_check = False
+        with self.meter.paused():
+            reason = forward_draws_randomness(trainer, pl_module, batch, batch_idx)
+        if reason is not None:
+            self._draws_vary_reason, self.meter.draws_vary = reason, True
 
     def _say_size_unknown(self, trainer: Any) -> None:
         if self._probe_wanted(trainer) or self.recommend_enabled:
@@ -554,10 +573,11 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         accumulate, world = trainer.accumulate_grad_batches, trainer.world_size
         multiplier = self._adapter.lr_multiplier if self._adapter is not None else 1.0
         coverage = self.meter.coverage  # one read: it sums the parameters' sizes
-        return recommend(
+        current_lr = None if self._base_lr is None else self._base_lr * multiplier
+        rec = recommend(
             estimate,
             current_batch_size=self._micro_batch_size * accumulate * world,
-            current_lr=None if self._base_lr is None else self._base_lr * multiplier,
+            current_lr=current_lr,
             optimizer=trainer.optimizers[0],
             num_devices=world,
             current_micro_batch_size=self._micro_batch_size,
@@ -570,6 +590,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             left_out_share=coverage.get("left_out_gradient_share") or 0.0,
             **self.recommend_options,
         )
+        return _with_schedule_note(rec, facts.peak_lr_schedule(trainer), current_lr)
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         if self._adapter is not None and trainer.current_epoch > 0 and self._micro_batch_size is not None:
@@ -641,6 +662,10 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         if fraction < MIN_COVERAGE and est.failure is None:
             facts.say(trainer, f"GradientNoiseScaleCallback: B_simple is that of {fraction:.1%} of the trainable "
                                "parameters (see the report's 'coverage').")
+        if self.meter.population is not None and self.meter.draws_vary and est.failure is None:
+            facts.say(trainer, f"GradientNoiseScaleCallback: the interval's upper end makes room for examples that "
+                               f"vary between draws ({self._draws_vary_reason}) on shuffled epochs of "
+                               f"{self.meter.population} examples; draws_vary=False says they don't.")
         if self.recommendation is not None:
             facts.say(trainer, self.recommendation.summary_table())
         if est.steps and est.failure is None and not math.isfinite(est.ci_high):
@@ -766,6 +791,15 @@ def _check_arguments(values: dict[str, Any]) -> None:
 
 
 _EMPTY_MODEL = torch.nn.Module()  # what a meter reads from before fit (or after a restore, before fit start)
+
+
+def _with_schedule_note(rec: Recommendation, schedule: Optional[tuple[str, list[float]]],
+                        current_lr: Optional[float]) -> Recommendation:
+    """``rec`` with a note on scaling the peaks of a schedule that sets the LR itself (OneCycleLR, CyclicLR)."""
+    if schedule is None or rec.learning_rate is None or not current_lr:
+        return rec
+    note = peak_schedule_note(*schedule, rec.learning_rate / current_lr)
+    return rec if note is None else dataclasses.replace(rec, notes=(*rec.notes, note))
 
 
 def _mean(losses: list[Any]) -> Optional[torch.Tensor]:

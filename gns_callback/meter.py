@@ -145,7 +145,8 @@ class GradientNoiseScaleMeter:
             augmentation as the data set loads it, dropout): the correction then may read ``B_simple`` low, by up to
             ``B_simple/N``, and the intervals' upper ends make room for it (:func:`~gns_callback.sampling.
             varying_draws_high`). None: True unless ``population`` is a DataLoader over a ``TensorDataset`` and the
-            model has no dropout module (:func:`~gns_callback.sampling.draws_may_vary`).
+            model has no dropout module (:func:`~gns_callback.sampling.draws_may_vary`); pass True where the
+            forward draws random numbers by functions of its own (``F.dropout``, stochastic depth).
         measure_every_n_steps: measure one optimizer step in ``n`` (the first, then every ``n``-th): the hooks do
             nothing on the others, so the meter's cost per step falls about ``n``-fold, and the run average's
             standard error at a given number of optimizer steps grows about ``√n``-fold, more in short runs

@@ -134,3 +134,24 @@ def test_report_says_how_far_the_critical_batch_is_calibrated_for_the_optimizer(
         trainer.fit(Classifier(mlp(), lr=0.01, optimizer=optimizer),
                     with_replacement_loader(*digits, batch_size=16, num_samples=16 * 30, seed=0))
         assert words in read_report(tmp_path / f"{optimizer}.json")["critical_batch"]["calibration"]
+
+
+class OneCycle(Classifier):
+    """SGD under ``OneCycleLR``, which sets the LR at every step from ``max_lr``."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.05, total_steps=200)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def test_a_schedule_that_sets_the_lr_itself_is_told_to_scale_its_peak(digits, tmp_path):
+    """The LR the recommendation scales is OneCycle's start, ``max_lr/25``: the note says what to change instead, by
+    the same factor. Before, only ``lr=`` and a LinearLR warmup were printed, which OneCycleLR overrides."""
+    cb = GradientNoiseScaleCallback(report_path=str(tmp_path / "r.json"), verbose=False)
+    quiet_trainer(max_epochs=1, callbacks=[cb]).fit(
+        OneCycle(mlp()), with_replacement_loader(*digits, batch_size=8, num_samples=8 * 200, seed=0))
+    rec = cb.recommendation
+    factor = rec.learning_rate / (0.05 / 25)
+    note = [n for n in rec.notes if n.startswith("OneCycleLR sets the learning rate")]
+    assert note and f"×{factor:.3g}" in note[0] and f"max_lr={0.05 * factor:.4g}" in note[0], rec.notes

@@ -129,3 +129,20 @@ def say(trainer: Any, message: str) -> None:
     """Print ``message`` on rank zero through the Lightning namespace's own console logger."""
     if trainer.is_global_zero:
         logging.getLogger(f"{namespace_of(trainer).__name__}.callbacks.gns").info(message)
+
+
+def peak_lr_schedule(trainer: Any) -> Optional[tuple[str, list[float]]]:
+    """The first optimizer's scheduler that sets the LR outright at every step from peaks of its own (``OneCycleLR``'s
+    ``max_lr``, ``CyclicLR``'s ``max_lr``): its class name and those peaks, one per parameter group; None otherwise.
+    A recommended LR is then applied by scaling the peaks, not the optimizer's ``lr``."""
+    if not trainer.optimizers:
+        return None
+    for config in getattr(trainer, "lr_scheduler_configs", None) or []:
+        scheduler = config.scheduler
+        if getattr(scheduler, "optimizer", None) is not trainer.optimizers[0]:
+            continue
+        if isinstance(scheduler, torch.optim.lr_scheduler.OneCycleLR):
+            return "OneCycleLR", [float(group["max_lr"]) for group in scheduler.optimizer.param_groups]
+        if isinstance(scheduler, torch.optim.lr_scheduler.CyclicLR):
+            return "CyclicLR", [float(lr) for lr in scheduler.max_lrs]
+    return None

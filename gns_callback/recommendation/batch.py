@@ -61,14 +61,16 @@ def batch_bounds(min_batch_size: Optional[int], max_batch_size: Optional[int], d
     return Bounds(lo, hi, from_dataset)
 
 
-def aim(b_simple: float, bounds: Bounds, grid: Grid, current: CurrentSetup, micro_cap: Optional[int]) -> BatchChoice:
-    """The batch for a trusted estimate: ``B_simple`` within the bounds, on the grid, split under the cap."""
+def aim(b_simple: float, bounds: Bounds, grid: Grid, current: CurrentSetup, micro_cap: Optional[int],
+        what: str = "B_simple") -> BatchChoice:
+    """The batch for a trusted estimate: ``B_simple`` within the bounds, on the grid, split under the cap.
+    ``what``: the value aimed at, as the notes name it (the interval's near end for a wide interval)."""
     notes = list(bounds.notes)
     if b_simple < bounds.lo:
-        notes.append(f"B_simple = {b_simple:.4g} is below the lower bound {bounds.lo}: raised to it")
+        notes.append(f"{what} = {b_simple:.4g} is below the lower bound {bounds.lo}: raised to it")
     elif b_simple > bounds.hi:
         why = "the data-set size" if bounds.hi_is_dataset else "max_batch_size"
-        notes.append(f"B_simple = {b_simple:.4g} is above {why} ({bounds.hi:g}): clipped")
+        notes.append(f"{what} = {b_simple:.4g} is above {why} ({bounds.hi:g}): clipped")
     size, (micro, accum), more = nearest_splitting(b_simple, bounds.lo, bounds.hi, current.num_devices, micro_cap, grid)
     return BatchChoice(b_simple, size, micro, accum, tuple(notes) + more)
 

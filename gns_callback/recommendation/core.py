@@ -252,7 +252,8 @@ def _choose_batch(
     if status == R.OK:
         return aim(est.b_simple, bounds, grid, current, micro_cap)
     if status == R.TOWARD_INTERVAL:
-        return aim(near_end(est, current.batch_size), bounds, grid, current, micro_cap)
+        return aim(near_end(est, current.batch_size), bounds, grid, current, micro_cap,
+                   what="the interval's end nearest the current batch")
     return keep(bounds, current, micro_cap)
 
 

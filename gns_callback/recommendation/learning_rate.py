@@ -270,3 +270,14 @@ def plan_warmup(
         note = f"warmup of {epochs:.3g} epochs advised: pass dataset_size or steps_per_epoch for steps"
         return Warmup(epochs, None, start, (note,))
     return Warmup(epochs, max(1, math.ceil(epochs * examples_per_epoch / batch_size)), start)
+
+
+def peak_schedule_note(schedule: str, peaks: list[float], factor: float) -> Optional[str]:
+    """What to change where a schedule sets the LR outright from peaks of its own (``OneCycleLR``, ``CyclicLR``):
+    those peaks, by the recommended LR's ``factor`` over the current one (the schedule's start); None for a factor
+    of 1 or an unknown one. Its warmup is the schedule's own."""
+    if not math.isfinite(factor) or factor <= 0.0 or abs(factor - 1.0) < 1e-3:
+        return None
+    scaled = ", ".join(f"{peak * factor:.4g}" for peak in peaks)
+    return (f"{schedule} sets the learning rate at every step, so the lr= line is where it starts: scale its max_lr "
+            f"by ×{factor:.3g} instead (max_lr={scaled}), and leave the LinearLR warmup out: the schedule has its own")

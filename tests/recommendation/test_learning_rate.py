@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from gns_callback.recommendation.learning_rate import INCREASE_MARGIN, choose_lr, pick_rule, plan_warmup, sgd_ceiling, transfer
+from gns_callback.recommendation.learning_rate import (INCREASE_MARGIN, choose_lr, peak_schedule_note, pick_rule,
+                                                    plan_warmup, sgd_ceiling, transfer)
 from gns_callback.recommendation import recommend
 
 
@@ -135,3 +136,10 @@ def test_stability_limit_binds_only_below_it_with_the_early_noise_scale():
     above = choose_lr(0.5, 8, 64, torch.optim.SGD, None, b_noise=64.0, early_b_noise=8.0, sharpness=14.0)
     assert above.learning_rate == pytest.approx(0.5 * 2 / 1.125 * INCREASE_MARGIN) and above.ceiling.lr is None
     assert above.ceiling.stability_limit == pytest.approx(1 / 7) and any("not applied" in n for n in above.notes)
+
+
+def test_a_peak_schedule_is_scaled_by_the_lr_factor_and_left_alone_at_one():
+    note = peak_schedule_note("CyclicLR", [0.1, 0.02], 1.5)
+    assert "×1.5" in note and "max_lr=0.15, 0.03" in note
+    assert peak_schedule_note("OneCycleLR", [0.1], 1.0) is None
+    assert peak_schedule_note("OneCycleLR", [0.1], math.nan) is None

@@ -204,6 +204,14 @@ def test_wide_interval_on_one_side_moves_to_its_near_end(current, lo, hi, expect
     assert_consistent(r)
 
 
+def test_a_near_end_clipped_to_the_data_set_is_named_as_the_near_end():
+    """Before, the note called the interval's lower end "B_simple" (linnerud: "B_simple = 52.29 is above the data-set
+    size (20)" for a run average of 227)."""
+    r = rec_for(227.0, current_batch_size=8, current_micro_batch_size=8, lo=52.29, hi=math.inf, dataset_size=20)
+    assert r.status == "toward_interval" and r.batch_size <= 20
+    assert "the interval's end nearest the current batch = 52.29 is above the data-set size (20): clipped" in r.notes
+
+
 def test_no_estimate_and_gnsestimate_inputs():
     r = recommend(None, current_batch_size=64, current_lr=0.1, optimizer="SGD")
     assert r.status == "no_estimate" and r.batch_size == 64 and math.isnan(r.current.steps_factor)

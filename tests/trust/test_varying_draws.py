@@ -9,7 +9,7 @@ import json
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from gns_callback import GradientNoiseScaleCallback
 from gns_callback.exact import per_example_gradients
@@ -93,3 +93,46 @@ def test_said_fixed_the_interval_is_the_corrected_one(tmp_path):
     assert varying.b_simple == fixed.b_simple and varying.ci_low == fixed.ci_low
     assert fixed.ci_high < varying.ci_high
     assert json.loads((tmp_path / "False.json").read_text())["run"]["draws_vary_reason"] == "draws_vary=False given"
+
+
+class FunctionalDropout(nn.Module):
+    """Dropout by function in the forward, which no module type shows."""
+
+    def __init__(self, p):
+        super().__init__()
+        self.p, self.body = p, net()
+
+    def forward(self, x):
+        return self.body[2](F.dropout(torch.tanh(self.body[0](x)), self.p, self.training))
+
+
+def fit_tensors(tmp_path, p, lr=0.0):
+    """Three shuffled epochs of wine's tensors through :class:`FunctionalDropout`; the callback, the final
+    parameters and the random state after the fit (None without the callback)."""
+    x, y = wine()
+    torch.manual_seed(0)
+    model = Classifier(FunctionalDropout(p), lr=lr)
+    callback = GradientNoiseScaleCallback(report_path=str(tmp_path / f"{p}.json"), verbose=False) if tmp_path else None
+    loader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(0))
+    quiet_trainer(max_epochs=3, callbacks=[callback] if tmp_path else []).fit(model, loader)
+    return callback, [q.detach().clone() for q in model.parameters()], torch.get_rng_state()
+
+
+def test_random_draws_of_the_forward_are_found_on_the_first_batch(tmp_path):
+    """A ``TensorDataset`` and no dropout module, but ``F.dropout`` in the forward: the first batch's two forward
+    passes differ, and the interval makes room; without it the draws are fixed and the interval is the corrected one."""
+    randomised, _, _ = fit_tensors(tmp_path, p=0.2)
+    fixed, _, _ = fit_tensors(tmp_path, p=0.0)
+    assert randomised.meter.draws_vary is True
+    assert "drew random numbers" in json.loads((tmp_path / "0.2.json").read_text())["run"]["draws_vary_reason"]
+    assert fixed.meter.draws_vary is False
+    assert json.loads((tmp_path / "0.0.json").read_text())["run"]["draws_vary_reason"] is None
+
+
+def test_the_check_leaves_a_training_run_as_it_was(tmp_path):
+    """Its two forward passes draw dropout masks; the random streams are put back, so the weights and the random
+    state after a fit with the callback are those of a fit without it, bit for bit."""
+    _, with_callback, state_with = fit_tensors(tmp_path, p=0.2, lr=0.1)
+    _, without, state_without = fit_tensors(None, p=0.2, lr=0.1)
+    assert all(torch.equal(a, b) for a, b in zip(with_callback, without))
+    assert torch.equal(state_with, state_without)
