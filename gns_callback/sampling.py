@@ -33,9 +33,8 @@ corrected lower end and the uncorrected upper end, and the point estimate stays 
 
 from __future__ import annotations
 
-from typing import Optional, TypeVar, Union
-
 import math
+from typing import Optional, TypeVar, Union
 
 from torch import nn
 from torch.utils.data import (BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler,

@@ -1,7 +1,7 @@
 """Whether ``training_step`` draws random numbers of its own (``F.dropout``, stochastic depth, noise injection,
 random masking), which no module type shows: two forward passes on the fit's first batch, the second from the
-random state the first left, everything put back afterwards (:func:`gns_callback.probe.state.preserved_state`: the
-random streams included). Different losses mean an example's gradient varies from one draw to the next
+random state the first left, everything put back afterwards (:func:`gns_callback.probe.lightning.aside_from_the_run`:
+the random streams included). Different losses mean an example's gradient varies from one draw to the next
 (:mod:`gns_callback.sampling`). Two forward passes without gradients, once per fit."""
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ from typing import Any, Optional
 
 import torch
 
-from gns_callback.probe.lightning import lightning_step, module_internals, silenced_logging
-from gns_callback.probe.state import local_batch_norm, preserved_state
+from gns_callback.probe.lightning import aside_from_the_run, lightning_step
 
 #: Losses this close are the same: an accelerator's kernels may sum in another order from one pass to the next
 #: (about 1e-7 of a float32 loss), while a dropout mask moves it by far more.
@@ -25,8 +24,7 @@ def forward_draws_randomness(trainer: Any, pl_module: Any, batch: Any, batch_idx
     shown fixed), else None."""
     step = lightning_step(pl_module, None, batch_idx)
     try:
-        with silenced_logging(pl_module), local_batch_norm(pl_module), torch.no_grad(), \
-                preserved_state(pl_module, list(trainer.optimizers), keep=[trainer], skip=module_internals()):
+        with aside_from_the_run(trainer, pl_module), torch.no_grad():
             first, second = step(batch), step(batch)
     except Exception as exc:  # noqa: BLE001 - the run must go on; its own step will say what is wrong
         return f"two forward passes of training_step on the first batch could not be compared ({type(exc).__name__})"

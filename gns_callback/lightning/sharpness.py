@@ -40,8 +40,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from gns_callback.curvature import hessian_vector_product_fn, lanczos_top_eigenvalue
-from gns_callback.probe.lightning import lightning_step, module_internals, silenced_logging
-from gns_callback.probe.state import local_batch_norm, preserved_state
+from gns_callback.probe.lightning import aside_from_the_run, lightning_step
 from gns_callback.recommendation.rules import SGD_RULES, check_rule, lr_rule_for
 
 #: Global steps (optimizer steps taken) at which ``λ_max`` is measured by default: doublings from 4 to 1024.
@@ -133,9 +132,7 @@ class SharpnessMonitor:
         step = lightning_step(pl_module, None, batch_idx)  # no autocast: the double backward in full precision
         params = [p for p in pl_module.parameters() if p.requires_grad]
         # Attention by the math kernel: the fused ones (flash, memory-efficient) have no double backward.
-        with quiet(), silenced_logging(pl_module), local_batch_norm(pl_module), torch.enable_grad(), \
-                sdpa_kernel(SDPBackend.MATH), \
-                preserved_state(pl_module, list(trainer.optimizers), keep=[trainer], skip=module_internals()):
+        with quiet(), aside_from_the_run(trainer, pl_module), torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
             hvp = hessian_vector_product_fn(lambda: step(batch), params)
             value = lanczos_top_eigenvalue(hvp, _random_start(params, trainer.global_step),
                                            max_iterations=self.max_iterations, rtol=self.rtol)

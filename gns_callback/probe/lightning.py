@@ -25,6 +25,7 @@ from gns_callback.probe.oom import short_message
 from gns_callback.probe.search import SplitRequest
 from gns_callback.probe.session import Ranks, Session, run_probe
 from gns_callback.probe.split import per_device_batch
+from gns_callback.probe.state import local_batch_norm, preserved_state
 from gns_callback.probe.loss import loss_from
 from gns_callback.probe.trial import StepFn
 
@@ -63,6 +64,17 @@ def module_internals() -> frozenset[str]:
 
 def _no_log(*args: Any, **kwargs: Any) -> None:
     return None
+
+
+@contextmanager
+def aside_from_the_run(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> Iterator[None]:
+    """Passes of ``training_step`` that are not the run's (the sharpness monitor's, the first batch's check for random
+    draws): ``self.log`` silenced, SyncBatchNorm local, and everything they touch put back
+    (:func:`~gns_callback.probe.state.preserved_state`: weights, buffers, optimizer state, ``.grad``, random streams
+    and module attributes)."""
+    with silenced_logging(pl_module), local_batch_norm(pl_module), \
+            preserved_state(pl_module, list(trainer.optimizers), keep=[trainer], skip=module_internals()):
+        yield
 
 
 @contextmanager
