@@ -33,11 +33,11 @@ from gns_callback.lightning import trainer_facts as facts
 from gns_callback.lightning.adaptation import Adapter
 from gns_callback.lightning.compat import CALLBACK_BASES, misconfiguration
 from gns_callback.lightning.per_example_check import check_first_batch
-from gns_callback.lightning.random_forward import forward_draws_randomness
 from gns_callback.lightning.sharpness import SharpnessMonitor
 from gns_callback.meter import ARGUMENTS as METER_ARGUMENTS
 from gns_callback.meter import GradientNoiseScaleMeter
 from gns_callback.probe import ProbeResult
+from gns_callback.random_streams import RandomDrawWatch, drawn_reason
 from gns_callback.recommendation import Recommendation, recommend
 from gns_callback.recommendation.calibration import CALIBRATED, uncalibrated_reason
 from gns_callback.recommendation.learning_rate import peak_schedule_note
@@ -120,8 +120,8 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             for draws without replacement then may read ``B_simple`` low, by up to ``B_simple/N``, so the intervals'
             upper ends make room for it. ``None``: False only for a ``TensorDataset`` batched by torch's collate
             function under a model without dropout modules (:func:`gns_callback.sampling.draws_may_vary`) whose
-            ``training_step`` reads the same loss twice on the first batch
-            (:mod:`gns_callback.lightning.random_forward`).
+            first training step draws no random numbers (:mod:`gns_callback.random_streams`: the random streams'
+            states read before its forward and its backward pass).
 
     After fit: ``estimate`` (recent) and ``run_estimate`` (run average) are :class:`GNSEstimate` objects,
     ``probe`` the probe result (or None) and ``recommendation`` the recommendation (or None); with
@@ -214,7 +214,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         self._micro_batch_size: Optional[int] = None  # the first training batch's size (per device; None: unknown)
         self._base_lr: Optional[float] = None
         self._draws_vary_reason: Optional[str] = None  # why an example's gradient may vary between draws
-        self._forward_to_check = False  # whether the first batch's training_step is checked for random draws
+        self._draw_watch: Optional[RandomDrawWatch] = None  # the first step's, where it may show the draws varying
         self._fit_report_path: Optional[str] = None
         self._adapter = Adapter(self.adapt_factor, self.adapt_patience) if self.adapt else None
         self.sharpness_monitor = (SharpnessMonitor(lr_rule=self.recommend_options["lr_rule"])
@@ -380,14 +380,14 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
     # ------------------------------------------------------------------ per batch and step
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._next_micro_batch(batch_size_of(batch))
-        if self._forward_to_check:
-            self._check_forward(trainer, pl_module, batch, batch_idx)
         if not self._started:
             self._start_measuring(trainer, pl_module, batch, batch_idx)
         elif self.meter.needs_check:
             self._check_again(trainer, pl_module, batch, batch_idx)
         if self.sharpness_monitor is not None:
             self.sharpness_monitor.on_train_batch_start(trainer, pl_module, batch, batch_idx, quiet=self.meter.paused)
+        if self._draw_watch is not None:
+            self._draw_watch.start()  # last: the probe and the sharpness monitor put their draws back
 
     def _next_micro_batch(self, size: Optional[int]) -> None:
         """Its size (None: unknown), for the per-example hooks before its forward pass, and for the step's window
@@ -446,17 +446,19 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             self.meter.draws_vary = self._draws_vary_reason is not None
         else:
             self._draws_vary_reason, self.meter.draws_vary = f"draws_vary={self.draws_vary} given", self.draws_vary
-        # Fixed data and no dropout module: the forward may still draw random numbers by functions of its own.
-        self._forward_to_check = population is not None and not self.meter.draws_vary
+        # Fixed data and no dropout module: the step may still draw random numbers by functions of its own.
+        fixed = population is not None and not self.meter.draws_vary
+        self._draw_watch = RandomDrawWatch(pl_module) if fixed else None
 
-    def _check_forward(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        """Whether ``training_step`` draws random numbers (:mod:`gns_callback.lightning.random_forward`), once per
-        fit, with the meter's hooks paused."""
-        self._forward_to_check = False
-        with self.meter.paused():
-            reason = forward_draws_randomness(trainer, pl_module, batch, batch_idx)
-        if reason is not None:
-            self._draws_vary_reason, self.meter.draws_vary = reason, True
+    def _see_draws(self) -> None:
+        """Whether the first training step drew random numbers before its backward pass
+        (:mod:`gns_callback.random_streams`): then its examples' gradients vary between draws."""
+        drawn = self._draw_watch.stop()
+        if drawn is None:
+            return  # no batch start seen (a backward pass outside a training batch)
+        self._draw_watch = None
+        if drawn:
+            self._draws_vary_reason, self.meter.draws_vary = drawn_reason(drawn), True
 
     def _say_size_unknown(self, trainer: Any) -> None:
         if self._probe_wanted(trainer) or self.recommend_enabled:
@@ -491,6 +493,8 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             facts.say(trainer, f"GradientNoiseScaleCallback: {self.probe_result.summary()}")
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        if self._draw_watch is not None:
+            self._see_draws()
         self._sizes.append(self._batch_size)
         self._losses.append(loss.detach())  # the critical batch reads the noise scale against the loss
 

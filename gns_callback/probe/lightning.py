@@ -68,10 +68,9 @@ def _no_log(*args: Any, **kwargs: Any) -> None:
 
 @contextmanager
 def aside_from_the_run(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> Iterator[None]:
-    """Passes of ``training_step`` that are not the run's (the sharpness monitor's, the first batch's check for random
-    draws): ``self.log`` silenced, SyncBatchNorm local, and everything they touch put back
-    (:func:`~gns_callback.probe.state.preserved_state`: weights, buffers, optimizer state, ``.grad``, random streams
-    and module attributes)."""
+    """Passes of ``training_step`` that are not the run's (the sharpness monitor's): ``self.log`` silenced,
+    SyncBatchNorm local, and everything they touch put back (:func:`~gns_callback.probe.state.preserved_state`:
+    weights, buffers, optimizer state, ``.grad``, random streams and module attributes)."""
     with silenced_logging(pl_module), local_batch_norm(pl_module), \
             preserved_state(pl_module, list(trainer.optimizers), keep=[trainer], skip=module_internals()):
         yield

@@ -5,7 +5,8 @@ parameters and buffers (BatchNorm running statistics and ``num_batches_tracked``
 (Adam's moments and step counters; state the probe created lazily is removed again) and ``param_groups``,
 ``.grad`` (``None`` stays ``None``), ``requires_grad``, every submodule's ``training`` flag, the RNG states
 (torch CPU and CUDA, numpy, ``random``) and what a step keeps in module attributes (torchmetrics states, lists,
-counters: :mod:`gns_callback.probe.attributes`). Copies live in host memory, not on the accelerator being probed, and
+counters: :mod:`gns_callback.probe.attributes`). Iterators in module attributes, which no copy can rewind, replay
+to the run what the probe steps drew from them (:mod:`gns_callback.probe.iterators`). Copies live in host memory, not on the accelerator being probed, and
 nothing goes to disk (an interrupted probe leaves no temporary checkpoint behind; Lightning's BatchSizeFinder
 did).
 """
@@ -22,6 +23,8 @@ import torch
 from torch import Tensor, nn
 
 from gns_callback.probe.attributes import AttributeState
+from gns_callback.probe.iterators import ReplayedIterators
+from gns_callback.random_streams import generator_state, module_generators, set_generator_state
 
 _MISSING = object()
 
@@ -48,9 +51,11 @@ class _Saved:
 
 
 class RNGState:
-    """torch (CPU and every initialised CUDA device), numpy and Python ``random`` generator states."""
+    """torch (CPU and every initialised CUDA device), numpy and Python ``random`` generator states, and those of
+    the generators ``module`` keeps in its attributes (:func:`gns_callback.random_streams.module_generators`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, module: Optional[nn.Module] = None) -> None:
+        self.generators = [(gen, generator_state(gen)) for _, gen in module_generators(module)]
         self.torch = torch.get_rng_state()
         self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
         self.numpy = np.random.get_state()
@@ -62,6 +67,8 @@ class RNGState:
             torch.cuda.set_rng_state_all(self.cuda)
         np.random.set_state(self.numpy)
         random.setstate(self.python)
+        for gen, state in self.generators:
+            set_generator_state(gen, state)
 
 
 class OptimizerState:
@@ -136,11 +143,13 @@ class ModuleState:
 
 class ProbeState:
     """Everything above and the modules' attributes (:class:`~gns_callback.probe.attributes.AttributeState`,
-    which takes ``**attributes``), captured at construction; :meth:`restore` may be called any number of times.
+    which takes ``**attributes``), captured at construction; :meth:`restore` may be called any number of times,
+    :meth:`release` once, after the last (:class:`~gns_callback.probe.iterators.ReplayedIterators`).
     """
 
     def __init__(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], **attributes: Any) -> None:
-        self.rng = RNGState()
+        self.iterators = ReplayedIterators(module, skip=attributes.get("skip", ()))  # before the attributes' snapshot
+        self.rng = RNGState(module)
         self.module = ModuleState(module)
         self.attributes = AttributeState(module, keep=[*attributes.pop("keep", ()), *optimizers], **attributes)
         self.optimizers = [OptimizerState(opt) for opt in optimizers]
@@ -156,6 +165,11 @@ class ProbeState:
         for opt in self.optimizers:
             opt.restore()
         self.rng.restore()
+        self.iterators.rewind()
+
+    def release(self) -> None:
+        """The passes are over: iterators hand what they drew back to the run."""
+        self.iterators.release()
 
 
 @contextmanager
@@ -168,6 +182,7 @@ def preserved_state(
         yield state
     finally:
         state.restore()
+        state.release()
 
 
 @contextmanager

@@ -6,6 +6,7 @@ and takes the uncorrected upper end, which hold the exact value whatever the spl
 
 import json
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -106,33 +107,92 @@ class FunctionalDropout(nn.Module):
         return self.body[2](F.dropout(torch.tanh(self.body[0](x)), self.p, self.training))
 
 
-def fit_tensors(tmp_path, p, lr=0.0):
-    """Three shuffled epochs of wine's tensors through :class:`FunctionalDropout`; the callback, the final
-    parameters and the random state after the fit (None without the callback)."""
+def fit_tensors(tmp_path, p=0.0, lr=0.0, module=None, name=None):
+    """Three shuffled epochs of wine's tensors through ``module`` (default: a :class:`Classifier` over
+    :class:`FunctionalDropout`); the callback, the final parameters and the random state after the fit (no callback
+    for ``tmp_path=None``)."""
     x, y = wine()
     torch.manual_seed(0)
-    model = Classifier(FunctionalDropout(p), lr=lr)
-    callback = GradientNoiseScaleCallback(report_path=str(tmp_path / f"{p}.json"), verbose=False) if tmp_path else None
+    model = module() if module is not None else Classifier(FunctionalDropout(p), lr=lr)
+    callback = (GradientNoiseScaleCallback(report_path=str(tmp_path / f"{name or p}.json"), verbose=False)
+                if tmp_path else None)
     loader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(0))
     quiet_trainer(max_epochs=3, callbacks=[callback] if tmp_path else []).fit(model, loader)
     return callback, [q.detach().clone() for q in model.parameters()], torch.get_rng_state()
 
 
+def reason(tmp_path, name):
+    return json.loads((tmp_path / f"{name}.json").read_text())["run"]["draws_vary_reason"]
+
+
 def test_random_draws_of_the_forward_are_found_on_the_first_batch(tmp_path):
-    """A ``TensorDataset`` and no dropout module, but ``F.dropout`` in the forward: the first batch's two forward
-    passes differ, and the interval makes room; without it the draws are fixed and the interval is the corrected one."""
+    """A ``TensorDataset`` and no dropout module, but ``F.dropout`` in the forward: the first step draws from torch's
+    random stream, and the interval makes room; without it the draws are fixed and the interval is the corrected one."""
     randomised, _, _ = fit_tensors(tmp_path, p=0.2)
     fixed, _, _ = fit_tensors(tmp_path, p=0.0)
     assert randomised.meter.draws_vary is True
-    assert "drew random numbers" in json.loads((tmp_path / "0.2.json").read_text())["run"]["draws_vary_reason"]
+    assert "drew random numbers (torch)" in reason(tmp_path, 0.2)
     assert fixed.meter.draws_vary is False
-    assert json.loads((tmp_path / "0.0.json").read_text())["run"]["draws_vary_reason"] is None
+    assert reason(tmp_path, 0.0) is None
 
 
 def test_the_check_leaves_a_training_run_as_it_was(tmp_path):
-    """Its two forward passes draw dropout masks; the random streams are put back, so the weights and the random
-    state after a fit with the callback are those of a fit without it, bit for bit."""
+    """The step draws dropout masks; the weights and the random state after a fit with the callback are those of a
+    fit without it, bit for bit."""
     _, with_callback, state_with = fit_tensors(tmp_path, p=0.2, lr=0.1)
     _, without, state_without = fit_tensors(None, p=0.2, lr=0.1)
     assert all(torch.equal(a, b) for a, b in zip(with_callback, without))
     assert torch.equal(state_with, state_without)
+
+
+def loss_weights():
+    """A stream of loss weights, as an iterator over another loader would be: a generator, which no copy can put
+    back."""
+    while True:
+        yield from (1.0, 0.5, 2.0)
+
+
+class StatefulStep(Classifier):
+    """``training_step`` with state of its own: ``"iterator"`` weighs the loss by the next value of an iterator it
+    keeps (semi-supervised steps draw an unlabelled batch so); ``"counter"`` by a count of its calls;
+    ``"penalty"`` adds a gradient penalty (``autograd.grad`` with ``create_graph``); ``"generator"`` adds input noise
+    from a generator of its own."""
+
+    def __init__(self, kind):
+        super().__init__(net(), lr=0.1)
+        self.kind, self.calls = kind, 0
+        self.weights = loss_weights()
+        self.gen = torch.Generator().manual_seed(5)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.kind == "generator":
+            x = x + 0.1 * torch.randn(x.shape, generator=self.gen)
+        loss = F.cross_entropy(self.net(x), y)
+        self.calls += 1
+        if self.kind == "iterator":
+            return loss * next(self.weights)
+        if self.kind == "counter":
+            return loss / (1.0 + 0.01 * self.calls)
+        if self.kind == "penalty":
+            x = x.clone().requires_grad_()
+            (grad,) = torch.autograd.grad(self.net(x).logsumexp(1).sum(), x, create_graph=True)
+            return loss + 0.01 * grad.pow(2).sum()
+        return loss
+
+
+@pytest.mark.parametrize("kind", ["iterator", "counter", "penalty", "generator"])
+def test_a_step_with_state_of_its_own_runs_as_without_the_callback(tmp_path, kind):
+    """Nothing runs twice to find the draws: an iterator the step keeps gives the run the same values as without the
+    callback (before, two extra passes of the step took two of them, and the weights came out different), and a
+    generator of its own is read, not drawn from. Before, the counter read as random draws (the two passes saw it
+    at 1 and 2), and the gradient penalty failed under ``no_grad``: both widened the interval for nothing."""
+    callback, with_callback, state_with = fit_tensors(tmp_path, module=lambda: StatefulStep(kind), name=kind)
+    _, without, state_without = fit_tensors(None, module=lambda: StatefulStep(kind))
+    assert all(torch.equal(a, b) for a, b in zip(with_callback, without))
+    assert torch.equal(state_with, state_without)
+    assert callback.meter.draws_vary is (kind == "generator")
+    if kind == "generator":
+        assert "drew random numbers (gen)" in reason(tmp_path, kind)
+    else:
+        assert reason(tmp_path, kind) is None

@@ -1,0 +1,115 @@
+"""Whether a training step draws random numbers of its own: ``F.dropout``, stochastic depth, noise injection, random
+masks, augmentation on the device. No module type shows these, and each makes an example's gradient differ from one
+draw to the next (:mod:`gns_callback.sampling`).
+
+:class:`RandomDrawWatch` reads the state of every random stream the step may draw from before its forward pass, and
+again before its backward pass: a stream that moved was drawn from. The streams are torch's CPU generator, every
+initialised CUDA device's, numpy's and Python's global generators, and the generators a module keeps in its
+attributes (a ``torch.Generator``, a numpy ``Generator`` or ``RandomState``, a ``random.Random``). Reading a state
+never advances it, and nothing runs twice: the run is left exactly as it was, whatever the step does with state of
+its own (an iterator over another loader, a counter). A generator kept elsewhere (a global of the user's module,
+another accelerator's) is not seen. Torch only, no Lightning.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Hashable
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+__all__ = ["GENERATOR_TYPES", "RandomDrawWatch", "drawn_reason", "generator_state", "module_generators", "moved",
+           "set_generator_state", "stream_states"]
+
+StreamStates = dict[str, Hashable]
+
+
+GENERATOR_TYPES = (torch.Generator, np.random.Generator, np.random.RandomState, random.Random)
+
+
+def stream_states(module: Optional[nn.Module] = None) -> StreamStates:
+    """Each random stream's state, by name (module docstring)."""
+    states: StreamStates = {
+        "torch": torch.get_rng_state().numpy().tobytes(),
+        "numpy": _hashable(np.random.get_state()),
+        "random": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states.update({f"cuda:{i}": torch.cuda.get_rng_state(i).numpy().tobytes()
+                       for i in range(torch.cuda.device_count())})
+    states.update({name: _hashable(generator_state(gen)) for name, gen in module_generators(module)})
+    return states
+
+
+def module_generators(module: Optional[nn.Module]) -> list[tuple[str, Any]]:
+    """``(name, generator)`` for each generator object in the attributes of ``module`` and its submodules."""
+    return [(f"{prefix}.{key}" if prefix else key, value)
+            for prefix, sub in (module.named_modules() if module is not None else ())
+            for key, value in vars(sub).items() if isinstance(value, GENERATOR_TYPES)]
+
+
+def generator_state(generator: Any) -> Any:
+    """A generator object's state, as its own setter takes it back (:func:`set_generator_state`)."""
+    if isinstance(generator, torch.Generator):
+        return generator.get_state()
+    if isinstance(generator, np.random.Generator):
+        return generator.bit_generator.state
+    return generator.getstate() if isinstance(generator, random.Random) else generator.get_state()
+
+
+def set_generator_state(generator: Any, state: Any) -> None:
+    if isinstance(generator, torch.Generator):
+        generator.set_state(state)
+    elif isinstance(generator, np.random.Generator):
+        generator.bit_generator.state = state
+    elif isinstance(generator, random.Random):
+        generator.setstate(state)
+    else:
+        generator.set_state(state)
+
+
+def _hashable(state: Any) -> Hashable:
+    """A state as nested tuples and bytes (numpy's are tuples or dicts holding arrays; torch's a byte tensor)."""
+    if isinstance(state, torch.Tensor):
+        return state.numpy().tobytes()
+    if isinstance(state, np.ndarray):
+        return state.tobytes()
+    if isinstance(state, dict):
+        return tuple((key, _hashable(value)) for key, value in state.items())
+    if isinstance(state, (tuple, list)):
+        return tuple(_hashable(item) for item in state)
+    return state
+
+
+def moved(before: StreamStates, after: StreamStates) -> list[str]:
+    """The streams whose state differs between two readings (a stream in one reading only counts as moved)."""
+    return sorted(name for name in before.keys() | after.keys() if before.get(name) != after.get(name))
+
+
+class RandomDrawWatch:
+    """``start()`` before a step's forward pass, ``stop()`` before its backward pass: the streams drawn from in
+    between (module docstring). ``module``: the model, whose attributes may hold generators of its own."""
+
+    def __init__(self, module: Optional[nn.Module] = None) -> None:
+        self.module = module
+        self._before: Optional[StreamStates] = None
+
+    def start(self) -> None:
+        self._before = stream_states(self.module)
+
+    def stop(self) -> Optional[list[str]]:
+        """The names of the streams drawn from since :meth:`start` (empty: none); None if not started."""
+        if self._before is None:
+            return None
+        drawn, self._before = moved(self._before, stream_states(self.module)), None
+        return drawn
+
+
+def drawn_reason(streams: list[str]) -> str:
+    """Why the draws vary, for a report: the step drew from ``streams``."""
+    return (f"the training step drew random numbers ({', '.join(streams)}) between its batch's start and its backward "
+            "pass: dropout by function, stochastic depth, noise or random masks make an example's gradient differ "
+            "from one draw to the next")
