@@ -213,7 +213,6 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         self._started = False  # the first training batch has been seen (or a checkpoint restored past it)
         self._micro_batch_size: Optional[int] = None  # the first training batch's size (per device; None: unknown)
         self._base_lr: Optional[float] = None
-        self._draws_vary_reason: Optional[str] = None  # why an example's gradient may vary between draws
         self._draw_watch: Optional[RandomDrawWatch] = None  # the first step's, where it may show the draws varying
         self._fit_report_path: Optional[str] = None
         self._adapter = Adapter(self.adapt_factor, self.adapt_patience) if self.adapt else None
@@ -421,10 +420,10 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         mode): ``micro_batch`` where the run allows it, else refused, before the first step."""
         if self.meter.method != "per_example" or per_example_problem(pl_module, batch_norm=True)[0] is None:
             return
-        population, draws_vary = self.meter.population, self.meter.draws_vary
+        population, draws_vary, reason = self.meter.population, self.meter.draws_vary, self.meter.draws_vary_reason
         self.meter.detach()
         self.meter = self._build_meter(trainer, pl_module, batch_norm=True)
-        self.meter.population, self.meter.draws_vary = population, draws_vary
+        self.meter.population, self.meter.draws_vary, self.meter.draws_vary_reason = population, draws_vary, reason
         self.meter.attach()
         self.meter.expect_batch_size(self._batch_size)
 
@@ -441,11 +440,8 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
                 "be read in order, GradientNoiseScaleCallback(data_in_random_order=True)."
             )
         self.meter.population = population
-        if self.draws_vary is None:
-            self._draws_vary_reason = draws_may_vary(getattr(trainer, "train_dataloader", None), pl_module)
-            self.meter.draws_vary = self._draws_vary_reason is not None
-        else:
-            self._draws_vary_reason, self.meter.draws_vary = f"draws_vary={self.draws_vary} given", self.draws_vary
+        seen = draws_may_vary(getattr(trainer, "train_dataloader", None), pl_module)
+        self.meter.set_draws_vary(self.draws_vary, seen)
         # Fixed data and no dropout module: the step may still draw random numbers by functions of its own.
         fixed = population is not None and not self.meter.draws_vary
         self._draw_watch = RandomDrawWatch(pl_module) if fixed else None
@@ -458,7 +454,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             return  # no batch start seen (a backward pass outside a training batch)
         self._draw_watch = None
         if drawn:
-            self._draws_vary_reason, self.meter.draws_vary = drawn_reason(drawn), True
+            self.meter.set_draws_vary(None, drawn_reason(drawn))
 
     def _say_size_unknown(self, trainer: Any) -> None:
         if self._probe_wanted(trainer) or self.recommend_enabled:
@@ -668,7 +664,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
                                "parameters (see the report's 'coverage').")
         if self.meter.population is not None and self.meter.draws_vary and est.failure is None:
             facts.say(trainer, f"GradientNoiseScaleCallback: the interval's upper end makes room for examples that "
-                               f"vary between draws ({self._draws_vary_reason}) on shuffled epochs of "
+                               f"vary between draws ({self.meter.draws_vary_reason}) on shuffled epochs of "
                                f"{self.meter.population} examples; draws_vary=False says they don't.")
         if self.recommendation is not None:
             facts.say(trainer, self.recommendation.summary_table())
@@ -725,7 +721,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
                 "steps_per_epoch": facts.steps_per_epoch(trainer),
                 "drawn_without_replacement_from": self.meter.population,
                 "draws_vary": self.meter.draws_vary,
-                "draws_vary_reason": self._draws_vary_reason,
+                "draws_vary_reason": self.meter.draws_vary_reason,
             },
         }
 

@@ -50,6 +50,7 @@ from gns_callback.per_example.tracker import MICRO_BATCH_HINT
 from gns_callback.per_example.sketch import reseed_probes
 from gns_callback.per_example.sum_check import SumCheck
 from gns_callback.probe.state import preserved_state
+from gns_callback.random_streams import StepDrawWatch, drawn_reason
 from gns_callback.sampling import draws_may_vary, population_from, varying_draws_high, without_replacement
 from gns_callback.scalar_ops import host_errors_ignored
 from gns_callback.smoothing import RatioAccumulator, RatioSummary, step_values, summarize_ratio
@@ -145,8 +146,10 @@ class GradientNoiseScaleMeter:
             augmentation as the data set loads it, dropout): the correction then may read ``B_simple`` low, by up to
             ``B_simple/N``, and the intervals' upper ends make room for it (:func:`~gns_callback.sampling.
             varying_draws_high`). None: True unless ``population`` is a DataLoader over a ``TensorDataset`` and the
-            model has no dropout module (:func:`~gns_callback.sampling.draws_may_vary`); pass True where the
-            forward draws random numbers by functions of its own (``F.dropout``, stochastic depth).
+            model has no dropout module (:func:`~gns_callback.sampling.draws_may_vary`), and, from the third
+            :meth:`step` on, True also where the random streams moved between each of the first steps
+            (:class:`~gns_callback.random_streams.StepDrawWatch`: ``F.dropout``, stochastic depth, noise).
+            :attr:`draws_vary_reason` says why.
         measure_every_n_steps: measure one optimizer step in ``n`` (the first, then every ``n``-th): the hooks do
             nothing on the others, so the meter's cost per step falls about ``n``-fold, and the run average's
             standard error at a given number of optimizer steps grows about ``√n``-fold, more in short runs
@@ -199,7 +202,12 @@ class GradientNoiseScaleMeter:
         self.measure_every_n_steps = int(measure_every_n_steps)
         self.population = population_from(population)  # examples each epoch's batches are drawn from
         #: Whether an example's gradient may differ between draws (see ``draws_vary``): widens the upper ends.
-        self.draws_vary = draws_may_vary(population, model) is not None if draws_vary is None else draws_vary
+        self.draws_vary = False
+        self.draws_vary_reason: Optional[str] = None  # why they may (None: shown fixed, so far)
+        self.set_draws_vary(draws_vary, draws_may_vary(population, model))
+        # Shown fixed by the data and the modules: the loop's own steps may still draw random numbers.
+        self._step_draws = (StepDrawWatch(model) if draws_vary is None and self.population is not None
+                            and not self.draws_vary else None)
         self.collector: Collector = COLLECTORS[method](model, max_examples=per_example_max_examples)
         self._watch = GradientWatch([])  # the measured parameters, once attached
         self._stale: Optional[StaleGradients] = None  # the first steps' check for gradients left from before
@@ -278,6 +286,22 @@ class GradientNoiseScaleMeter:
         self.steps_offered += 1
         reseed_probes(self.steps_offered)
         self._set_hooks()
+
+    def set_draws_vary(self, given: Optional[bool], seen: Optional[str] = None) -> None:
+        """``draws_vary`` as given, else as ``seen`` says (why the draws may vary; None: they don't)."""
+        if given is None:
+            self.draws_vary, self.draws_vary_reason = seen is not None, seen
+        else:
+            self.draws_vary, self.draws_vary_reason = bool(given), f"draws_vary={given} given"
+
+    def _watch_step_draws(self) -> None:
+        """Whether the loop's steps draw random numbers of their own (:class:`~gns_callback.random_streams.
+        StepDrawWatch`), over the first steps."""
+        drawn = self._step_draws.tick()
+        if drawn is not None:
+            self._step_draws = None
+            if drawn:
+                self.set_draws_vary(None, drawn_reason(drawn))
 
     def backward_done(self) -> None:
         """Backward has ended, and nothing has changed the gradients yet: :meth:`step` then checks that nothing did
@@ -432,6 +456,8 @@ class GradientNoiseScaleMeter:
             loss: the step's training loss (any constant factor is fine). With it, :attr:`critical_batch` reads the
                 critical batch off the noise scale as a function of the loss; without it, that is the run average.
         """
+        if self._step_draws is not None:
+            self._watch_step_draws()
         measured = self.measures_next_step
         self._rest_or_resume()
         if self._trainable_changed():

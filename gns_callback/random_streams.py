@@ -3,12 +3,13 @@ masks, augmentation on the device. No module type shows these, and each makes an
 draw to the next (:mod:`gns_callback.sampling`).
 
 :class:`RandomDrawWatch` reads the state of every random stream the step may draw from before its forward pass, and
-again before its backward pass: a stream that moved was drawn from. The streams are torch's CPU generator, every
-initialised CUDA device's, numpy's and Python's global generators, and the generators a module keeps in its
-attributes (a ``torch.Generator``, a numpy ``Generator`` or ``RandomState``, a ``random.Random``). Reading a state
-never advances it, and nothing runs twice: the run is left exactly as it was, whatever the step does with state of
-its own (an iterator over another loader, a counter). A generator kept elsewhere (a global of the user's module,
-another accelerator's) is not seen. Torch only, no Lightning.
+again before its backward pass: a stream that moved was drawn from. The streams are torch's CPU generator, the
+current CUDA device's, numpy's and Python's global generators, and the generators a module keeps in its attributes
+(a ``torch.Generator``, a numpy ``Generator`` or ``RandomState``, a ``random.Random``). Reading a state never
+advances it, and nothing runs twice: the run is left exactly as it was, whatever the step does with state of its
+own (an iterator over another loader, a counter). A generator kept elsewhere (a global of the user's module,
+another accelerator's) is not seen. The Lightning callback reads the first step's window so; a loop of one's own
+shows the meter its steps only, and :class:`StepDrawWatch` reads the windows between them. Torch only, no Lightning.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["GENERATOR_TYPES", "RandomDrawWatch", "drawn_reason", "generator_state", "module_generators", "moved",
-           "set_generator_state", "stream_states"]
+__all__ = ["GENERATOR_TYPES", "RandomDrawWatch", "StepDrawWatch", "drawn_reason", "generator_state",
+           "module_generators", "moved", "set_generator_state", "stream_states"]
 
 StreamStates = dict[str, Hashable]
 
@@ -37,9 +38,8 @@ def stream_states(module: Optional[nn.Module] = None) -> StreamStates:
         "numpy": _hashable(np.random.get_state()),
         "random": random.getstate(),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states.update({f"cuda:{i}": torch.cuda.get_rng_state(i).numpy().tobytes()
-                       for i in range(torch.cuda.device_count())})
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # the current device's (each rank's own)
+        states[f"cuda:{torch.cuda.current_device()}"] = torch.cuda.get_rng_state().numpy().tobytes()
     states.update({name: _hashable(generator_state(gen)) for name, gen in module_generators(module)})
     return states
 
@@ -108,8 +108,31 @@ class RandomDrawWatch:
         return drawn
 
 
+class StepDrawWatch:
+    """For a loop of one's own, where only the optimizer steps are seen: ``tick()`` at each step reads the streams
+    and compares them with the previous step's reading. The window between two steps holds the forward pass, but
+    also the data loader's next batch: a shuffling sampler draws an epoch's order from torch's stream as the epoch
+    starts. So the step counts as drawing random numbers of its own only if the streams moved in each of
+    ``windows`` windows in a row, which one epoch start can't do unless epochs are that short."""
+
+    def __init__(self, module: Optional[nn.Module] = None, windows: int = 2) -> None:
+        self.watch = RandomDrawWatch(module)
+        self.windows = windows
+        self.drawn: list[list[str]] = []  # the streams that moved, window by window
+
+    def tick(self) -> Optional[list[str]]:
+        """None until ``windows`` windows are seen; then the streams drawn from in every one of them (empty: the
+        step draws none)."""
+        drawn = self.watch.stop()
+        self.watch.start()
+        if drawn is not None:
+            self.drawn.append(drawn)
+        if len(self.drawn) < self.windows:
+            return None
+        return sorted(set.intersection(*(set(d) for d in self.drawn)))
+
+
 def drawn_reason(streams: list[str]) -> str:
     """Why the draws vary, for a report: the step drew from ``streams``."""
-    return (f"the training step drew random numbers ({', '.join(streams)}) between its batch's start and its backward "
-            "pass: dropout by function, stochastic depth, noise or random masks make an example's gradient differ "
-            "from one draw to the next")
+    return (f"the training step drew random numbers ({', '.join(streams)}): dropout by function, stochastic depth, "
+            "noise or random masks make an example's gradient differ from one draw to the next")

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gns_callback.random_streams import RandomDrawWatch, moved, stream_states
+from gns_callback.random_streams import RandomDrawWatch, StepDrawWatch, moved, stream_states
 
 
 class Holder(nn.Module):
@@ -84,3 +84,18 @@ def test_not_started_reads_none_and_each_start_is_a_new_window():
 def test_a_generator_only_in_one_reading_counts_as_moved():
     assert moved({"torch": b"a"}, {"torch": b"a", "gen": b"b"}) == ["gen"]
     assert moved({"torch": b"a", "gen": b"b"}, {"torch": b"a", "gen": b"b"}) == []
+
+
+def test_between_steps_only_a_draw_in_every_window_counts():
+    """A sampler draws an epoch's order once per epoch: one window with a draw is not the step's own."""
+    once = StepDrawWatch()
+    assert once.tick() is None  # the first reading
+    torch.rand(1)  # an epoch starts
+    assert once.tick() is None
+    assert once.tick() == []
+    every = StepDrawWatch(windows=3)
+    results = []
+    for _ in range(4):
+        results.append(every.tick())
+        np.random.rand()
+    assert results == [None, None, None, ["numpy"]]
