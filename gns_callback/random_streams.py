@@ -14,15 +14,16 @@ shows the meter its steps only, and :class:`StepDrawWatch` reads the windows bet
 
 from __future__ import annotations
 
+import inspect
 import random
 from collections.abc import Hashable
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["GENERATOR_TYPES", "RandomDrawWatch", "StepDrawWatch", "drawn_reason", "generator_state",
+__all__ = ["GENERATOR_TYPES", "RNGState", "RandomDrawWatch", "StepDrawWatch", "drawn_reason", "generator_state",
            "module_generators", "moved", "set_generator_state", "stream_states"]
 
 StreamStates = dict[str, Hashable]
@@ -31,7 +32,7 @@ StreamStates = dict[str, Hashable]
 GENERATOR_TYPES = (torch.Generator, np.random.Generator, np.random.RandomState, random.Random)
 
 
-def stream_states(module: Optional[nn.Module] = None) -> StreamStates:
+def stream_states(module: Optional[nn.Module] = None, skip: Iterable[str] = ()) -> StreamStates:
     """Each random stream's state, by name (module docstring)."""
     states: StreamStates = {
         "torch": torch.get_rng_state().numpy().tobytes(),
@@ -40,15 +41,46 @@ def stream_states(module: Optional[nn.Module] = None) -> StreamStates:
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # the current device's (each rank's own)
         states[f"cuda:{torch.cuda.current_device()}"] = torch.cuda.get_rng_state().numpy().tobytes()
-    states.update({name: _hashable(generator_state(gen)) for name, gen in module_generators(module)})
+    states.update({name: _hashable(generator_state(gen)) for name, gen in module_generators(module, skip)})
     return states
 
 
-def module_generators(module: Optional[nn.Module]) -> list[tuple[str, Any]]:
-    """``(name, generator)`` for each generator object in the attributes of ``module`` and its submodules."""
-    return [(f"{prefix}.{key}" if prefix else key, value)
-            for prefix, sub in (module.named_modules() if module is not None else ())
-            for key, value in vars(sub).items() if isinstance(value, GENERATOR_TYPES)]
+def module_generators(module: Optional[nn.Module], skip: Iterable[str] = ()) -> list[tuple[str, Any]]:
+    """``(name, generator)`` for each generator object the attributes of ``module`` and its submodules hold, directly
+    or inside dicts, lists, tuples and plain objects (a helper that augments, a DataLoader's ``generator``), up to
+    :data:`_DEPTH` levels down; ``skip``: attribute names left alone (a framework's internals)."""
+    found: dict[int, tuple[str, Any]] = {}
+    seen: set[int] = set()
+    skipped = set(skip) | TORCH_INTERNALS
+    for prefix, sub in (module.named_modules() if module is not None else ()):
+        for key, value in vars(sub).items():
+            if key not in skipped:
+                _find_generators(value, f"{prefix}.{key}" if prefix else key, 0, found, seen)
+    return list(found.values())
+
+
+_DEPTH = 4
+_MAX_SEEN = 20_000
+TORCH_INTERNALS = frozenset(vars(nn.Module()))
+
+
+def _find_generators(value: Any, name: str, depth: int, found: dict[int, tuple[str, Any]], seen: set[int]) -> None:
+    if isinstance(value, GENERATOR_TYPES):
+        found.setdefault(id(value), (name, value))
+        return
+    if depth >= _DEPTH or id(value) in seen or len(seen) > _MAX_SEEN or isinstance(value, (nn.Module, torch.Tensor)):
+        return
+    seen.add(id(value))
+    if isinstance(value, dict):
+        items = [(f"{name}[{key!r}]", item) for key, item in value.items()]
+    elif isinstance(value, (list, tuple)):
+        items = [(f"{name}[{index}]", item) for index, item in enumerate(value)]
+    elif hasattr(value, "__dict__") and not isinstance(value, type) and not inspect.isroutine(value):
+        items = [(f"{name}.{key}", item) for key, item in vars(value).items()]
+    else:
+        return
+    for item_name, item in items:
+        _find_generators(item, item_name, depth + 1, found, seen)
 
 
 def generator_state(generator: Any) -> Any:
@@ -69,6 +101,27 @@ def set_generator_state(generator: Any, state: Any) -> None:
         generator.setstate(state)
     else:
         generator.set_state(state)
+
+
+class RNGState:
+    """torch (CPU and every initialised CUDA device), numpy and Python ``random`` generator states, and those of
+    the generators ``module`` keeps in its attributes (:func:`gns_callback.random_streams.module_generators`)."""
+
+    def __init__(self, module: Optional[nn.Module] = None, skip: Iterable[str] = ()) -> None:
+        self.generators = [(gen, generator_state(gen)) for _, gen in module_generators(module, skip)]
+        self.torch = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        self.numpy = np.random.get_state()
+        self.python = random.getstate()
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.torch)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+        np.random.set_state(self.numpy)
+        random.setstate(self.python)
+        for gen, state in self.generators:
+            set_generator_state(gen, state)
 
 
 def _hashable(state: Any) -> Hashable:
@@ -93,18 +146,19 @@ class RandomDrawWatch:
     """``start()`` before a step's forward pass, ``stop()`` before its backward pass: the streams drawn from in
     between (module docstring). ``module``: the model, whose attributes may hold generators of its own."""
 
-    def __init__(self, module: Optional[nn.Module] = None) -> None:
+    def __init__(self, module: Optional[nn.Module] = None, skip: Iterable[str] = ()) -> None:
         self.module = module
+        self.skip = tuple(skip)
         self._before: Optional[StreamStates] = None
 
     def start(self) -> None:
-        self._before = stream_states(self.module)
+        self._before = stream_states(self.module, self.skip)
 
     def stop(self) -> Optional[list[str]]:
         """The names of the streams drawn from since :meth:`start` (empty: none); None if not started."""
         if self._before is None:
             return None
-        drawn, self._before = moved(self._before, stream_states(self.module)), None
+        drawn, self._before = moved(self._before, stream_states(self.module, self.skip)), None
         return drawn
 
 

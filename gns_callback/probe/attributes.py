@@ -33,6 +33,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from gns_callback.random_streams import module_generators
+
 #: ``nn.Module``'s own ``__dict__`` entries (registries, hooks, ``training``).
 TORCH_INTERNALS = frozenset(vars(nn.Module()))
 _ATOMS = (type(None), bool, int, float, complex, str, bytes, range, torch.device, torch.dtype)
@@ -181,7 +183,9 @@ class AttributeState:
 
     def __init__(self, module: nn.Module, *, keep: Iterable[Any] = (), skip: Iterable[str] = (),
                  max_copy_bytes: float = 2**29) -> None:
-        shared = [*module.modules(), *module.parameters(), *module.buffers(), *keep]
+        # Generators too: a copy would lose their state (RNGState puts it back in place, probe/state.py).
+        generators = [gen for _, gen in module_generators(module, skip)]
+        shared = [*module.modules(), *module.parameters(), *module.buffers(), *generators, *keep]
         self._memo = {id(obj): obj for obj in shared}
         self._skip = TORCH_INTERNALS | set(skip)
         self.max_copy_bytes = max_copy_bytes

@@ -7,16 +7,21 @@ the original. Restoring rewinds it: the next pass sees the same values. When the
 recorded values to the run, in order, and then puts the original object back. The run draws the same values in the
 same order as it would without the passes.
 
-An iterator kept elsewhere (a global, a data module) is not seen, and neither are random numbers its original draws
-in the main process while the passes advance it (augmentation in an auxiliary loader without workers). Torch only,
-no Lightning.
+Drawing from the original may draw from the global random streams too (a sampler's seed as a loader's epoch starts,
+augmentation in an auxiliary loader without workers), which restoring then rewinds. So each value records the
+streams' states before and after its draw (the generators the module keeps included: a loader's own ``generator``),
+and where a replay finds the streams where the draw found them, it moves them on to where the draw left them: the
+run's streams advance as without the passes. An iterator kept elsewhere (a
+global, a data module) is not seen. Torch only, no Lightning.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 from torch import Tensor, nn
+
+from gns_callback.random_streams import RNGState, StreamStates, stream_states
 
 __all__ = ["ReplayIterator", "ReplayedIterators"]
 
@@ -25,11 +30,14 @@ class ReplayIterator:
     """Stands in for ``owner.<key>``, an iterator, while passes aside from the run draw from it (module docstring)."""
 
     # No __dict__: the attribute snapshot counts it by identity alone (probe/attributes.py).
-    __slots__ = ("original", "owner", "key", "recorded", "position", "released")
+    __slots__ = ("original", "owner", "key", "streams", "recorded", "draws", "position", "released")
 
-    def __init__(self, original: Any, owner: nn.Module, key: str) -> None:
+    def __init__(self, original: Any, owner: nn.Module, key: str, streams: Optional["Streams"] = None) -> None:
         self.original, self.owner, self.key = original, owner, key
+        self.streams = streams or Streams()
         self.recorded: list[Any] = []
+        #: Per recorded value, where its draw drew from the global streams: their states before and after it.
+        self.draws: list[Optional[tuple[StreamStates, RNGState]]] = []
         self.position = 0
         self.released = False
 
@@ -38,16 +46,28 @@ class ReplayIterator:
 
     def __next__(self) -> Any:
         if self.position < len(self.recorded):
-            item = self.recorded[self.position]
-            self.position += 1
-            if self.released and self.position == len(self.recorded):
-                self._hand_back()
-            return item
-        item = next(self.original)
-        if not self.released:
-            self.recorded.append(item)
-            self.position += 1
-        return item
+            return self._replay()
+        if self.released:
+            return next(self.original)
+        before = self.streams.states()
+        try:
+            item = next(self.original)
+        except StopIteration:  # its end may draw too (a RandomSampler draws one more order as it ends)
+            item = _END
+        self.recorded.append(item)
+        self.draws.append((before, self.streams.capture()) if self.streams.states() != before else None)
+        self.position += 1
+        return _value(item)
+
+    def _replay(self) -> Any:
+        """The next recorded value, the global streams moved on as its draw moved them (module docstring)."""
+        item, draw = self.recorded[self.position], self.draws[self.position]
+        self.position += 1
+        if draw is not None and self.streams.states() == draw[0]:
+            draw[1].restore()
+        if self.released and self.position == len(self.recorded):
+            self._hand_back()
+        return _value(item)
 
     def __getattr__(self, name: str) -> Any:
         if name in ReplayIterator.__slots__ or name.startswith("__"):  # not set yet; or ``__dict__``, which it has not
@@ -67,7 +87,30 @@ class ReplayIterator:
     def _hand_back(self) -> None:
         if vars(self.owner).get(self.key) is self:
             vars(self.owner)[self.key] = self.original
-        self.recorded, self.position = [], 0
+        self.recorded, self.draws, self.position = [], [], 0
+
+
+_END = object()  # recorded where the original ended (raised StopIteration)
+
+
+def _value(item: Any) -> Any:
+    if item is _END:
+        raise StopIteration
+    return item
+
+
+class Streams:
+    """The random streams an iterator's draws may move: the global ones and the generators ``module`` keeps
+    (:mod:`gns_callback.random_streams`; a DataLoader's ``generator`` draws its order at each epoch's start)."""
+
+    def __init__(self, module: Optional[nn.Module] = None, skip: Iterable[str] = ()) -> None:
+        self.module, self.skip = module, tuple(skip)
+
+    def states(self) -> StreamStates:
+        return stream_states(self.module, self.skip)
+
+    def capture(self) -> RNGState:
+        return RNGState(self.module, self.skip)
 
 
 def _is_iterator(value: Any) -> bool:
@@ -80,8 +123,9 @@ class ReplayedIterators:
 
     def __init__(self, module: nn.Module, skip: Iterable[str] = ()) -> None:
         skipped = set(skip)
+        streams = Streams(module, skipped)
         self.replays = [
-            ReplayIterator(value, sub, key)
+            ReplayIterator(value, sub, key, streams)
             for sub in module.modules() for key, value in list(vars(sub).items())
             if key not in skipped and _is_iterator(value)
         ]

@@ -14,17 +14,15 @@ did).
 from __future__ import annotations
 
 import copy
-import random
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional, Sequence
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
 from gns_callback.probe.attributes import AttributeState
 from gns_callback.probe.iterators import ReplayedIterators
-from gns_callback.random_streams import generator_state, module_generators, set_generator_state
+from gns_callback.random_streams import RNGState
 
 _MISSING = object()
 
@@ -48,27 +46,6 @@ class _Saved:
                 self.original.copy_(self.copy)
             return self.original
         return copy.deepcopy(self.copy)
-
-
-class RNGState:
-    """torch (CPU and every initialised CUDA device), numpy and Python ``random`` generator states, and those of
-    the generators ``module`` keeps in its attributes (:func:`gns_callback.random_streams.module_generators`)."""
-
-    def __init__(self, module: Optional[nn.Module] = None) -> None:
-        self.generators = [(gen, generator_state(gen)) for _, gen in module_generators(module)]
-        self.torch = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-        self.numpy = np.random.get_state()
-        self.python = random.getstate()
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.torch)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
-        np.random.set_state(self.numpy)
-        random.setstate(self.python)
-        for gen, state in self.generators:
-            set_generator_state(gen, state)
 
 
 class OptimizerState:
@@ -149,7 +126,7 @@ class ProbeState:
 
     def __init__(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], **attributes: Any) -> None:
         self.iterators = ReplayedIterators(module, skip=attributes.get("skip", ()))  # before the attributes' snapshot
-        self.rng = RNGState(module)
+        self.rng = RNGState(module, skip=attributes.get("skip", ()))
         self.module = ModuleState(module)
         self.attributes = AttributeState(module, keep=[*attributes.pop("keep", ()), *optimizers], **attributes)
         self.optimizers = [OptimizerState(opt) for opt in optimizers]

@@ -84,3 +84,60 @@ def test_a_probe_leaves_an_auxiliary_iterator_as_the_run_would_use_it():
     probe_micro_batch(model, optimizer, batch, step, memory_budget_bytes=100_000, timed_steps=1,
                       timing_budget_s=0.05, progress_bar=False)
     assert [model.draw() for _ in range(5)] == [untouched.draw() for _ in range(5)]
+
+
+class Helper:
+    """An augmenter object holding a generator, as a module may keep one."""
+
+    def __init__(self):
+        self.rng = np.random.default_rng(1)
+
+
+def noisy():
+    """An iterator whose values draw from the global streams."""
+    while True:
+        yield random.random() + torch.rand(1).item()
+
+
+class Nested(nn.Module):
+    """Generators inside a helper object and a dict, an iterator drawing from the global streams, and an iterator
+    over a shuffled loader with a generator of its own, re-made when it ends (two batches a pass over it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(2, 2)
+        self.helper = Helper()
+        self.gens = {"noise": torch.Generator().manual_seed(2)}
+        self.noise = noisy()
+        self.loader = DataLoader(TensorDataset(torch.arange(4.0)), batch_size=2, shuffle=True,
+                                 generator=torch.Generator().manual_seed(3))
+        self.batches = iter(self.loader)
+
+    def draw(self):
+        try:
+            batch = next(self.batches)[0].tolist()
+        except StopIteration:
+            self.batches = iter(self.loader)
+            batch = next(self.batches)[0].tolist()
+        return (float(self.helper.rng.random()), torch.rand(1, generator=self.gens["noise"]).item(), next(self.noise),
+                batch)
+
+
+def test_nested_generators_global_draws_and_an_iterator_ended_in_a_pass_leave_the_run_as_it_was():
+    """Before, a generator in a helper object or a dict was never put back; the global draws an iterator made in a
+    pass were rewound, so the run's streams fell behind; and an iterator a pass ran to its end (a RandomSampler
+    draws once more as it ends) left the loader's generator one order behind: the next epoch's order differed."""
+    runs = []
+    for aside in (False, True):
+        random.seed(0)
+        torch.manual_seed(0)
+        model = Nested()
+        draws = [model.draw(), model.draw()]
+        if aside:
+            with preserved_state(model, []) as state:
+                [model.draw() for _ in range(5)]
+                state.restore()
+                [model.draw() for _ in range(3)]
+        draws += [model.draw() for _ in range(6)]
+        runs.append((draws, torch.rand(1).item(), random.random()))
+    assert runs[0] == runs[1]
