@@ -34,15 +34,7 @@ GENERATOR_TYPES = (torch.Generator, np.random.Generator, np.random.RandomState, 
 
 def stream_states(module: Optional[nn.Module] = None, skip: Iterable[str] = ()) -> StreamStates:
     """Each random stream's state, by name (module docstring)."""
-    states: StreamStates = {
-        "torch": torch.get_rng_state().numpy().tobytes(),
-        "numpy": _hashable(np.random.get_state()),
-        "random": random.getstate(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # the current device's (each rank's own)
-        states[f"cuda:{torch.cuda.current_device()}"] = torch.cuda.get_rng_state().numpy().tobytes()
-    states.update({name: _hashable(generator_state(gen)) for name, gen in module_generators(module, skip)})
-    return states
+    return RNGState(module, skip).fingerprint()
 
 
 def module_generators(module: Optional[nn.Module], skip: Iterable[str] = ()) -> list[tuple[str, Any]]:
@@ -61,6 +53,7 @@ def module_generators(module: Optional[nn.Module], skip: Iterable[str] = ()) -> 
 
 _DEPTH = 4
 _MAX_SEEN = 20_000
+#: ``nn.Module``'s own ``__dict__`` entries (registries, hooks, ``training``).
 TORCH_INTERNALS = frozenset(vars(nn.Module()))
 
 
@@ -105,10 +98,11 @@ def set_generator_state(generator: Any, state: Any) -> None:
 
 class RNGState:
     """torch (CPU and every initialised CUDA device), numpy and Python ``random`` generator states, and those of
-    the generators ``module`` keeps in its attributes (:func:`gns_callback.random_streams.module_generators`)."""
+    the generators ``module`` keeps in its attributes (:func:`module_generators`): :meth:`restore` puts them back,
+    :meth:`fingerprint` compares them."""
 
     def __init__(self, module: Optional[nn.Module] = None, skip: Iterable[str] = ()) -> None:
-        self.generators = [(gen, generator_state(gen)) for _, gen in module_generators(module, skip)]
+        self.generators = [(name, gen, generator_state(gen)) for name, gen in module_generators(module, skip)]
         self.torch = torch.get_rng_state()
         self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
         self.numpy = np.random.get_state()
@@ -120,8 +114,16 @@ class RNGState:
             torch.cuda.set_rng_state_all(self.cuda)
         np.random.set_state(self.numpy)
         random.setstate(self.python)
-        for gen, state in self.generators:
+        for _, gen, state in self.generators:
             set_generator_state(gen, state)
+
+    def fingerprint(self) -> StreamStates:
+        """Each stream's state by name, hashable; of CUDA, the current device's only (each rank's own)."""
+        states: StreamStates = {"torch": _hashable(self.torch), "numpy": _hashable(self.numpy), "random": self.python}
+        if self.cuda is not None:
+            states[f"cuda:{torch.cuda.current_device()}"] = _hashable(self.cuda[torch.cuda.current_device()])
+        states.update({name: _hashable(state) for name, _, state in self.generators})
+        return states
 
 
 def _hashable(state: Any) -> Hashable:

@@ -33,10 +33,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from gns_callback.random_streams import module_generators
+from gns_callback.random_streams import TORCH_INTERNALS, module_generators
 
-#: ``nn.Module``'s own ``__dict__`` entries (registries, hooks, ``training``).
-TORCH_INTERNALS = frozenset(vars(nn.Module()))
 _ATOMS = (type(None), bool, int, float, complex, str, bytes, range, torch.device, torch.dtype)
 _MAX_DEPTH = 6
 _MAX_NODES = 100_000

@@ -21,7 +21,7 @@ from typing import Any, Iterable, Optional
 
 from torch import Tensor, nn
 
-from gns_callback.random_streams import RNGState, StreamStates, stream_states
+from gns_callback.random_streams import RNGState, StreamStates
 
 __all__ = ["ReplayIterator", "ReplayedIterators"]
 
@@ -49,13 +49,14 @@ class ReplayIterator:
             return self._replay()
         if self.released:
             return next(self.original)
-        before = self.streams.states()
+        before = self.streams.capture().fingerprint()
         try:
             item = next(self.original)
         except StopIteration:  # its end may draw too (a RandomSampler draws one more order as it ends)
             item = _END
+        after = self.streams.capture()
         self.recorded.append(item)
-        self.draws.append((before, self.streams.capture()) if self.streams.states() != before else None)
+        self.draws.append((before, after) if after.fingerprint() != before else None)
         self.position += 1
         return _value(item)
 
@@ -63,7 +64,7 @@ class ReplayIterator:
         """The next recorded value, the global streams moved on as its draw moved them (module docstring)."""
         item, draw = self.recorded[self.position], self.draws[self.position]
         self.position += 1
-        if draw is not None and self.streams.states() == draw[0]:
+        if draw is not None and self.streams.capture().fingerprint() == draw[0]:
             draw[1].restore()
         if self.released and self.position == len(self.recorded):
             self._hand_back()
@@ -105,9 +106,6 @@ class Streams:
 
     def __init__(self, module: Optional[nn.Module] = None, skip: Iterable[str] = ()) -> None:
         self.module, self.skip = module, tuple(skip)
-
-    def states(self) -> StreamStates:
-        return stream_states(self.module, self.skip)
 
     def capture(self) -> RNGState:
         return RNGState(self.module, self.skip)

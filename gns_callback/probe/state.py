@@ -125,8 +125,9 @@ class ProbeState:
     """
 
     def __init__(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], **attributes: Any) -> None:
-        self.iterators = ReplayedIterators(module, skip=attributes.get("skip", ()))  # before the attributes' snapshot
-        self.rng = RNGState(module, skip=attributes.get("skip", ()))
+        skip = attributes.get("skip", ())
+        self.iterators = ReplayedIterators(module, skip=skip)  # before the attributes' snapshot
+        self.rng = RNGState(module, skip=skip)
         self.module = ModuleState(module)
         self.attributes = AttributeState(module, keep=[*attributes.pop("keep", ()), *optimizers], **attributes)
         self.optimizers = [OptimizerState(opt) for opt in optimizers]
