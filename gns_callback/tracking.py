@@ -220,7 +220,10 @@ def fit_window(sums: Sequence[float], scale: float, confidence: float, trend: bo
     variance factor ``Σv² = Y2²·Σw² − 2·Y2·Y1·Σw²u + Y1²·Σw²u²``, per-step (co)variances about the linear trends.
     Without: ``mx = X0``, ``my = Y0``, ``Σv² = Σw²``, (co)variances about the means (the ratio-scale EMA, read as
     :func:`gns_callback.smoothing.summarize_ratio` reads the EMA of the parts).
-    ``mean_x``/``mean_y`` are the kernel-weighted means of ``x̃``, ``ỹ`` times the current ``scale``.
+    ``mean_x``/``mean_y`` are the kernel-weighted means of ``x̃``, ``ỹ`` times the current ``scale``. The kernel's
+    sign is taken so that ``Σv > 0``: ``Σv·x̃/Σv·ỹ`` and Fieller's set are the same for ``−v``, but ``|G|²`` is
+    resolved only where ``my`` has the sign of ``Σv`` (with it negative, a ``|G|²`` read below zero read as
+    ``B_simple = 0``, not ``inf``, at a least-squares minimum).
     """
     w, wu, _, w2, w2u, w2uu, sx, sux, sy, suy, suuy = sums[:11]
     if w <= 0.0:
@@ -233,6 +236,8 @@ def fit_window(sums: Sequence[float], scale: float, confidence: float, trend: bo
     else:
         mx, my, total, square = sx, sy, w, w2
         kernel = Kernel(window, 1.0, 0.0)
+    if total < 0.0:  # a trend kernel whose weights sum below zero (ỹ near zero, of either sign): the same fit, v → −v
+        mx, my, total, kernel = -mx, -my, -total, Kernel(window, -kernel.alpha, -kernel.beta)
     ratio = max(mx / my, 0.0) if my > 0.0 else math.inf
     n_eff = total * total / square if square > 0.0 else 0.0
     means = (mx / total * scale, my / total * scale) if total != 0.0 else (math.nan, math.nan)

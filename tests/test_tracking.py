@@ -279,6 +279,27 @@ def test_the_level_answers_while_the_trend_fit_reads_a_negative_grad_norm():
     assert chosen.ci_low <= 50.0 <= chosen.ci_high
 
 
+def test_a_ratio_is_read_off_the_kernel_means_whatever_the_sign_of_the_kernel_weights():
+    """At a minimum |G|² is zero and each step's ỹ is noise of either sign: a trend kernel's weights can then sum
+    below zero. Its ratio must follow the kernel-weighted means it reports: |G|² read below zero is ``inf``, not 0
+    (a least-squares regression at its minimum read B_simple = 0, 95% CI 0–inf, |G|² = −0.93, against an exact
+    2.6e16), and a positive |G|² gives tr Σ/|G|²."""
+    checked = 0
+    for seed in range(40):
+        rng = np.random.default_rng(seed)
+        tracker = LocalLinearRatio(decay=0.99)
+        _feed(tracker, 5.0 + rng.standard_normal(300), 0.05 * rng.standard_normal(300), scale=np.ones(300))
+        for fit in (f for window in tracker.fits() for f in window):
+            summary = fit.summary
+            if summary.mean_y <= 0.0:
+                checked += 1
+                assert summary.ratio == math.inf
+            elif summary.mean_x > 0.0:
+                assert summary.ratio == pytest.approx(summary.mean_x / summary.mean_y, rel=1e-9)
+        assert tracker.summary().ratio > 0.0
+    assert checked > 20
+
+
 def test_a_base_trend_fit_that_does_not_resolve_the_gradient_chooses_no_window():
     """B_simple = 600 at B = 32: the base trend fit's interval is often unbounded (|G|² not resolved); it has no
     power to see a longer window lag then, and the reading is the one before the window choice."""
