@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Generic, Iterable, TypeVar
+from typing import Callable, Generic, Iterable, Optional, TypeVar
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -60,6 +60,14 @@ def hooks_inert(pausable: bool = True) -> bool:
     return (pausable and _paused > 0) or in_functorch_transform()
 
 
+def at_the_end_of_the_pass(callback: Callable[[], None]) -> None:
+    """Call ``callback`` as the running backward pass ends, after what other code queued to run then during it
+    (DDP's gradient reduction, which writes the reduced gradients into ``.grad``): queued by a callback queued now,
+    it runs behind them. Call it from inside a backward pass."""
+    queue = torch.autograd.Variable._execution_engine.queue_callback
+    queue(partial(queue, callback))
+
+
 @dataclass
 class PassLedger(Generic[T]):
     """``pass id → value`` for the backward passes of one optimizer step; :meth:`pop` returns the committed ones.
@@ -75,6 +83,8 @@ class PassLedger(Generic[T]):
     _handles: list[RemovableHandle] = field(default_factory=list)
     _outer: dict[int, int] = field(default_factory=dict)  # pass seen → the outermost pass it runs inside (or itself)
     _running: set[int] = field(default_factory=set)  # passes seen whose backward has not finished
+    #: Called as each committed pass ends (:func:`at_the_end_of_the_pass`), once its ``.grad`` is final.
+    on_end: Optional[Callable[[], None]] = None
 
     def current(self) -> int:
         """The autograd engine's id of the backward pass running now (-1 outside backward), placed among the
@@ -114,6 +124,8 @@ class PassLedger(Generic[T]):
         pass_id = self.current()
         if not self._committed or self._committed[-1] != pass_id:
             self._committed.append(pass_id)
+            if self.on_end is not None:
+                at_the_end_of_the_pass(self.on_end)
 
     def record(self, pass_id: int) -> T:
         """The value recorded for ``pass_id``, made by ``new()`` on first use."""

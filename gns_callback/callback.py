@@ -494,9 +494,6 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         self._sizes.append(self._batch_size)
         self._losses.append(loss.detach())  # the critical batch reads the noise scale against the loss
 
-    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
-        self.meter.backward_done()  # before the module's own hook, which may change the gradients
-
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if self.meter is not None:
             self.meter.enabled = False  # validation with gradients on is not a training step

@@ -6,19 +6,27 @@ Lightning's ``LightningModule.on_after_backward``) mixes a changed ``|G_B|²`` w
 the digits MLP, clipping at a norm of 0.6 there read B_simple = 87.8 (95% CI 78.9–99.0) against an exact 68.0.
 Clipping where it belongs (Lightning's ``gradient_clip_val`` or ``configure_gradient_clipping``) runs after the read.
 
-:class:`GradientWatch` checks two ways, both kept when backward ends (:meth:`~GradientWatch.mark`) and compared at
-the read (:meth:`~GradientWatch.problem`):
+:class:`GradientWatch` keeps, when backward ends (:meth:`~GradientWatch.mark`; the meter marks the end of each
+backward pass that fills ``.grad`` itself), and compares at the read (:meth:`~GradientWatch.problem`):
 
 - **Every measured parameter's** ``.grad`` tensor and its version counter, which every in-place change bumps
   (``clip_grad_norm_``, ``grad[rows] = 0``, ``grad.mul_``) and which a replaced or dropped ``.grad`` fails by
   identity. No device work, no sync. A change to a few layers only shows here: zeroing half of the first layer's
   gradient of the digits MLP after backward read B_simple = 773 (95% CI 390–33,600) against an exact 68.
+- **The total squared norm**, where every gradient changed alike (one op over all of them: ``clip_grad_norm_``,
+  which multiplies every gradient, by 1 where it does not clip; AMP's unscaling, allowed for): the read takes
+  only ``|G_B|²`` from ``.grad``, so a change that leaves it as it was changes nothing, and one that doesn't is a
+  change. Kept at the first mark, then at every mark once such a change is seen (one more reduction over the
+  gradients). In a loop of one's own, clipping at the median batch-gradient norm before ``meter.step()`` read
+  B_simple = 128.2 (95% CI 117.5–140.9) against an exact 68.0 on the digits MLP: unseen before the meter marked the
+  end of backward itself; now it stops at the first step that clips (``benchmarks/loop_gradient_changes.py``).
 - **The squared norms of a few small parameters' gradients**, allowing for the AMP loss scale taken off in between.
   They catch changes through ``.data``, which bypasses the version counter, where the change reaches them (a uniform
-  clipping or scaling does).
+  clipping or scaling does), and a loss scale given while the gradients are still scaled.
 
-AMP's unscaling changes every gradient alike (torch 2.13 leaves the versions alone; another build may not): under a
-loss scale, a version change common to every gradient is left to the norms.
+On an accelerator the norms are compared on the steps the meter agrees on (the first 8, then every 32nd; each a
+host sync): a uniform change that starts later is found within 32 steps.
+AMP's unscaling changes every gradient alike (torch 2.13 leaves the versions alone; another build may not).
 
 :class:`StaleGradients` catches a step whose ``.grad`` already held a gradient when its first backward pass began (a
 loop that calls ``meter.step()`` after every micro-batch of an accumulation window: on the digits MLP, B_simple =
@@ -39,7 +47,7 @@ import torch
 from torch import nn
 
 from gns_callback.backward_passes import PassLedger, hooks_inert
-from gns_callback.norms import squared_norm
+from gns_callback.norms import squared_norm, squared_norm_sum
 
 #: Parameters whose norms are watched (the smallest, so that marking costs almost nothing).
 WATCHED = 2
@@ -54,43 +62,79 @@ PROBLEM = (
     "in your own loop, call meter.step() before changing the gradients"
 )
 
+STILL_SCALED = (
+    "loss_scale= was given, but the gradients are still scaled: nothing took the scale off since backward. Pass "
+    "loss_scale= only once the gradients are unscaled (scaler.unscale_(optimizer) before meter.step()), or pass no "
+    "loss_scale while they are still scaled"
+)
+CLEARED = (
+    "the step's gradient was read as zero while its backward passes had nonzero gradients: the gradients were "
+    "cleared (optimizer.zero_grad()) or zeroed before the meter read them. Call meter.step() after backward and "
+    "before optimizer.zero_grad()"
+)
+
 
 class GradientWatch:
     """Every one of ``params``' ``.grad`` tensors and versions, and the squared norms of the smallest of them, at the
-    end of backward; checked at the read."""
+    end of backward; checked at the read. Where the loop changes every gradient alike in place (clipping by the
+    total norm, which multiplies every gradient, by 1 when it does not clip; unscaling), the total squared norm too,
+    which is all the read takes from ``.grad``: kept at the first mark, and at every mark once such a change is seen
+    (:attr:`keep_total`)."""
 
     def __init__(self, params: Sequence[nn.Parameter]) -> None:
         self.all = list(params)
         self.params = sorted(self.all, key=lambda p: p.numel())[:WATCHED]
         self._marked: Optional[list[Optional[torch.Tensor]]] = None
         self._versions: Optional[list[tuple[Optional[torch.Tensor], int]]] = None
+        self._total: Optional[torch.Tensor] = None
+        #: Whether :meth:`mark` keeps the total squared norm (one more reduction over the gradients).
+        self.keep_total = True
 
     def mark(self) -> None:
-        """Backward has ended: keep every gradient's identity and version, and the watched gradients' squared norms
-        (on their device, no sync)."""
+        """Backward has ended: keep every gradient's identity and version, the watched gradients' squared norms and,
+        where :attr:`keep_total`, the total squared norm (on their device, no sync)."""
         self._versions = [_version_of(p.grad) for p in self.all]
         self._marked = [None if p.grad is None else squared_norm(p.grad) for p in self.params]
+        self._total = squared_norm_sum(self._grads()) if self.keep_total else None
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.all if p.grad is not None]
 
     def on_host(self) -> bool:
         """Whether the watched gradients live on the CPU (reading their norms costs no device sync)."""
         return all(p.device.type == "cpu" for p in self.params)
 
     def problem(self, loss_scale: Union[torch.Tensor, float, None] = None, norms: bool = True) -> Optional[str]:
-        """:data:`PROBLEM` if a gradient changed since :meth:`mark`, else None; forgets the mark. ``loss_scale``: the
-        scale the backward passes ran with, taken off the gradients since. ``norms``: also compare the watched
-        squared norms (a host sync on an accelerator); the versions are always compared."""
+        """:data:`PROBLEM` (or :data:`CLEARED`, :data:`STILL_SCALED`) if a gradient changed since :meth:`mark` in a
+        way that changes the read, else None; forgets the mark. ``loss_scale``: the scale the backward passes ran
+        with, taken off the gradients since. ``norms``: also compare squared norms (a host sync on an accelerator);
+        the versions are always compared."""
         versions, self._versions = self._versions, None
         marked, self._marked = self._marked, None
-        if versions is not None and _versions_changed(self.all, versions, scaled=loss_scale is not None):
+        total, self._total = self._total, None
+        change = None if versions is None else _version_change(self.all, versions, scaled=loss_scale is not None)
+        if change is not None and self._cleared():
+            return CLEARED
+        if change == CHANGED:
             return PROBLEM
+        self.keep_total = change == ALIKE
         if marked is None or not norms:
             return None
         scale_sq = 1.0 if loss_scale is None else float(loss_scale) ** 2
-        for param, then in zip(self.params, marked):
-            now = None if param.grad is None else float(squared_norm(param.grad)) * scale_sq
-            if then is not None and now is not None and _differ(float(then), now):
-                return PROBLEM
-        return None
+        if total is not None and change == ALIKE:
+            return PROBLEM if _differ(float(total), float(squared_norm_sum(self._grads())) * scale_sq) else None
+        then = [None if norm is None else float(norm) for norm in marked]
+        now = [None if p.grad is None else float(squared_norm(p.grad)) for p in self.params]
+        if change is None and scale_sq != 1.0 and _tell_scales(then, now) and _same_norms(then, now, 1.0):
+            return STILL_SCALED
+        return None if _same_norms(then, now, scale_sq) else PROBLEM
+
+    def _cleared(self) -> bool:
+        """Whether the gradients were cleared: none left, or the watched ones all zero (a host sync, on a step
+        already found changed)."""
+        if all(p.grad is None for p in self.all):
+            return True
+        return all(p.grad is None or not bool(p.grad.any()) for p in self.params)
 
 
 #: Steps whose first backward pass is checked (the mistake is in the loop's code, so it shows at every step); a
@@ -146,21 +190,36 @@ def _version_of(grad: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], i
     return grad, (0 if grad is None else grad._version)
 
 
-def _versions_changed(params: Sequence[nn.Parameter], kept: Sequence[tuple[Optional[torch.Tensor], int]],
-                      scaled: bool) -> bool:
-    """Whether a ``.grad`` was replaced, dropped or changed in place since ``kept``. ``scaled``: a loss scale was
-    taken off in between, which may change every gradient alike (and coalesce sparse ones into new tensors): then
-    only a change to some gradients counts."""
+#: :func:`_version_change`'s verdicts: every gradient changed in place alike, or some other way.
+ALIKE, CHANGED = "alike", "changed"
+
+
+def _version_change(params: Sequence[nn.Parameter], kept: Sequence[tuple[Optional[torch.Tensor], int]],
+                    scaled: bool) -> Optional[str]:
+    """How the ``.grad`` tensors changed since ``kept``: None (not at all), :data:`ALIKE` (every one changed in
+    place the same number of times: one op over all of them), or :data:`CHANGED` (replaced, dropped, or some changed
+    and others not). ``scaled``: a loss scale was taken off in between, which may coalesce sparse gradients into new
+    tensors (not a change)."""
     deltas = set()
     for param, (grad, version) in zip(params, kept):
         if param.grad is grad:
             if grad is not None:
                 deltas.add(grad._version - version)
         elif not (scaled and grad is not None and grad.layout != torch.strided):
-            return True
+            return CHANGED
     if deltas <= {0}:
-        return False
-    return not scaled or len(deltas) > 1
+        return None
+    return ALIKE if len(deltas) == 1 else CHANGED
+
+
+def _same_norms(then: Sequence[Optional[float]], now: Sequence[Optional[float]], scale_sq: float) -> bool:
+    """Whether each watched squared norm ``now``, times ``scale_sq``, is the one ``then``."""
+    return not any(_differ(a, b * scale_sq) for a, b in zip(then, now) if a is not None and b is not None)
+
+
+def _tell_scales(then: Sequence[Optional[float]], now: Sequence[Optional[float]]) -> bool:
+    """Whether a watched norm can tell a scale from none: finite, and nonzero then."""
+    return any(a is not None and b is not None and 0.0 < a < math.inf and math.isfinite(b) for a, b in zip(then, now))
 
 
 def _differ(then: float, now: float) -> bool:

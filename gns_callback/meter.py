@@ -36,13 +36,13 @@ from torch.utils.data import DataLoader
 from gns_callback import arguments as args
 from gns_callback.accumulation import (PACKED_FIELDS, SCALE_MARGIN, AccumulationWindow, LossReduction, scale_mismatch,
                                       step_estimates)
-from gns_callback.backward_passes import measurement_paused
+from gns_callback.backward_passes import hooks_inert, measurement_paused
 from gns_callback.blend import PairBlend
 from gns_callback.collectors import BATCH_NORM_COUPLES, COLLECTORS, MIN_COVERAGE, Collector
 from gns_callback.critical_batch import CriticalBatchAccumulator, CriticalBatchEstimate
 from gns_callback.deferred import DeferredReads
 from gns_callback.estimate import GNSEstimate
-from gns_callback.grad_watch import PROBLEM as GRADIENTS_CHANGED, GradientWatch, StaleGradients
+from gns_callback.grad_watch import CLEARED as GRADIENTS_CLEARED, GradientWatch, StaleGradients
 from gns_callback.left_out import LeftOutShare
 from gns_callback.norms import squared_norm_sum
 from gns_callback.per_example.checks import SUMS_CHECKED, PerExampleCheck, check_per_example, first_step_check
@@ -56,11 +56,6 @@ from gns_callback.scalar_ops import host_errors_ignored
 from gns_callback.smoothing import RatioAccumulator, RatioSummary, step_values, summarize_ratio
 from gns_callback.tracking import LocalLinearRatio
 
-GRADIENTS_CLEARED = (
-    "the step's gradient was read as zero while its backward passes had nonzero gradients: the gradients were "
-    "cleared (optimizer.zero_grad()) or zeroed before the meter read them. Call meter.step() after backward and "
-    "before optimizer.zero_grad()"
-)
 SCALES_DIFFER = (
     "the step's mean gradient read {ratio:.3g}× the mean squared norm of its examples' (or micro-batches') gradients, "
     "which a mean never exceeds: the two were read on different scales. With AMP, pass loss_scale= only once the "
@@ -227,6 +222,7 @@ class GradientNoiseScaleMeter:
     def attach(self) -> "GradientNoiseScaleMeter":
         """Put the hooks on (idempotent)."""
         self.collector.attach()
+        self.collector.call_at_pass_end(self._backward_ended)
         self._watch = GradientWatch(self.collector.measured_parameters())
         if self._stale is not None:
             self._stale.remove()
@@ -305,10 +301,17 @@ class GradientNoiseScaleMeter:
 
     def backward_done(self) -> None:
         """Backward has ended, and nothing has changed the gradients yet: :meth:`step` then checks that nothing did
-        before it reads them (:mod:`gns_callback.grad_watch`; the Lightning callback calls this in
-        ``on_after_backward``, before the module's own hook). Optional in your own loop."""
+        before it reads them (:mod:`gns_callback.grad_watch`). The meter marks this itself as each backward pass
+        that fills ``.grad`` ends (after DDP's reduction); calling it again before anything changes them is
+        harmless."""
         if self._enabled and self.measures_next_step and self.failure is None:
             self._watch.mark()
+
+    def _backward_ended(self) -> None:
+        """A backward pass of the step ended (the collector's ledger calls this); passes aside from the run don't
+        count (:func:`~gns_callback.backward_passes.measurement_paused`)."""
+        if not hooks_inert():
+            self.backward_done()
 
     def expect_batch_size(self, size: Optional[int]) -> None:
         """The number of examples in the micro-batch whose forward pass runs next (None: unknown).
@@ -470,8 +473,9 @@ class GradientNoiseScaleMeter:
         window = self._collect(_as_sizes(micro_batch_size), loss_divisor)
         if not window.empty:
             self._read_sum_check(window)
-        if self._gradients_changed(loss_scale) and self.reduce is None:
-            return self.stop(GRADIENTS_CHANGED)
+        changed = self._gradients_changed(loss_scale)
+        if changed is not None and self.reduce is None:
+            return self.stop(changed)
         if self.reduce is not None:
             return self._step_across_ranks(window, loss_scale, loss)
         if self._problem is not None:
@@ -550,15 +554,15 @@ class GradientNoiseScaleMeter:
             self.discard_pending()
         return True
 
-    def _gradients_changed(self, loss_scale: Union[torch.Tensor, float, None]) -> bool:
-        """Whether the gradients changed after backward (:meth:`backward_done`): their versions at every step, the
+    def _gradients_changed(self, loss_scale: Union[torch.Tensor, float, None]) -> Optional[str]:
+        """Why the gradients changed after backward (:meth:`backward_done`), or None: their versions at every step, the
         watched norms at every step on the CPU and on an accelerator at the steps the ranks agree on (a host sync).
         With ``reduce`` the ranks stop together."""
         norms = self._watch.on_host() or self.steps_seen < AGREE_FIRST or self.steps_seen % AGREE_EVERY == 0
         problem = self._watch.problem(loss_scale, norms=norms)
         if problem is not None and self.reduce is not None:
             self._problem = self._problem or problem
-        return problem is not None
+        return problem
 
     def _say_unmeasurable(self, window: AccumulationWindow) -> None:
         """Warn that steps are skipped because their small and big batches are the same size (one micro-batch of one

@@ -4,7 +4,7 @@ import torch
 import torch.nn as nn
 
 from gns_callback.backward_passes import measurement_paused
-from gns_callback.grad_watch import PROBLEM, STALE, STALE_CHECKS, GradientWatch, StaleGradients
+from gns_callback.grad_watch import CLEARED, PROBLEM, STALE, STALE_CHECKS, STILL_SCALED, GradientWatch, StaleGradients
 from tests.helpers import mlp
 
 
@@ -159,3 +159,51 @@ def test_the_check_comes_off_after_its_steps():
         assert stale.problem() is None
     passes(net, 1)  # stale now, but no longer looked at: no hook, no host read
     assert stale.problem() is None and not stale.param._backward_hooks
+
+
+def test_a_change_to_every_gradient_alike_is_judged_by_the_total_norm_the_read_takes():
+    """``clip_grad_norm_`` multiplies every gradient, by 1 where it does not clip: the versions all move alike, and
+    what the read takes from ``.grad`` (``|G_B|²``) is unchanged. The total is kept at the first mark, and at every
+    mark after such a change; a step without one stops keeping it."""
+    net = mlp()
+    watch = marked(net)
+    assert watch._total is not None
+    torch.nn.utils.clip_grad_norm_(net.parameters(), 1e6)  # multiplies by 1
+    assert watch.problem() is None and watch.keep_total
+    for max_norm, verdict in ((1e6, None), (1e-3, PROBLEM)):
+        backward(net)
+        watch.mark()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), max_norm)
+        assert watch.problem() == verdict
+    backward(net)
+    watch.mark()
+    assert watch.problem() is None and not watch.keep_total
+    watch.mark()
+    assert watch._total is None
+
+
+def test_a_change_alike_seen_without_a_total_is_judged_by_the_watched_norms():
+    net = mlp()
+    watch = marked(net)
+    assert watch.problem() is None and not watch.keep_total
+    backward(net)
+    watch.mark()
+    for p in net.parameters():
+        p.grad.mul_(0.5)
+    assert watch.problem() == PROBLEM and watch.keep_total
+
+
+def test_a_loss_scale_given_to_gradients_still_scaled_says_so():
+    net = mlp()
+    watch = GradientWatch(list(net.parameters()))
+    backward(net, scale=2.0**10)
+    watch.mark()
+    assert watch.problem(loss_scale=2.0**10) == STILL_SCALED
+
+
+def test_cleared_gradients_say_so():
+    for set_to_none in (True, False):
+        net = mlp()
+        watch = marked(net)
+        net.zero_grad(set_to_none=set_to_none)
+        assert watch.problem() == CLEARED

@@ -2,7 +2,8 @@
 
 Every collector has the same small interface (:class:`Collector`): ``attach``/``detach`` its hooks,
 ``measured_parameters``, ``coverage``, ``enabled`` (hooks inert while False), ``discard``, ``expect_batch_size`` (the
-next micro-batch's size, before its forward pass), and ``pop_into(window, ...)``,
+next micro-batch's size, before its forward pass), ``call_at_pass_end`` (a callback as each backward pass that fills
+``.grad`` ends), and ``pop_into(window, ...)``,
 which adds the committed backward passes since the last call to an
 :class:`~gns_callback.accumulation.AccumulationWindow`, each scaled by the collector's own rule. A third method
 is one new module plus one entry in :data:`COLLECTORS`.
@@ -38,6 +39,8 @@ class Collector(Protocol):
     def discard(self) -> None: ...
 
     def expect_batch_size(self, size: Optional[int]) -> None: ...
+
+    def call_at_pass_end(self, callback: Optional[Callable[[], None]]) -> None: ...
 
     def measured_parameters(self) -> list[nn.Parameter]: ...
 

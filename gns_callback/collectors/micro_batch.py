@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -107,6 +107,10 @@ class MicroBatchCollector:
     @property
     def attached(self) -> bool:
         return bool(self._handles)
+
+    def call_at_pass_end(self, callback: Optional[Callable[[], None]]) -> None:
+        """``callback()`` as each backward pass that fills a measured ``.grad`` ends (None: nothing)."""
+        self._passes.on_end = callback
 
     def expect_batch_size(self, size: Optional[int]) -> None:
         """Unused: parameter hooks see whole micro-batch gradients (the size comes with :meth:`pop_into`)."""

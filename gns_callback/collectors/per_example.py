@@ -9,7 +9,7 @@ divisor and, for a mean loss, ``1/b``: ``g_i = divisor·b·ĝ_i`` (mean) or ``di
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from torch import nn
 
@@ -38,6 +38,10 @@ class PerExampleCollector:
     def expect_batch_size(self, size: Optional[int]) -> None:
         """The next micro-batch's size (None: unknown): the hooks find each layer's batch dim with it."""
         self.tracker.expected_batch_size = size
+
+    def call_at_pass_end(self, callback: Optional[Callable[[], None]]) -> None:
+        """``callback()`` as each backward pass that fills a measured ``.grad`` ends (None: nothing)."""
+        self.tracker.call_at_pass_end(callback)
 
     def attach(self) -> None:
         self.tracker.attach()

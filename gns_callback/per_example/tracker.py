@@ -624,6 +624,10 @@ class PerExampleNormTracker:
         return [module.register_forward_pre_hook(self._on_attention_start, with_kwargs=True),
                 module.register_forward_hook(self._on_attention_end, always_call=True)]
 
+    def call_at_pass_end(self, callback: Optional[Callable[[], None]]) -> None:
+        """``callback()`` as each backward pass that fills a measured ``.grad`` ends (None: nothing)."""
+        self._passes.on_end = callback
+
     def detach(self) -> None:
         """Remove every hook from the model. Hooks already placed on live output tensors go inert."""
         for handle in self._handles:
