@@ -4,8 +4,9 @@ between draws".
 
     python benchmarks/varying_draws.py --seeds 5                  # wine, jitter in the data set, the callback
     python benchmarks/varying_draws.py --seeds 5 --case loop      # wine, dropout masks drawn in a loop of one's own
+    python benchmarks/varying_draws.py --seeds 5 --case own       # the same, from a numpy generator the loop keeps
 
-``--case loop`` also runs the meter with its watch of the steps' random draws off (the draws taken as fixed, as
+``--case loop`` and ``--case own`` also run the meter with its watch of the steps' random draws off (the draws taken as fixed, as
 before 2026-11-28).
 """
 
@@ -35,15 +36,18 @@ from tests.trust.test_varying_draws import (Jittered, MaskedDropout, exact_over_
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--case", choices=["jitter", "loop"], default="jitter")
+    parser.add_argument("--case", choices=["jitter", "loop", "own"], default="jitter")
     options = parser.parse_args()
     warnings.filterwarnings("ignore")
     logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
     torch.set_num_threads(1)
-    (jitter if options.case == "jitter" else loop)(options.seeds)
+    if options.case == "jitter":
+        jitter(options.seeds)
+    else:
+        loop(options.seeds, masks=True if options.case == "loop" else "own")
 
 
-def loop(seeds: int) -> None:
+def loop(seeds: int, masks) -> None:
     x, y = wine()
     model = MaskedDropout()
     exact = exact_over_draws(model, x, y, lambda gen: torch.cat([x, torch.rand(len(x), 32, generator=gen)], 1))
@@ -51,7 +55,7 @@ def loop(seeds: int) -> None:
     for watch in (True, False):
         held = 0
         for seed in range(seeds):
-            meter = meter_loop(model, x, y, masks=True, seed=seed, watch=watch)
+            meter = meter_loop(model, x, y, masks=masks, seed=seed, watch=watch)
             est = meter.run_estimate
             holds = est.ci_low <= exact <= est.ci_high
             held += holds

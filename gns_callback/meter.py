@@ -26,7 +26,7 @@ import contextlib
 import dataclasses
 import math
 import warnings
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -50,7 +50,7 @@ from gns_callback.per_example.tracker import MICRO_BATCH_HINT
 from gns_callback.per_example.sketch import reseed_probes
 from gns_callback.per_example.sum_check import SumCheck
 from gns_callback.probe.state import preserved_state
-from gns_callback.random_streams import StepDrawWatch, drawn_reason
+from gns_callback.random_streams import StepDrawWatch, caller_frames, drawn_reason, scope_generators
 from gns_callback.sampling import draws_may_vary, population_from, varying_draws_high, without_replacement
 from gns_callback.scalar_ops import host_errors_ignored
 from gns_callback.smoothing import RatioAccumulator, RatioSummary, step_values, summarize_ratio
@@ -67,6 +67,9 @@ MEASURING_METHODS = tuple(COLLECTORS)
 #: Steps between checks that the model's trainable parameters are still the ones measured (unfreezing a backbone
 #: for fine-tuning changes them); each check walks the parameter list once.
 TRAINABLE_CHECK_EVERY = 50
+#: Frames above :meth:`GradientNoiseScaleMeter.step` whose generators the watch of the loop's draws reads (the loop,
+#: and a helper or two it calls step() through).
+LOOP_FRAMES = 3
 #: 3: the recent estimate is a :class:`~gns_callback.tracking.LocalLinearRatio` (2: an EMA of the parts, which
 #: cannot be converted: a version-2 state resumes everything else, and the recent estimate restarts).
 STATE_VERSION = 3
@@ -290,10 +293,11 @@ class GradientNoiseScaleMeter:
         else:
             self.draws_vary, self.draws_vary_reason = bool(given), f"draws_vary={given} given"
 
-    def _watch_step_draws(self) -> None:
+    def _watch_step_draws(self, loop: list[FrameType]) -> None:
         """Whether the loop's steps draw random numbers of their own (:class:`~gns_callback.random_streams.
-        StepDrawWatch`), over the first steps."""
-        drawn = self._step_draws.tick()
+        StepDrawWatch`), over the first steps; ``loop``: the frames that called :meth:`step`, whose generators are
+        read too (:func:`~gns_callback.random_streams.scope_generators`)."""
+        drawn = self._step_draws.tick(scope_generators(loop))
         if drawn is not None:
             self._step_draws = None
             if drawn:
@@ -460,7 +464,7 @@ class GradientNoiseScaleMeter:
                 critical batch off the noise scale as a function of the loss; without it, that is the run average.
         """
         if self._step_draws is not None:
-            self._watch_step_draws()
+            self._watch_step_draws(caller_frames(LOOP_FRAMES))
         measured = self.measures_next_step
         self._rest_or_resume()
         if self._trainable_changed():

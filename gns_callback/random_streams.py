@@ -9,22 +9,27 @@ current CUDA device's, numpy's and Python's global generators, and the generator
 advances it, and nothing runs twice: the run is left exactly as it was, whatever the step does with state of its
 own (an iterator over another loader, a counter). A generator kept elsewhere (a global of the user's module,
 another accelerator's) is not seen. The Lightning callback reads the first step's window so; a loop of one's own
-shows the meter its steps only, and :class:`StepDrawWatch` reads the windows between them. Torch only, no Lightning.
+shows the meter its steps only, and :class:`StepDrawWatch` reads the windows between them, with the generators the
+loop keeps in its own scope (:func:`scope_generators`: a script's ``rng = np.random.default_rng()`` drawing the
+noise of its augmentation). Torch only, no Lightning.
 """
 
 from __future__ import annotations
 
 import inspect
 import random
+import sys
 from collections.abc import Hashable
+from types import FrameType, ModuleType
 from typing import Any, Iterable, Optional
 
 import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["GENERATOR_TYPES", "RNGState", "RandomDrawWatch", "StepDrawWatch", "drawn_reason", "generator_state",
-           "module_generators", "moved", "set_generator_state", "stream_states"]
+__all__ = ["GENERATOR_TYPES", "RNGState", "RandomDrawWatch", "StepDrawWatch", "caller_frames", "drawn_reason",
+           "generator_state", "module_generators", "moved", "scope_generators", "set_generator_state",
+           "stream_states"]
 
 StreamStates = dict[str, Hashable]
 
@@ -32,9 +37,10 @@ StreamStates = dict[str, Hashable]
 GENERATOR_TYPES = (torch.Generator, np.random.Generator, np.random.RandomState, random.Random)
 
 
-def stream_states(module: Optional[nn.Module] = None, skip: Iterable[str] = ()) -> StreamStates:
-    """Each random stream's state, by name (module docstring)."""
-    return RNGState(module, skip).fingerprint()
+def stream_states(module: Optional[nn.Module] = None, skip: Iterable[str] = (),
+                  extra: Iterable[tuple[str, Any]] = ()) -> StreamStates:
+    """Each random stream's state, by name (module docstring); ``extra``: more ``(name, generator)`` pairs."""
+    return RNGState(module, skip, extra).fingerprint()
 
 
 def module_generators(module: Optional[nn.Module], skip: Iterable[str] = ()) -> list[tuple[str, Any]]:
@@ -51,6 +57,30 @@ def module_generators(module: Optional[nn.Module], skip: Iterable[str] = ()) -> 
     return list(found.values())
 
 
+def scope_generators(frames: Iterable[FrameType]) -> list[tuple[str, Any]]:
+    """``(name, generator)`` for each generator a loop keeps in its own scope: in the local variables of
+    ``frames`` (and in the objects, dicts and lists they hold, a few levels down) and, directly, in their global
+    variables. A script's ``rng = np.random.default_rng()`` that draws the noise of its augmentation is one."""
+    found: dict[int, tuple[str, Any]] = {}
+    seen: set[int] = set()
+    for frame in frames:
+        for key, value in frame.f_locals.items():
+            _find_generators(value, f"loop:{key}", _DEPTH - 2, found, seen)
+        for key, value in frame.f_globals.items():
+            if isinstance(value, GENERATOR_TYPES):
+                found.setdefault(id(value), (f"loop:{key}", value))
+    return list(found.values())
+
+
+def caller_frames(levels: int, above: int = 1) -> list[FrameType]:
+    """The ``levels`` frames above the caller's, ``above`` levels up, innermost first (fewer near the stack's top)."""
+    frame, frames = sys._getframe(above + 1), []
+    while frame is not None and len(frames) < levels:
+        frames.append(frame)
+        frame = frame.f_back
+    return frames
+
+
 _DEPTH = 4
 _MAX_SEEN = 20_000
 #: ``nn.Module``'s own ``__dict__`` entries (registries, hooks, ``training``).
@@ -61,7 +91,8 @@ def _find_generators(value: Any, name: str, depth: int, found: dict[int, tuple[s
     if isinstance(value, GENERATOR_TYPES):
         found.setdefault(id(value), (name, value))
         return
-    if depth >= _DEPTH or id(value) in seen or len(seen) > _MAX_SEEN or isinstance(value, (nn.Module, torch.Tensor)):
+    if (depth >= _DEPTH or id(value) in seen or len(seen) > _MAX_SEEN
+            or isinstance(value, (nn.Module, torch.Tensor, ModuleType))):
         return
     seen.add(id(value))
     if isinstance(value, dict):
@@ -101,8 +132,10 @@ class RNGState:
     the generators ``module`` keeps in its attributes (:func:`module_generators`): :meth:`restore` puts them back,
     :meth:`fingerprint` compares them."""
 
-    def __init__(self, module: Optional[nn.Module] = None, skip: Iterable[str] = ()) -> None:
-        self.generators = [(name, gen, generator_state(gen)) for name, gen in module_generators(module, skip)]
+    def __init__(self, module: Optional[nn.Module] = None, skip: Iterable[str] = (),
+                 extra: Iterable[tuple[str, Any]] = ()) -> None:
+        generators = {id(gen): (name, gen) for name, gen in [*module_generators(module, skip), *extra]}
+        self.generators = [(name, gen, generator_state(gen)) for name, gen in generators.values()]
         self.torch = torch.get_rng_state()
         self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
         self.numpy = np.random.get_state()
@@ -153,14 +186,15 @@ class RandomDrawWatch:
         self.skip = tuple(skip)
         self._before: Optional[StreamStates] = None
 
-    def start(self) -> None:
-        self._before = stream_states(self.module, self.skip)
+    def start(self, extra: Iterable[tuple[str, Any]] = ()) -> None:
+        """``extra``: more ``(name, generator)`` pairs to read (:func:`scope_generators`)."""
+        self._before = stream_states(self.module, self.skip, extra)
 
-    def stop(self) -> Optional[list[str]]:
+    def stop(self, extra: Iterable[tuple[str, Any]] = ()) -> Optional[list[str]]:
         """The names of the streams drawn from since :meth:`start` (empty: none); None if not started."""
         if self._before is None:
             return None
-        drawn, self._before = moved(self._before, stream_states(self.module, self.skip)), None
+        drawn, self._before = moved(self._before, stream_states(self.module, self.skip, extra)), None
         return drawn
 
 
@@ -176,11 +210,12 @@ class StepDrawWatch:
         self.windows = windows
         self.drawn: list[list[str]] = []  # the streams that moved, window by window
 
-    def tick(self) -> Optional[list[str]]:
+    def tick(self, extra: Iterable[tuple[str, Any]] = ()) -> Optional[list[str]]:
         """None until ``windows`` windows are seen; then the streams drawn from in every one of them (empty: the
-        step draws none)."""
-        drawn = self.watch.stop()
-        self.watch.start()
+        step draws none). ``extra``: the loop's own generators (:func:`scope_generators`)."""
+        extra = list(extra)
+        drawn = self.watch.stop(extra)
+        self.watch.start(extra)
         if drawn is not None:
             self.drawn.append(drawn)
         if len(self.drawn) < self.windows:

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gns_callback.random_streams import RandomDrawWatch, StepDrawWatch, moved, stream_states
+from gns_callback.random_streams import (RandomDrawWatch, StepDrawWatch, caller_frames, moved, scope_generators,
+                                         stream_states)
 
 
 class Holder(nn.Module):
@@ -99,3 +100,25 @@ def test_between_steps_only_a_draw_in_every_window_counts():
         results.append(every.tick())
         np.random.rand()
     assert results == [None, None, None, ["numpy"]]
+
+
+class Augmenter:
+    def __init__(self):
+        self.rng = np.random.default_rng(0)
+
+
+def test_the_generators_a_loop_keeps_in_its_scope_are_found():
+    """Locals, objects and dicts they hold (two levels down), and globals directly; modules are not walked."""
+    own = torch.Generator().manual_seed(0)
+    helpers = {"augment": Augmenter()}
+    found = dict(scope_generators(caller_frames(1, above=0)))
+    assert found["loop:own"] is own and found["loop:helpers['augment'].rng"] is helpers["augment"].rng
+    assert set(found) == {"loop:own", "loop:helpers['augment'].rng", "loop:GLOBAL_RNG"}
+
+
+GLOBAL_RNG = random.Random(0)
+
+
+def test_a_global_generator_of_the_loops_module_is_found():
+    found = dict(scope_generators(caller_frames(1, above=0)))
+    assert found["loop:GLOBAL_RNG"] is GLOBAL_RNG
