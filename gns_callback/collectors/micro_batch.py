@@ -91,11 +91,13 @@ class MicroBatchCollector:
         self._handles: list[RemovableHandle] = []
         self._passes: PassLedger[_PassSquares] = PassLedger(new=_PassSquares, merge=_PassSquares.merged)
         self._held: dict[int, _Held] = {}  # pass id → its gradients not yet squared
+        self._inputs: list[Optional[int]] = []  # dim 0 of the model's first tensor input, per forward pass since the pop
 
     def attach(self) -> None:
         self.detach()
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         self._handles = [p.register_hook(partial(self._on_grad, p)) for p in self._params]
+        self._handles.append(self.model.register_forward_pre_hook(self._on_forward))
         self._passes.watch(self._params)
 
     def detach(self) -> None:
@@ -124,6 +126,11 @@ class MicroBatchCollector:
     def coverage(self) -> Coverage:
         total = sum(p.numel() for p in self._params)
         return Coverage(measured_parameters=total, trainable_parameters=total)
+
+    def _on_forward(self, _module: nn.Module, args: tuple) -> None:
+        if self.enabled and not hooks_inert() and torch.is_grad_enabled():
+            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            self._inputs.append(None if first is None or first.dim() == 0 else int(first.shape[0]))
 
     def _on_grad(self, param: nn.Parameter, grad: torch.Tensor) -> None:
         if not self.enabled or hooks_inert():
@@ -160,6 +167,7 @@ class MicroBatchCollector:
         """Drop every pass recorded since the last pop."""
         self._held.clear()
         self._passes.clear()
+        self._inputs.clear()
 
     def pop(self) -> list[torch.Tensor]:
         """``Σ_p |grad_p|²`` of each committed backward pass since the last pop (device scalars, no sync)."""
@@ -179,15 +187,35 @@ class MicroBatchCollector:
         loss_reduction: LossReduction,
     ) -> int:
         """Add each committed pass to ``window`` as one unit of its micro-batch's size; returns the pass count."""
-        passes = self.pop()
+        passes, inputs = self.pop(), self._inputs
+        self._inputs = []
         if not passes:
             return 0
         sizes = _sizes_for(passes, batch_sizes)
+        _check_step_size_given(batch_sizes, len(passes), inputs)
         divisor = float(loss_divisor or len(passes))
         for sq, b in zip(passes, sizes):
             factor = (divisor if loss_reduction == "mean" else divisor / b) ** 2
             window.add_micro_batch(sq, float(b), 1.0, b, weight=b * factor)
         return len(passes)
+
+
+def _check_step_size_given(batch_sizes: Optional[Sequence[Optional[int]]], passes: int,
+                           inputs: Sequence[Optional[int]]) -> None:
+    """Raise where one size ``s`` was given for all ``passes`` but each pass's one forward pass took ``s/passes``
+    examples in dim 0: the step's batch given as the micro-batch's, which reads ``B_simple`` ``passes`` times too
+    high (4 passes of 8 given as 32: about 4×)."""
+    if batch_sizes is None or len(batch_sizes) != 1 or passes < 2 or len(inputs) != passes:
+        return
+    seen = set(inputs)
+    if len(seen) == 1 and None not in seen and batch_sizes[0] == passes * next(iter(seen)):
+        size = next(iter(seen))
+        raise RuntimeError(
+            f"micro_batch_size={batch_sizes[0]} was given for each of the step's {passes} backward passes, but each "
+            f"forward pass took {size} examples (dim 0 of the model's input): that is the step's batch, and B_simple "
+            f"would read about {passes}× too high. Pass the examples of one backward pass: "
+            f"meter.step(micro_batch_size={size})"
+        )
 
 
 def _sizes_for(passes: Sequence[object], batch_sizes: Optional[Sequence[Optional[int]]]) -> list[int]:

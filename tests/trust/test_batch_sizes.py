@@ -7,6 +7,8 @@ checks it against what its layers see. Item 9: raw string batches tokenized insi
 with the reason and the fix. A size that can't be told (no tensor, or a tie) is never guessed.
 """
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -152,3 +154,30 @@ def test_string_batches_micro_batch_withholds_with_the_reason(digits):
     callback, caught = run_strings(digits, "micro_batch", 2, 16, steps=10)
     assert_withheld(callback.run_estimate, "raw strings", "per_example")
     single(messages(caught, "stopped measuring"))
+
+
+@pytest.mark.parametrize("given, measured", [(8, True), (32, False)])
+def test_a_loop_that_gives_the_steps_batch_as_the_micro_batchs_is_stopped_with_the_fix(digits, exact_gns, given,
+                                                                                       measured):
+    """``micro_batch`` in a loop of one's own, 4 backward passes of 8 examples per step: ``micro_batch_size=32``
+    (the step's batch) read B_simple = 247 [209, 299] against an exact 68.0. Each pass's forward pass shows 8
+    examples in dim 0: now the meter stops with the size to pass."""
+    from gns_callback import GradientNoiseScaleMeter
+
+    x, y = digits
+    exact = exact_gns(mlp(), F.cross_entropy, x, y)[0]
+    net, g = mlp(), torch.Generator().manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught, GradientNoiseScaleMeter(net, method="micro_batch") as meter:
+        warnings.simplefilter("always")
+        for _ in range(150):
+            for _ in range(4):
+                rows = torch.randint(0, len(x), (8,), generator=g)
+                (F.cross_entropy(net(x[rows]), y[rows]) / 4).backward()
+            meter.step(micro_batch_size=given)
+            net.zero_grad()
+    estimate = meter.run_estimate
+    assert len(caught) == (0 if measured else 1)
+    if measured:
+        assert estimate.ci_low <= exact <= estimate.ci_high
+    else:
+        assert not estimate.measured and "meter.step(micro_batch_size=8)" in estimate.failure
