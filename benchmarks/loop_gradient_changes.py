@@ -5,8 +5,9 @@ RESULTS.md, "Gradients changed in a loop of one's own".
     python benchmarks/loop_gradient_changes.py --seeds 5
 
 Each change: none, ``clip_grad_norm_`` that never clips, at the median and the 10th percentile of the batch-gradient
-norm, and ``clip_grad_value_``. ``--mark-off`` takes the meter's own mark of the end of backward away (as before
-2026-11-29: the check ran only where the loop called ``meter.backward_done()``).
+norm, ``clip_grad_value_``, and zeroing half of the first layer's weight gradient. ``--mark-off`` takes the meter's
+own mark of the end of backward away (as before 2026-11-29: the check ran only where the loop called
+``meter.backward_done()``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from gns_callback import GradientNoiseScaleMeter  # noqa: E402
 from gns_callback.exact import exact_b_simple  # noqa: E402
 from tests.helpers import mlp  # noqa: E402
-from tests.trust.test_loop_changes_gradients import clip_norm, clip_value, measure  # noqa: E402
+from tests.trust.test_loop_changes_gradients import (clip_norm, clip_value, measure,  # noqa: E402
+                                                     zero_half_of_the_first_layer)
 
 
 def digits() -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,7 +62,8 @@ def main() -> None:
     print(f"exact B_simple {exact:.1f}; batch-gradient norm median {median:.3f}, 10th percentile {tenth:.3f}")
     changes = {"none": lambda net: None, "clip_grad_norm_ 1e6 (never clips)": clip_norm(1e6),
                f"clip_grad_norm_ {median:.3f} (median)": clip_norm(median),
-               f"clip_grad_norm_ {tenth:.3f} (10th pct)": clip_norm(tenth), "clip_grad_value_ 1e-3": clip_value(1e-3)}
+               f"clip_grad_norm_ {tenth:.3f} (10th pct)": clip_norm(tenth), "clip_grad_value_ 1e-3": clip_value(1e-3),
+               "half the first layer's gradient zeroed": zero_half_of_the_first_layer}
     for name, change in changes.items():
         held, readings = 0, []
         for seed in range(options.seeds):

@@ -7,25 +7,31 @@ the digits MLP, clipping at a norm of 0.6 there read B_simple = 87.8 (95% CI 78.
 Clipping where it belongs (Lightning's ``gradient_clip_val`` or ``configure_gradient_clipping``) runs after the read.
 
 :class:`GradientWatch` keeps, when backward ends (:meth:`~GradientWatch.mark`; the meter marks the end of each
-backward pass that fills ``.grad`` itself), and compares at the read (:meth:`~GradientWatch.problem`):
+backward pass that fills ``.grad`` itself, after DDP's reduction), and checks at the read
+(:meth:`~GradientWatch.verdict`):
 
 - **Every measured parameter's** ``.grad`` tensor and its version counter, which every in-place change bumps
   (``clip_grad_norm_``, ``grad[rows] = 0``, ``grad.mul_``) and which a replaced or dropped ``.grad`` fails by
   identity. No device work, no sync. A change to a few layers only shows here: zeroing half of the first layer's
   gradient of the digits MLP after backward read B_simple = 773 (95% CI 390–33,600) against an exact 68.
-- **The total squared norm**, where every gradient changed alike (one op over all of them: ``clip_grad_norm_``,
-  which multiplies every gradient, by 1 where it does not clip; AMP's unscaling, allowed for): the read takes
-  only ``|G_B|²`` from ``.grad``, so a change that leaves it as it was changes nothing, and one that doesn't is a
-  change. Kept at the first mark, then at every mark once such a change is seen (one more reduction over the
-  gradients). In a loop of one's own, clipping at the median batch-gradient norm before ``meter.step()`` read
-  B_simple = 128.2 (95% CI 117.5–140.9) against an exact 68.0 on the digits MLP: unseen before the meter marked the
-  end of backward itself; now it stops at the first step that clips (``benchmarks/loop_gradient_changes.py``).
+- **The total squared norms** (of the measured parameters, and of those left out): all the read takes from
+  ``.grad``. Kept at the first mark, then at every mark after a step whose gradients changed (one more reduction
+  over the gradients). In one process, on a step of one backward pass, a change is answered with them: the read
+  takes ``|G_B|²`` as the pass left it, where the per-example norms were taken, whatever the loop did after it.
+  Clipping, zeroing part of a layer or clipping values before ``meter.step()`` measure as without them, number for
+  number (``benchmarks/loop_gradient_changes.py``; before the meter marked the end of backward itself, clipping at
+  the median batch-gradient norm read B_simple = 128.2, 95% CI 117.5–140.9, against an exact 68.0). The first step
+  that changes the gradients with no total kept (after steps that left them alone) is skipped. With several
+  passes a step, a change between them is already in the last mark's totals, and with several ranks a loop may
+  reduce the gradients itself after backward: there a change to every gradient alike that leaves ``|G_B|²`` as it
+  was (``clip_grad_norm_`` multiplies every gradient by 1 where it does not clip) is no change, and any other
+  change stops the meter with the fix.
 - **The squared norms of a few small parameters' gradients**, allowing for the AMP loss scale taken off in between.
   They catch changes through ``.data``, which bypasses the version counter, where the change reaches them (a uniform
   clipping or scaling does), and a loss scale given while the gradients are still scaled.
 
 On an accelerator the norms are compared on the steps the meter agrees on (the first 8, then every 32nd; each a
-host sync): a uniform change that starts later is found within 32 steps.
+host sync).
 AMP's unscaling changes every gradient alike (torch 2.13 leaves the versions alone; another build may not).
 
 :class:`StaleGradients` catches a step whose ``.grad`` already held a gradient when its first backward pass began (a
@@ -41,6 +47,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
@@ -59,7 +66,8 @@ PROBLEM = (
     "them in on_after_backward, say), so the step's |G_B|² no longer matches the norms taken during backward and "
     "B_simple would be wrong. Clip with the Trainer's gradient_clip_val or configure_gradient_clipping, and change "
     "gradients in the LightningModule's on_before_optimizer_step: they run after the callback reads the gradients; "
-    "in your own loop, call meter.step() before changing the gradients"
+    "in your own loop, call meter.step() before changing the gradients (a loop that reduces the gradients across "
+    "ranks itself after backward calls meter.backward_done() once they are reduced)"
 )
 
 STILL_SCALED = (
@@ -74,60 +82,87 @@ CLEARED = (
 )
 
 
-class GradientWatch:
-    """Every one of ``params``' ``.grad`` tensors and versions, and the squared norms of the smallest of them, at the
-    end of backward; checked at the read. Where the loop changes every gradient alike in place (clipping by the
-    total norm, which multiplies every gradient, by 1 when it does not clip; unscaling), the total squared norm too,
-    which is all the read takes from ``.grad``: kept at the first mark, and at every mark once such a change is seen
-    (:attr:`keep_total`)."""
+@dataclass(frozen=True)
+class Verdict:
+    """What the read may take from ``.grad`` (:meth:`GradientWatch.verdict`): nothing to say; a ``problem`` (stop
+    measuring, with this reason); ``skip`` this step (changed, with nothing kept to read instead); or ``totals``,
+    ``|G_B|²`` over the measured and the left-out parameters as backward left them (before any loss scale was taken
+    off), to read instead of ``.grad``."""
 
-    def __init__(self, params: Sequence[nn.Parameter]) -> None:
+    problem: Optional[str] = None
+    skip: bool = False
+    totals: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+
+class GradientWatch:
+    """Every one of ``params``' (and ``left_out``'s) ``.grad`` tensors and versions, and the squared norms of the
+    smallest of ``params``, at the end of backward; checked at the read. Once the loop is seen changing gradients,
+    also the total squared norms (:attr:`keep_total`), which are all the read takes from ``.grad``.
+
+    ``read_at_mark``: on a step of one backward pass, a change is answered with the totals kept at the mark, read in
+    place of ``.grad`` (one process: the per-example norms and those totals come from the same pass, so they agree
+    whatever the loop does to ``.grad`` after it). Otherwise a change to every gradient alike is compared by the
+    totals and any other change is a problem: with several passes, a change between them is already in the last
+    mark's totals; with several ranks (no ``read_at_mark``), a loop may reduce the gradients across ranks itself
+    after backward, a change the read must see."""
+
+    def __init__(self, params: Sequence[nn.Parameter], left_out: Sequence[nn.Parameter] = (),
+                 read_at_mark: bool = False) -> None:
         self.all = list(params)
+        self.left_out = list(left_out)
         self.params = sorted(self.all, key=lambda p: p.numel())[:WATCHED]
+        self.read_at_mark = read_at_mark
         self._marked: Optional[list[Optional[torch.Tensor]]] = None
         self._versions: Optional[list[tuple[Optional[torch.Tensor], int]]] = None
-        self._total: Optional[torch.Tensor] = None
-        #: Whether :meth:`mark` keeps the total squared norm (one more reduction over the gradients).
+        self._totals: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self._passes = 0  # marks since the last verdict: the step's backward passes
+        #: Whether :meth:`mark` keeps the total squared norms (one more reduction over the gradients): at the first
+        #: mark, then after each step whose gradients changed.
         self.keep_total = True
 
     def mark(self) -> None:
         """Backward has ended: keep every gradient's identity and version, the watched gradients' squared norms and,
-        where :attr:`keep_total`, the total squared norm (on their device, no sync)."""
-        self._versions = [_version_of(p.grad) for p in self.all]
+        where :attr:`keep_total`, the total squared norms (on their device, no sync)."""
+        self._versions = [_version_of(p.grad) for p in (*self.all, *self.left_out)]
         self._marked = [None if p.grad is None else squared_norm(p.grad) for p in self.params]
-        self._total = squared_norm_sum(self._grads()) if self.keep_total else None
-
-    def _grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self.all if p.grad is not None]
+        self._totals = (_total(self.all), _total(self.left_out)) if self.keep_total else None
+        self._passes += 1
 
     def on_host(self) -> bool:
         """Whether the watched gradients live on the CPU (reading their norms costs no device sync)."""
         return all(p.device.type == "cpu" for p in self.params)
 
     def problem(self, loss_scale: Union[torch.Tensor, float, None] = None, norms: bool = True) -> Optional[str]:
-        """:data:`PROBLEM` (or :data:`CLEARED`, :data:`STILL_SCALED`) if a gradient changed since :meth:`mark` in a
-        way that changes the read, else None; forgets the mark. ``loss_scale``: the scale the backward passes ran
-        with, taken off the gradients since. ``norms``: also compare squared norms (a host sync on an accelerator);
-        the versions are always compared."""
+        """:attr:`Verdict.problem` of :meth:`verdict`."""
+        return self.verdict(loss_scale, norms).problem
+
+    def verdict(self, loss_scale: Union[torch.Tensor, float, None] = None, norms: bool = True) -> Verdict:
+        """How the gradients changed since :meth:`mark`, and what the read may take (:class:`Verdict`); forgets the
+        mark. ``loss_scale``: the scale the backward passes ran with, taken off the gradients since. ``norms``: also
+        compare squared norms (a host sync on an accelerator); the versions are always compared."""
         versions, self._versions = self._versions, None
         marked, self._marked = self._marked, None
-        total, self._total = self._total, None
-        change = None if versions is None else _version_change(self.all, versions, scaled=loss_scale is not None)
+        totals, self._totals = self._totals, None
+        passes, self._passes = self._passes, 0
+        watched = [*self.all, *self.left_out]
+        change = None if versions is None else _version_change(watched, versions, scaled=loss_scale is not None)
         if change is not None and self._cleared():
-            return CLEARED
+            return Verdict(CLEARED)
+        self.keep_total = change is not None
+        if change is not None and self.read_at_mark and passes == 1:
+            return Verdict(totals=totals) if totals is not None else Verdict(skip=True)
         if change == CHANGED:
-            return PROBLEM
-        self.keep_total = change == ALIKE
+            return Verdict(PROBLEM)
         if marked is None or not norms:
-            return None
+            return Verdict()
         scale_sq = 1.0 if loss_scale is None else float(loss_scale) ** 2
-        if total is not None and change == ALIKE:
-            return PROBLEM if _differ(float(total), float(squared_norm_sum(self._grads())) * scale_sq) else None
+        if totals is not None and change == ALIKE:
+            return Verdict(PROBLEM if _differ(float(totals[0]), float(_total(self.all)) * scale_sq) else None)
         then = [None if norm is None else float(norm) for norm in marked]
         now = [None if p.grad is None else float(squared_norm(p.grad)) for p in self.params]
         if change is None and scale_sq != 1.0 and _tell_scales(then, now) and _same_norms(then, now, 1.0):
-            return STILL_SCALED
-        return None if _same_norms(then, now, scale_sq) else PROBLEM
+            return Verdict(STILL_SCALED)
+        return Verdict(None if _same_norms(then, now, scale_sq) else PROBLEM)
 
     def _cleared(self) -> bool:
         """Whether the gradients were cleared: none left, or the watched ones all zero (a host sync, on a step
@@ -184,6 +219,10 @@ class StaleGradients:
             self.remove()
         found = passes[0][0]
         return STALE if found is not None and float(found) > 0 else None
+
+
+def _total(params: Sequence[nn.Parameter]) -> torch.Tensor:
+    return squared_norm_sum([p.grad for p in params if p.grad is not None])
 
 
 def _version_of(grad: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], int]:

@@ -42,7 +42,7 @@ from gns_callback.collectors import BATCH_NORM_COUPLES, COLLECTORS, MIN_COVERAGE
 from gns_callback.critical_batch import CriticalBatchAccumulator, CriticalBatchEstimate
 from gns_callback.deferred import DeferredReads
 from gns_callback.estimate import GNSEstimate
-from gns_callback.grad_watch import CLEARED as GRADIENTS_CLEARED, GradientWatch, StaleGradients
+from gns_callback.grad_watch import CLEARED as GRADIENTS_CLEARED, GradientWatch, StaleGradients, Verdict
 from gns_callback.left_out import LeftOutShare
 from gns_callback.norms import squared_norm_sum
 from gns_callback.per_example.checks import SUMS_CHECKED, PerExampleCheck, check_per_example, first_step_check
@@ -226,14 +226,15 @@ class GradientNoiseScaleMeter:
         """Put the hooks on (idempotent)."""
         self.collector.attach()
         self.collector.call_at_pass_end(self._backward_ended)
-        self._watch = GradientWatch(self.collector.measured_parameters())
+        # Below MIN_COVERAGE the estimate is said to be the covered parameters' (a warning says so); above it, the
+        # whole model's, so its interval makes room for the parameters left out (:mod:`gns_callback.left_out`).
+        self._widens_for_left_out = self.collector.coverage().fraction >= MIN_COVERAGE
+        self._watch = GradientWatch(self.collector.measured_parameters(), self._left_out_parameters(),
+                                    read_at_mark=self.reduce is None)
         if self._stale is not None:
             self._stale.remove()
         self._stale = StaleGradients(self._watch.params[0]) if self._watch.params else None  # the smallest
         self._trainable = _trainable_ids(self.model)
-        # Below MIN_COVERAGE the estimate is said to be the covered parameters' (a warning says so); above it, the
-        # whole model's, so its interval makes room for the parameters left out (:mod:`gns_callback.left_out`).
-        self._widens_for_left_out = self.collector.coverage().fraction >= MIN_COVERAGE
         self._attached = True
         self._arm_sum_check(self.per_example_check is None or self.per_example_check.status == SUMS_CHECKED)
         return self
@@ -477,9 +478,11 @@ class GradientNoiseScaleMeter:
         window = self._collect(_as_sizes(micro_batch_size), loss_divisor)
         if not window.empty:
             self._read_sum_check(window)
-        changed = self._gradients_changed(loss_scale)
-        if changed is not None and self.reduce is None:
-            return self.stop(changed)
+        verdict = self._gradients_changed(loss_scale)
+        if verdict.problem is not None and self.reduce is None:
+            return self.stop(verdict.problem)
+        if verdict.skip:
+            return self._skip_changed_step()
         if self.reduce is not None:
             return self._step_across_ranks(window, loss_scale, loss)
         if self._problem is not None:
@@ -488,7 +491,7 @@ class GradientNoiseScaleMeter:
             return
         self.steps_seen += 1
         if window.measurable(self.loss_reduction):
-            self._measure(window, loss_scale, loss)
+            self._measure(window, loss_scale, loss, verdict.totals)
         elif self._may_say_unmeasurable:
             self._say_unmeasurable(window)
         self._may_say_unmeasurable = False
@@ -558,15 +561,21 @@ class GradientNoiseScaleMeter:
             self.discard_pending()
         return True
 
-    def _gradients_changed(self, loss_scale: Union[torch.Tensor, float, None]) -> Optional[str]:
-        """Why the gradients changed after backward (:meth:`backward_done`), or None: their versions at every step, the
-        watched norms at every step on the CPU and on an accelerator at the steps the ranks agree on (a host sync).
-        With ``reduce`` the ranks stop together."""
+    def _gradients_changed(self, loss_scale: Union[torch.Tensor, float, None]) -> Verdict:
+        """How the gradients changed after backward (:meth:`backward_done`; :class:`~gns_callback.grad_watch.
+        Verdict`): their versions at every step, the watched norms at every step on the CPU and on an accelerator at
+        the steps the ranks agree on (a host sync). With ``reduce`` the ranks stop together."""
         norms = self._watch.on_host() or self.steps_seen < AGREE_FIRST or self.steps_seen % AGREE_EVERY == 0
-        problem = self._watch.problem(loss_scale, norms=norms)
-        if problem is not None and self.reduce is not None:
-            self._problem = self._problem or problem
-        return problem
+        verdict = self._watch.verdict(loss_scale, norms=norms)
+        if verdict.problem is not None and self.reduce is not None:
+            self._problem = self._problem or verdict.problem
+        return verdict
+
+    def _skip_changed_step(self) -> None:
+        """The loop changed the gradients after backward, and the end of backward's ``|G_B|²`` was not kept (the
+        first step that does): the step is left out, counted as skipped; from the next one it is kept."""
+        self.steps_seen += 1
+        self.discard_pending()
 
     def _say_unmeasurable(self, window: AccumulationWindow) -> None:
         """Warn that steps are skipped because their small and big batches are the same size (one micro-batch of one
@@ -613,18 +622,19 @@ class GradientNoiseScaleMeter:
         return window
 
     def _measure(self, window: AccumulationWindow, loss_scale: Union[torch.Tensor, float, None],
-                 loss: Union[torch.Tensor, float, None] = None) -> None:
+                 loss: Union[torch.Tensor, float, None] = None,
+                 at_mark: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
         """The step's numbers, summed across ranks with ``reduce``, then used on the host: read at once on the
-        CPU; from an accelerator copied without a sync and used a step later (:mod:`gns_callback.deferred`)."""
+        CPU; from an accelerator copied without a sync and used a step later (:mod:`gns_callback.deferred`).
+        ``at_mark``: ``|G_B|²`` as backward left it, to read instead of ``.grad`` (:meth:`_step_squares`)."""
         grads = [p.grad for p in self.collector.measured_parameters() if p.grad is not None]
-        left_out = squared_norm_sum(self._left_out_grads())
+        grad_sq, left_out = self._step_squares(grads, loss_scale, at_mark)
         subset = self._may_measure_a_subset(window)
         if self.reduce is None and _on_host(grads, loss_scale):
-            values = [*window.packed_values(loss_scale), float(squared_norm_sum(grads)), _host_loss(loss), 0.0,
-                      float(left_out)]
+            values = [*window.packed_values(loss_scale), float(grad_sq), _host_loss(loss), 0.0, float(left_out)]
             return self._apply(values, subset, loss is not None)
         if self.reduce is None:
-            return self._measure_later(window, grads, left_out, loss_scale, loss, subset)
+            return self._measure_later(window, grad_sq, left_out, loss_scale, loss, subset)
         device = grads[0].device if grads else None
         packed = window.packed(device, loss_scale)
         step_loss = _loss_tensor(loss, packed)
@@ -633,20 +643,30 @@ class GradientNoiseScaleMeter:
         if not grads:
             return
         failed = torch.zeros(()) if self._any_rank_failed is None else self._any_rank_failed
-        parts = [packed, squared_norm_sum(grads), step_loss, failed.to(device=packed.device),
+        parts = [packed, grad_sq, step_loss, failed.to(device=packed.device),
                  left_out.to(device=packed.device)]
         self._reads.push(torch.cat([part.to(torch.float64).reshape(-1) for part in parts]),
                          _ReducedRow(subset, loss is not None))
         self._apply_read(keep=1)
 
-    def _measure_later(self, window: AccumulationWindow, grads: list[torch.Tensor], left_out: torch.Tensor,
+    def _step_squares(self, grads: list[torch.Tensor], loss_scale: Union[torch.Tensor, float, None],
+                      at_mark: Optional[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's ``|G_B|²`` over the measured and over the left-out parameters: read off ``.grad``, or where the
+        loop changed the gradients after backward (clipping before ``meter.step()``), as backward left them
+        (``at_mark``), less the loss scale: what the per-example norms were taken from."""
+        if at_mark is None:
+            return squared_norm_sum(grads), squared_norm_sum(self._left_out_grads())
+        scale_sq = 1.0 if loss_scale is None else loss_scale * loss_scale
+        return at_mark[0] / scale_sq, at_mark[1] / scale_sq
+
+    def _measure_later(self, window: AccumulationWindow, grad_sq: torch.Tensor, left_out: torch.Tensor,
                        loss_scale: Union[torch.Tensor, float, None], loss: Union[torch.Tensor, float, None],
                        subset: bool) -> None:
         """One process on an accelerator: the window's device scalars, the step's |G_B|² over the measured and over
         the left-out parameters, and the loss and loss scale where they are device tensors, go to the host in one
         copy; the window's host sums wait with them."""
         row = _LocalRow(window, subset, loss, loss_scale)
-        self._reads.push(row.to_send(squared_norm_sum(grads), left_out), row)
+        self._reads.push(row.to_send(grad_sq, left_out), row)
         self._apply_read(keep=1)
 
     def _apply_read(self, keep: int = 0) -> None:
@@ -692,9 +712,10 @@ class GradientNoiseScaleMeter:
     def _left_out_grads(self) -> list[torch.Tensor]:
         """The step gradient's part over the trainable parameters the collector leaves out, where the estimate is
         the whole model's (:meth:`attach`); else none."""
-        if not self._widens_for_left_out:
-            return []
-        return [p.grad for p in self.collector.left_out_parameters() if p.grad is not None]
+        return [p.grad for p in self._left_out_parameters() if p.grad is not None]
+
+    def _left_out_parameters(self) -> list[nn.Parameter]:
+        return self.collector.left_out_parameters() if self._widens_for_left_out else []
 
     def _may_measure_a_subset(self, window: AccumulationWindow) -> bool:
         """Whether this step's |G|² may need the blend: ``per_example`` with fewer examples measured than seen here,

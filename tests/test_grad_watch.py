@@ -1,10 +1,12 @@
 """``GradientWatch`` (gns_callback/grad_watch.py): gradients changed between the end of backward and the read."""
 
+import pytest
 import torch
 import torch.nn as nn
 
 from gns_callback.backward_passes import measurement_paused
-from gns_callback.grad_watch import CLEARED, PROBLEM, STALE, STALE_CHECKS, STILL_SCALED, GradientWatch, StaleGradients
+from gns_callback.grad_watch import (CLEARED, PROBLEM, STALE, STALE_CHECKS, STILL_SCALED, GradientWatch,
+                                     StaleGradients, Verdict)
 from tests.helpers import mlp
 
 
@@ -167,7 +169,7 @@ def test_a_change_to_every_gradient_alike_is_judged_by_the_total_norm_the_read_t
     mark after such a change; a step without one stops keeping it."""
     net = mlp()
     watch = marked(net)
-    assert watch._total is not None
+    assert watch._totals is not None
     torch.nn.utils.clip_grad_norm_(net.parameters(), 1e6)  # multiplies by 1
     assert watch.problem() is None and watch.keep_total
     for max_norm, verdict in ((1e6, None), (1e-3, PROBLEM)):
@@ -179,7 +181,7 @@ def test_a_change_to_every_gradient_alike_is_judged_by_the_total_norm_the_read_t
     watch.mark()
     assert watch.problem() is None and not watch.keep_total
     watch.mark()
-    assert watch._total is None
+    assert watch._totals is None
 
 
 def test_a_change_alike_seen_without_a_total_is_judged_by_the_watched_norms():
@@ -207,3 +209,25 @@ def test_cleared_gradients_say_so():
         watch = marked(net)
         net.zero_grad(set_to_none=set_to_none)
         assert watch.problem() == CLEARED
+
+
+def test_in_one_process_a_change_is_answered_with_the_totals_backward_left():
+    """``read_at_mark``: whatever the change, the read takes ``|G_B|²`` as backward left it; a change with no total
+    kept (the loop left the gradients alone on the step before) is skipped."""
+    net = mlp()
+    watch = GradientWatch(list(net.parameters())[:2], list(net.parameters())[2:], read_at_mark=True)
+    backward(net)
+    watch.mark()
+    measured = sum(float(p.grad.square().sum()) for p in list(net.parameters())[:2])
+    left_out = sum(float(p.grad.square().sum()) for p in list(net.parameters())[2:])
+    net[0].weight.grad[:16] = 0  # part of one layer
+    verdict = watch.verdict()
+    assert verdict.problem is None and not verdict.skip
+    assert [float(t) for t in verdict.totals] == pytest.approx([measured, left_out], rel=1e-6)
+    backward(net)
+    watch.mark()
+    assert watch.verdict() == Verdict() and not watch.keep_total  # nothing changed: no total kept from now
+    backward(net)
+    watch.mark()
+    net[2].bias.grad.mul_(0.5)
+    assert watch.verdict() == Verdict(skip=True)

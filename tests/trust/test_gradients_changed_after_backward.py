@@ -2,9 +2,10 @@
 
 The small-batch norms are taken during backward, ``|G_B|²`` at the optimizer step: clipping in between mixed a
 clipped ``|G_B|²`` with unclipped norms. On the digits MLP, clipping at 0.6 read B_simple = 87.8 (95% CI 78.9–99.0)
-against an exact 68.0, a confident wrong number; at 0.45, ``inf``. Now the callback notices at the first step
-that clips, stops measuring and says why and what to do; the run goes on. Clipping with ``gradient_clip_val``, after
-the read, is measured as before (tests/test_callback.py).
+against an exact 68.0, a confident wrong number; at 0.45, ``inf``. Then the callback stopped at the first step that
+clipped, with the fix. Now (one process) it reads ``|G_B|²`` as kept at the end of backward, where the norms were
+taken, and measures as without the change; under DDP a change still stops it (``tests/trust/
+test_loop_changes_gradients.py``).
 
 The other way ``.grad`` went wrong before the read: a backbone left trainable while only the head is optimized.
 ``zero_grad`` clears only the optimizer's parameters, so the backbone's ``.grad`` grew from step to step and the
@@ -13,6 +14,7 @@ run read B_simple = 0.0. Now the first step notices and the measurement stops, w
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from gns_callback import GradientNoiseScaleCallback
 from tests.helpers import Classifier, mlp, with_replacement_loader
@@ -62,17 +64,25 @@ def assert_measured(callback) -> None:
     assert callback.run_estimate.steps == STEPS and callback.meter.failure is None
 
 
-@pytest.mark.parametrize("method, accumulate, batch_size", [("per_example", 1, 32), ("micro_batch", 4, 8)])
-def test_clipping_in_on_after_backward_stops_measuring_with_the_fix(digits, method, accumulate, batch_size):
-    callback, caught = fit(digits, lambda: ClipsAfterBackward(mlp(), lr=0.1), method, accumulate, batch_size)
-    assert_stopped(callback, caught, "on_after_backward", "gradient_clip_val")
+@pytest.mark.parametrize("module", [ClipsAfterBackward, FreezesUnitsAfterBackward])
+def test_gradients_changed_in_on_after_backward_are_read_as_backward_left_them(digits, exact_gns, module):
+    """One backward pass per step, at fixed parameters so that the exact value is known: the read takes |G_B|² as
+    kept at the end of backward, where the per-example norms were taken, and holds the exact value."""
+    x, y = digits
+    exact = exact_gns(mlp(), F.cross_entropy, x, y)[0]
+    callback, caught = fit(digits, lambda: module(mlp(), lr=0.0))
+    assert_measured(callback)
+    assert not messages(caught, "stopped measuring")
+    assert callback.run_estimate.ci_low <= exact <= callback.run_estimate.ci_high
 
 
-@pytest.mark.parametrize("method, accumulate, batch_size", [("per_example", 1, 32), ("micro_batch", 4, 8)])
-def test_zeroing_part_of_one_layers_gradient_after_backward_stops_measuring(digits, method, accumulate, batch_size):
-    callback, caught = fit(digits, lambda: FreezesUnitsAfterBackward(mlp(), lr=0.1), method, accumulate, batch_size)
-    assert_stopped(callback, caught, "on_after_backward", "on_before_optimizer_step")
-
+@pytest.mark.parametrize("module, phrase", [(ClipsAfterBackward, "gradient_clip_val"),
+                                            (FreezesUnitsAfterBackward, "on_before_optimizer_step")])
+def test_gradients_changed_between_accumulated_passes_stop_measuring_with_the_fix(digits, module, phrase):
+    """With several backward passes a step, a change after one of them is in the gradients the next ones add to:
+    no mark holds the step's |G_B|² as its passes made it."""
+    callback, caught = fit(digits, lambda: module(mlp(), lr=0.1), "micro_batch", 4, 8)
+    assert_stopped(callback, caught, "on_after_backward", phrase)
 
 def test_reading_the_gradients_after_backward_is_measured(digits):
     assert_measured(fit(digits, lambda: LogsGradientNorms(mlp()))[0])
