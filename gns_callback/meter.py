@@ -482,7 +482,7 @@ class GradientNoiseScaleMeter:
         if verdict.problem is not None and self.reduce is None:
             return self.stop(verdict.problem)
         if verdict.skip:
-            return self._skip_changed_step()
+            return self._skip_step()
         if self.reduce is not None:
             return self._step_across_ranks(window, loss_scale, loss)
         if self._problem is not None:
@@ -557,8 +557,7 @@ class GradientNoiseScaleMeter:
         if self._stale_steps > 1:
             self.stop(reason)
         else:
-            self.steps_seen += 1  # counted as skipped
-            self.discard_pending()
+            self._skip_step()
         return True
 
     def _gradients_changed(self, loss_scale: Union[torch.Tensor, float, None]) -> Verdict:
@@ -571,9 +570,10 @@ class GradientNoiseScaleMeter:
             self._problem = self._problem or verdict.problem
         return verdict
 
-    def _skip_changed_step(self) -> None:
-        """The loop changed the gradients after backward, and the end of backward's ``|G_B|²`` was not kept (the
-        first step that does): the step is left out, counted as skipped; from the next one it is kept."""
+    def _skip_step(self) -> None:
+        """Leave this step out, counted as skipped: a gradient left from before it (:meth:`_stale_step`), or
+        gradients the loop changed after backward with their ``|G_B|²`` not kept at the end of backward (the first
+        step that changes them; :class:`~gns_callback.grad_watch.GradientWatch` keeps it from the next one)."""
         self.steps_seen += 1
         self.discard_pending()
 
