@@ -19,7 +19,8 @@ from __future__ import annotations
 import inspect
 import random
 import sys
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
+from itertools import islice
 from types import FrameType, ModuleType
 from typing import Any, Iterable, Optional
 
@@ -83,6 +84,8 @@ def caller_frames(levels: int, above: int = 1) -> list[FrameType]:
 
 _DEPTH = 4
 _MAX_SEEN = 20_000
+_ITEMS = 256  # entries of one container looked at
+_ATOMS = (str, bytes, int, float, complex, bool, type(None))
 #: ``nn.Module``'s own ``__dict__`` entries (registries, hooks, ``training``).
 TORCH_INTERNALS = frozenset(vars(nn.Module()))
 
@@ -91,20 +94,28 @@ def _find_generators(value: Any, name: str, depth: int, found: dict[int, tuple[s
     if isinstance(value, GENERATOR_TYPES):
         found.setdefault(id(value), (name, value))
         return
-    if (depth >= _DEPTH or id(value) in seen or len(seen) > _MAX_SEEN
+    if (depth >= _DEPTH or id(value) in seen or len(seen) > _MAX_SEEN or isinstance(value, _ATOMS)
             or isinstance(value, (nn.Module, torch.Tensor, ModuleType))):
         return
     seen.add(id(value))
+    for item_name, item in _items(value, name):
+        _find_generators(item, item_name, depth + 1, found, seen)
+
+
+def _items(value: Any, name: str) -> Iterator[tuple[str, Any]]:
+    """The first :data:`_ITEMS` entries of a dict, list or tuple, or an object's attributes, with their names (a
+    data set held as a list of a million strings is not walked)."""
     if isinstance(value, dict):
-        items = [(f"{name}[{key!r}]", item) for key, item in value.items()]
+        entries: Iterable[tuple[Any, Any]] = value.items()
+        named = "{}[{!r}]"
     elif isinstance(value, (list, tuple)):
-        items = [(f"{name}[{index}]", item) for index, item in enumerate(value)]
+        entries, named = enumerate(value), "{}[{}]"
     elif hasattr(value, "__dict__") and not isinstance(value, type) and not inspect.isroutine(value):
-        items = [(f"{name}.{key}", item) for key, item in vars(value).items()]
+        entries, named = vars(value).items(), "{}.{}"
     else:
         return
-    for item_name, item in items:
-        _find_generators(item, item_name, depth + 1, found, seen)
+    for key, item in islice(entries, _ITEMS):
+        yield named.format(name, key), item
 
 
 def generator_state(generator: Any) -> Any:
