@@ -128,6 +128,10 @@ class GradientWatch:
         self._totals = (_total(self.all), _total(self.left_out)) if self.keep_total else None
         self._passes += 1
 
+    def forget(self) -> None:
+        """Drop the marks since the last verdict (the step they belong to is not read)."""
+        self._versions, self._marked, self._totals, self._passes = None, None, None, 0
+
     def on_host(self) -> bool:
         """Whether the watched gradients live on the CPU (reading their norms costs no device sync)."""
         return all(p.device.type == "cpu" for p in self.params)

@@ -378,8 +378,10 @@ class GradientNoiseScaleMeter:
         return self.per_example_check
 
     def discard_pending(self) -> None:
-        """Drop what the hooks recorded since the last :meth:`step` (e.g. a step that will not be taken)."""
+        """Drop what the hooks recorded since the last :meth:`step` (e.g. a step that will not be taken), and the
+        marks of its backward passes' ends."""
         self.collector.discard()
+        self._watch.forget()
 
     # ------------------------------------------------------------------ state
     def reset(self) -> None:

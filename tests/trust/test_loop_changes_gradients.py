@@ -136,3 +136,16 @@ def test_under_ddp_the_mark_comes_after_the_reduction(digits, exact_gns, tmp_pat
     exact = exact_gns(mlp(), F.cross_entropy, x, y)[0]
     assert ranks[0]["failure"] is None and ranks[0]["steps"] == 60
     assert ranks[0]["ci_low"] <= exact <= ranks[0]["ci_high"]
+
+
+def test_a_gradient_left_from_before_the_meter_then_clipping_is_measured(digits, exact_gns):
+    """The first step is skipped (a gradient from before the meter); its marks go with it, so the next step is a
+    step of one backward pass and its clipping is read as backward left the gradients."""
+    x, y = digits
+    exact = exact_gns(mlp(), F.cross_entropy, x, y)[0]
+    net = mlp()
+    F.cross_entropy(net(x[:64]), y[:64]).backward()  # left in .grad before the meter was attached
+    meter, caught = measure(net, x, y, clip_norm(0.05))
+    estimate = meter.run_estimate
+    assert not caught and estimate.skipped_steps == 1 and estimate.steps == STEPS - 1
+    assert estimate.ci_low <= exact <= estimate.ci_high
