@@ -110,6 +110,7 @@ class GradientWatch:
                  read_at_mark: bool = False) -> None:
         self.all = list(params)
         self.left_out = list(left_out)
+        self.watched = [*self.all, *self.left_out]  # whose versions are kept
         self.params = sorted(self.all, key=lambda p: p.numel())[:WATCHED]
         self.read_at_mark = read_at_mark
         self._marked: Optional[list[Optional[torch.Tensor]]] = None
@@ -123,7 +124,7 @@ class GradientWatch:
     def mark(self) -> None:
         """Backward has ended: keep every gradient's identity and version, the watched gradients' squared norms and,
         where :attr:`keep_total`, the total squared norms (on their device, no sync)."""
-        self._versions = [_version_of(p.grad) for p in (*self.all, *self.left_out)]
+        self._versions = [_version_of(p.grad) for p in self.watched]
         self._marked = [None if p.grad is None else squared_norm(p.grad) for p in self.params]
         self._totals = (_total(self.all), _total(self.left_out)) if self.keep_total else None
         self._passes += 1
@@ -148,8 +149,7 @@ class GradientWatch:
         marked, self._marked = self._marked, None
         totals, self._totals = self._totals, None
         passes, self._passes = self._passes, 0
-        watched = [*self.all, *self.left_out]
-        change = None if versions is None else _version_change(watched, versions, scaled=loss_scale is not None)
+        change = None if versions is None else _version_change(self.watched, versions, scaled=loss_scale is not None)
         if change is not None and self._cleared():
             return Verdict(CLEARED)
         self.keep_total = change is not None
