@@ -214,6 +214,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         self._micro_batch_size: Optional[int] = None  # the first training batch's size (per device; None: unknown)
         self._base_lr: Optional[float] = None
         self._draw_watch: Optional[RandomDrawWatch] = None  # the first step's, where it may show the draws varying
+        self._sampled_loader: Any = None  # the training DataLoader whose sampler gave the meter's population
         self._fit_report_path: Optional[str] = None
         self._adapter = Adapter(self.adapt_factor, self.adapt_patience) if self.adapt else None
         self.sharpness_monitor = (SharpnessMonitor(lr_rule=self.recommend_options["lr_rule"])
@@ -409,8 +410,9 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             self._run_probe(trainer, pl_module, batch)
 
     def _check_again(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        """The first batch's check on this batch, for parameters the meter measures since its last step (a backbone
-        unfrozen for fine-tuning): its layers may add a gradient part no example carries, or couple the examples."""
+        """The first batch's check on this batch: for parameters the meter measures since its last step (a backbone
+        unfrozen for fine-tuning), whose layers may add a gradient part no example carries, or couple the examples;
+        or because the check could not run on the batch before (``training_step`` returned None to skip it)."""
         self.meter.needs_check = False
         if self._micro_batch_size is not None:
             check_first_batch(self.meter, trainer, pl_module, batch, batch_idx, self._micro_batch_size)
@@ -431,8 +433,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         """The examples each epoch's batches are drawn from without replacement, corrected for, and whether their
         draws may vary (:mod:`gns_callback.sampling`). Batches not drawn at random at all are refused, before the
         first step."""
-        population, problem = population_of(facts.train_sampler(trainer), trainer.world_size,
-                                            in_random_order=self.data_in_random_order)
+        population, problem = self._population(trainer)
         if problem is not None:
             raise misconfiguration(trainer,
                 f"GradientNoiseScaleCallback cannot measure this run: {problem}. Pass shuffle=True to the training "
@@ -440,11 +441,16 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
                 "be read in order, GradientNoiseScaleCallback(data_in_random_order=True)."
             )
         self.meter.population = population
-        seen = draws_may_vary(getattr(trainer, "train_dataloader", None), pl_module)
+        self._sampled_loader = getattr(trainer, "train_dataloader", None)
+        seen = draws_may_vary(self._sampled_loader, pl_module)
         self.meter.set_draws_vary(self.draws_vary, seen)
         # Fixed data and no dropout module: the step may still draw random numbers by functions of its own.
         fixed = population is not None and not self.meter.draws_vary
         self._draw_watch = RandomDrawWatch(pl_module) if fixed else None
+
+    def _population(self, trainer: Any) -> tuple[Optional[int], Optional[str]]:
+        """:func:`~gns_callback.sampling.population_of` the training DataLoader's sampler."""
+        return population_of(facts.train_sampler(trainer), trainer.world_size, in_random_order=self.data_in_random_order)
 
     def _see_draws(self) -> None:
         """Whether the first training step drew random numbers before its backward pass
@@ -590,8 +596,25 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         return _with_schedule_note(rec, facts.peak_lr_schedule(trainer), current_lr)
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        self._follow_reloaded_loader(trainer)
         if self._adapter is not None and trainer.current_epoch > 0 and self._micro_batch_size is not None:
             self._adapt(trainer)
+
+    def _follow_reloaded_loader(self, trainer: Any) -> None:
+        """A training DataLoader reloaded for this epoch (``reload_dataloaders_every_n_epochs``) may draw from
+        another number of examples: the steps from now on are corrected for its (:mod:`gns_callback.sampling`).
+        Before, the first loader's stood for the whole run: a curriculum of 96 examples, then all 1,400 of digits,
+        read 39.8 [36.8, 43.2] against an exact 67.0. A reloaded loader that does not shuffle stops the measurement,
+        with the reason; the run goes on."""
+        loader = getattr(trainer, "train_dataloader", None)
+        if self.meter is None or loader is self._sampled_loader:
+            return
+        self._sampled_loader = loader
+        population, problem = self._population(trainer)
+        if problem is not None:
+            return self.meter.stop(f"the training DataLoader reloaded for epoch {trainer.current_epoch}: {problem}. "
+                                   "Pass shuffle=True to it")
+        self.meter.population = population
 
     def _adapt(self, trainer: Any) -> None:
         """Adaptation aims where the recommendation does: the run's critical batch so far. (Following the recent

@@ -67,6 +67,9 @@ MEASURING_METHODS = tuple(COLLECTORS)
 #: Steps between checks that the model's trainable parameters are still the ones measured (unfreezing a backbone
 #: for fine-tuning changes them); each check walks the parameter list once.
 TRAINABLE_CHECK_EVERY = 50
+#: Batches on which :meth:`GradientNoiseScaleMeter.check_per_example` is tried before "not checked" stands (a batch
+#: the loop skips, ``training_step`` returning None, has no pass to check; a failed try costs about one forward pass).
+CHECK_TRIES = 8
 #: Frames above :meth:`GradientNoiseScaleMeter.step` whose generators the watch of the loop's draws reads (the loop,
 #: and a helper or two it calls step() through).
 LOOP_FRAMES = 3
@@ -211,8 +214,10 @@ class GradientNoiseScaleMeter:
         self._stale: Optional[StaleGradients] = None  # the first steps' check for gradients left from before
         self._stale_steps = 0  # steps it found
         self._trainable: tuple[int, ...] = ()  # ids of the trainable parameters when the hooks went on
-        #: Set when the measured parameters changed: run :meth:`check_per_example` again before the next step.
+        #: Set when the measured parameters changed, or a check could not run: run :meth:`check_per_example` again
+        #: before the next step.
         self.needs_check = False
+        self._check_tries = 0  # checks in a row that failed to run (:meth:`_check_failed`)
         self._attached = False
         self._widens_for_left_out = False  # set by attach()
         self._enabled = True
@@ -371,11 +376,23 @@ class GradientNoiseScaleMeter:
                 self.per_example_check = check_per_example(self.model, run_pass, batch_size, reset=state.restore,
                                                            run_replaced_pass=run_replaced_pass)
         except Exception as error:  # noqa: BLE001 - a check must never end the user's run
-            self.per_example_check = PerExampleCheck("not checked",
-                                                     detail=f"the check failed: {type(error).__name__}: {error}")
+            self._check_failed(error)
+        else:
+            self._check_tries = 0
         if self.per_example_check.refused:
             self._problem = self._problem or self.per_example_check.detail
         return self.per_example_check
+
+    def _check_failed(self, error: Exception) -> None:
+        """A check that could not run (``training_step`` returned None to skip the batch, say): "not checked", tried
+        again before the next step up to :data:`CHECK_TRIES` batches in a row, and meanwhile the first measured
+        step's own sum check armed (it finds an L2 term or a parameter used outside its layer, though not coupled
+        examples)."""
+        self._check_tries += 1
+        self.per_example_check = PerExampleCheck("not checked",
+                                                 detail=f"the check failed: {type(error).__name__}: {error}")
+        self.needs_check = self._check_tries < CHECK_TRIES
+        self._arm_sum_check(True)
 
     def discard_pending(self) -> None:
         """Drop what the hooks recorded since the last :meth:`step` (e.g. a step that will not be taken), and the
