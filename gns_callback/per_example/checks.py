@@ -60,8 +60,10 @@ __all__ = ["PerExampleCheck", "check_per_example", "first_step_check"]
 TOLERANCE = 1e-3
 #: Examples compared (the first ones; fewer where the batch's first half is smaller).
 EXAMPLES = 16
+#: The hooks can't measure this model on a batch of the stated size (its layers' rows are not its examples, say).
+UNMEASURABLE = "unmeasurable"
 #: Outcomes that make per-example norms unusable for this model and loss.
-REFUSED = ("extra gradient", "coupled")
+REFUSED = ("extra gradient", "coupled", UNMEASURABLE)
 #: Check 1 alone passed, on a training step (:func:`first_step_check`); check 2 was not run.
 SUMS_CHECKED = "sums checked"
 #: Largest share of ``tr Σ`` a gradient part common to every example (a penalty on the parameters) may move.
@@ -71,8 +73,8 @@ IMPACT = 1e-2
 @dataclass(frozen=True)
 class PerExampleCheck:
     """The outcome: ``status`` is ``"independent"`` (both checks passed), ``"extra gradient"`` (check 1 failed),
-    ``"coupled"`` (check 2 failed), ``"sums checked"`` (check 1 alone passed, on a training step) or
-    ``"not checked"``; ``spread`` the largest relative difference the failed or
+    ``"coupled"`` (check 2 failed), ``"unmeasurable"`` (the hooks can't measure the batch's passes at all),
+    ``"sums checked"`` (check 1 alone passed, on a training step) or ``"not checked"``; ``spread`` the largest relative difference the failed or
     last check read (NaN when not checked); ``detail`` says why: the reason to stop measuring, why nothing was
     checked, or for a pass a note (a penalty on the parameters measured as is, and what it moves)."""
 
@@ -120,8 +122,8 @@ def check_per_example(model: nn.Module, run_pass: Callable[[], None], batch_size
             tracker.sum_check = second = SumCheck()
             reset()
             after, replaced = _replaced_norms(model, tracker, batch_size, run_pass, run_replaced_pass)
-    except RuntimeError as error:  # the hooks can't measure this model; the meter says so at its first step
-        return PerExampleCheck("not checked", detail=str(error))
+    except RuntimeError as error:  # the hooks can't measure this model on such a batch: its steps would read wrong
+        return PerExampleCheck(UNMEASURABLE, detail=str(error))
     finally:
         restart_probes()
     extra, note = _extra_gradient(first, second, batch_size, tolerance)
@@ -146,7 +148,7 @@ def first_step_check(sum_check: SumCheck, batch_size: Optional[int]) -> Optional
     rests = sum_check.rests
     if not rests or not all(rest.finite for rest in rests.values()):
         return None
-    beyond = {name: rest for name, rest in rests.items() if rest.beyond_rounding}
+    beyond = sum_check.beyond_rounding()
     if not beyond:
         return PerExampleCheck(SUMS_CHECKED, max(_rest_share(rest) for rest in rests.values()), _SUMS_NOTE)
     varying = [name for name, rest in beyond.items() if rest.off_parameter > max(rest.rounding, TOLERANCE * rest.norm)]
@@ -172,7 +174,7 @@ def _extra_gradient(first: SumCheck, second: SumCheck, batch_size: int,
     that no norm sees: refused. One that doesn't (a penalty on the parameters) is the same in every example's
     gradient; it moves the plug-in ``tr Σ = mean|g_i|² − |ḡ|²`` by ``−(2ḡ·R + |R|²)`` (:func:`_trace_shift`),
     refused above ``IMPACT`` of it, else noted."""
-    extra = [name for name, rest in first.rests.items() if rest.beyond_rounding]
+    extra = list(first.beyond_rounding())
     if not extra:
         return None, ""
     rests, seconds = first.extra_gradients, second.extra_gradients

@@ -148,14 +148,14 @@ def test_state_a_step_changes_is_put_back_between_the_passes(digits):
     assert check_per_example(model, lambda: model.loss(x).backward(), BATCH).status == "independent"
 
 
-def test_a_batch_too_small_or_never_seen_is_not_checked(digits):
+def test_a_batch_too_small_is_not_checked_and_one_whose_rows_are_not_its_examples_is_refused(digits):
     assert check(mlp(), INDEPENDENT["mean"], digits, batch=3).status == "not checked"
     model = mlp()
     x, y = digits[0][:BATCH], digits[1][:BATCH]
     # the model's layers run on the batch's rows reshaped into (B/2, 2·64): no measured input holds 32 examples
     wide = nn.Linear(128, 10)
     result = check_per_example(wide, lambda: F.cross_entropy(wide(x.reshape(16, 128)), y[:16]).backward(), BATCH)
-    assert result.status == "not checked" and result.detail, result
+    assert result.status == "unmeasurable" and result.refused and "method='micro_batch'" in result.detail, result
     assert check(model, INDEPENDENT["mean"], digits).status == "independent"
 
 
