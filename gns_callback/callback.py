@@ -341,8 +341,6 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             raise misconfiguration(trainer, f"GradientNoiseScaleCallback: {error}") from None
         if choice.note and self.verbose:
             facts.say(trainer, f"GradientNoiseScaleCallback: {choice.note}")
-        if choice.warning:
-            _warn_rank_zero(trainer, f"GradientNoiseScaleCallback: {choice.warning}")
         method, fallback = choice.method, choice.fallback
         if self._restored and self._restored.get("method") == fallback:  # the checkpoint's run had switched
             method, fallback = fallback, None

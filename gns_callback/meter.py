@@ -38,7 +38,7 @@ from gns_callback.accumulation import (PACKED_FIELDS, SCALE_MARGIN, Accumulation
                                       step_estimates)
 from gns_callback.backward_passes import hooks_inert, measurement_paused
 from gns_callback.blend import PairBlend
-from gns_callback.collectors import BATCH_NORM_COUPLES, COLLECTORS, MIN_COVERAGE, Collector
+from gns_callback.collectors import BATCH_NORM_COUPLES, COLLECTORS, MIN_COVERAGE, Collector, coverage_warning
 from gns_callback.critical_batch import CriticalBatchAccumulator, CriticalBatchEstimate
 from gns_callback.deferred import DeferredReads
 from gns_callback.estimate import GNSEstimate
@@ -218,6 +218,7 @@ class GradientNoiseScaleMeter:
         #: before the next step.
         self.needs_check = False
         self._check_tries = 0  # checks in a row that failed to run (:meth:`_check_failed`)
+        self._coverage_said = False  # the partial coverage warned of (:meth:`_say_coverage`)
         self._attached = False
         self._widens_for_left_out = False  # set by attach()
         self._enabled = True
@@ -234,6 +235,7 @@ class GradientNoiseScaleMeter:
         # Below MIN_COVERAGE the estimate is said to be the covered parameters' (a warning says so); above it, the
         # whole model's, so its interval makes room for the parameters left out (:mod:`gns_callback.left_out`).
         self._widens_for_left_out = self.collector.coverage().fraction >= MIN_COVERAGE
+        self._say_coverage()
         self._watch = GradientWatch(self.collector.measured_parameters(), self._left_out_parameters(),
                                     read_at_mark=self.reduce is None)
         if self._stale is not None:
@@ -243,6 +245,14 @@ class GradientNoiseScaleMeter:
         self._attached = True
         self._arm_sum_check(self.per_example_check is None or self.per_example_check.status == SUMS_CHECKED)
         return self
+
+    def _say_coverage(self) -> None:
+        """Warn once where the hooks cover less than ``MIN_COVERAGE`` of the trainable parameters
+        (:func:`~gns_callback.collectors.coverage_warning`): the estimate is then the covered parameters' own."""
+        warning = None if self._coverage_said else coverage_warning(self.collector)
+        if warning is not None:
+            self._coverage_said = True
+            warnings.warn(f"gns_callback: {warning}", stacklevel=3)
 
     def _arm_sum_check(self, armed: bool) -> None:
         """Where :meth:`check_per_example` has not run, the first measured step's passes are checked on their own:

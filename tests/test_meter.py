@@ -871,6 +871,22 @@ def test_a_large_l2_term_or_another_penalty_is_refused_alone_and_the_full_check_
     assert meter.failure is None and meter.run_estimate.steps == 5 and meter.per_example_check is check
 
 
+def test_a_plain_loop_hears_that_per_example_norms_cover_part_of_the_model_once(digits):
+    """An LSTM with projected hidden states is not measured per example; its Linear head is 4.2% of the parameters.
+    The Lightning callback said so; a plain loop heard nothing (an audit found it with 8.1% covered)."""
+    from tests.trust.models import ProjectedLstmClassifier
+
+    model = ProjectedLstmClassifier()
+    with pytest.warns(UserWarning, match=r"cover only 4\.2% of the trainable parameters.*method='micro_batch'"):
+        meter = GradientNoiseScaleMeter(model).attach()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        meter.detach()
+        meter.attach()  # once
+        meter.detach()
+        GradientNoiseScaleMeter(mlp()).attach().detach()  # whole models: nothing
+
+
 class NormUnderInstanceNorm(nn.Module):
     """Conv → GroupNorm → InstanceNorm: the InstanceNorm removes every per-channel shift and scale, so the GroupNorm's
     bias gets a gradient of exactly zero (its weight's nearly zero), and autograd's is the rounding of what cancelled."""

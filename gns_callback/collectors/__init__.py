@@ -21,7 +21,7 @@ from gns_callback.collectors.coverage import Coverage
 from gns_callback.collectors.micro_batch import MicroBatchCollector
 from gns_callback.collectors.per_example import PerExampleCollector
 from gns_callback.per_example.compiled import problem as compiled_problem
-from gns_callback.per_example.tracker import MIN_COVERAGE, supported_layer_names
+from gns_callback.per_example.tracker import MICRO_BATCH_HINT, MIN_COVERAGE, supported_layer_names
 
 METHODS = ("auto", "micro_batch", "per_example")
 
@@ -76,7 +76,6 @@ class UnmeasurableSetup(ValueError):
 class MethodChoice:
     method: str
     note: Optional[str] = None  # why auto chose this method (info)
-    warning: Optional[str] = None  # something the user must see (partial coverage)
     fallback: Optional[str] = None  # the method to switch to if the hooks find ``method`` can't measure a step
 
 
@@ -123,15 +122,15 @@ def choose_method(requested: str, model: nn.Module, *, several_micro_batches: bo
         if not several_micro_batches:
             raise UnmeasurableSetup(_NEEDS_MICRO_BATCHES.format(who="method='micro_batch'"))
         return MethodChoice("micro_batch")
-    problem, fraction, bare = per_example_problem(model, compiled, batch_norm)
+    problem, fraction, _ = per_example_problem(model, compiled, batch_norm)
     if requested == "per_example":
         if problem is not None:
             raise UnmeasurableSetup(f"method='per_example': {problem}; use method='micro_batch'.")
-        return MethodChoice("per_example", warning=_coverage_warning(fraction, bare))
-    return _choose_auto(problem, fraction, bare, several_micro_batches)
+        return MethodChoice("per_example")  # the meter says what it covers (:func:`coverage_warning`)
+    return _choose_auto(problem, fraction, several_micro_batches)
 
 
-def _choose_auto(problem: Optional[str], fraction: float, bare: float, several_micro_batches: bool) -> MethodChoice:
+def _choose_auto(problem: Optional[str], fraction: float, several_micro_batches: bool) -> MethodChoice:
     """per_example where it is valid and covers the model (then micro_batch as the fallback if the run allows it:
     the hooks may still find mid-run what no inspection of the model shows), else micro_batch where possible. Bare
     parameters are not counted on: whether they can be read shows only at the first step."""
@@ -141,16 +140,22 @@ def _choose_auto(problem: Optional[str], fraction: float, bare: float, several_m
         why = problem or f"per-example norms would cover only {fraction:.1%} of the trainable parameters"
         return MethodChoice("micro_batch", note=f"method='auto' uses 'micro_batch' ({why}).")
     if problem is None:
-        return MethodChoice("per_example", warning=_coverage_warning(fraction, bare))
+        return MethodChoice("per_example")  # the covered share: the meter says so (:func:`coverage_warning`)
     raise UnmeasurableSetup(
         f"method='auto' found no valid estimator: per-example norms are not usable ({problem}) and "
         + _NEEDS_MICRO_BATCHES.format(who="method='micro_batch'")
     )
 
 
-def _coverage_warning(fraction: float, bare: float = 0.0) -> Optional[str]:
-    if fraction >= MIN_COVERAGE:
+def coverage_warning(collector: Collector) -> Optional[str]:
+    """What the user must hear about ``collector``'s share of the trainable parameters (None: it covers
+    :data:`MIN_COVERAGE` of them): below it, B_simple is that of the covered parameters alone; above it with bare
+    parameters counted, whether those are read shows at the first step."""
+    tracker = getattr(collector, "tracker", None)
+    fraction = collector.coverage().fraction
+    if tracker is None or fraction >= MIN_COVERAGE:
         return None
+    bare = tracker.bare_parameter_fraction()
     if fraction + bare >= MIN_COVERAGE:
         return (
             f"per-example norms cover {fraction:.1%} of the trainable parameters at fit start; {bare:.1%} more are "
@@ -161,8 +166,8 @@ def _coverage_warning(fraction: float, bare: float = 0.0) -> Optional[str]:
         )
     return (
         f"per-example norms cover only {fraction:.1%} of the trainable parameters (layers of other types are "
-        "left out, see the report's 'coverage'): B_simple is that of the covered parameters. For the whole model "
-        "use method='micro_batch' with accumulate_grad_batches ≥ 2."
+        "left out, see 'coverage'): B_simple is that of the covered parameters. For the whole model, "
+        f"{MICRO_BATCH_HINT}."
     )
 
 
@@ -182,5 +187,6 @@ __all__ = [
     "PerExampleCollector",
     "UnmeasurableSetup",
     "choose_method",
+    "coverage_warning",
     "per_example_problem",
 ]

@@ -12,6 +12,7 @@ from collections.abc import Collection
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from .launches import launch_cost_per_example
 from .sketch import SKETCH_EXTRA_LAUNCHES, SKETCH_MARGIN, sketch_cost, sketched_sq_norms
@@ -36,6 +37,8 @@ def includes_param(module: nn.Module, name: str, param_names: Collection[str] | 
     """Whether the module's own parameter ``name`` exists, is trainable and was asked for."""
     if param_names is not None and name not in param_names:
         return False  # first: a parametrized weight is recomputed on each read
+    if parametrize.is_parametrized(module, name):  # read under no_grad, the recomputed weight would not require grad
+        return any(p.requires_grad for p in module.parametrizations[name].parameters())
     param = getattr(module, name, None)
     return isinstance(param, Tensor) and param.requires_grad
 

@@ -79,10 +79,22 @@ def test_the_summed_gradient_is_autograd_s(name: str) -> None:
     (output * weights).sum().backward()
     names = {name for name, param in layer.named_parameters()}
     base = type(layer).__bases__[0]
-    summed = weight_normed_summed_grads(_summed_of(base), layer, inputs, weights, param_names=names)
+    with torch.no_grad():  # as the tracker and the sum check call it: the parametrized weight then needs no grad
+        summed = weight_normed_summed_grads(_summed_of(base), layer, inputs, weights, param_names=names)
     assert set(summed) == names
     for param_name, param in layer.named_parameters():
         torch.testing.assert_close(summed[param_name], param.grad, rtol=1e-9, atol=1e-12)
+
+
+def test_the_first_batch_check_runs_on_weight_normalised_layers(digits) -> None:
+    """The check's sum compares each layer's summed gradient under no_grad; there the parametrized weight was read as
+    not trainable, the hook failed (KeyError: 'weight') and the check said only "not checked"."""
+    from gns_callback.per_example.checks import check_per_example
+    from tests.trust.models import WeightNormed
+
+    model, (x, y) = WeightNormed(), digits
+    run = lambda: torch.nn.functional.cross_entropy(model(x[:32]), y[:32]).backward()  # noqa: E731
+    assert check_per_example(model, run, 32, reset=lambda: None).status == "independent"
 
 
 def _summed_of(base: type):
