@@ -49,6 +49,7 @@ from gns_callback.per_example.checks import SUMS_CHECKED, PerExampleCheck, check
 from gns_callback.per_example.tracker import MICRO_BATCH_HINT
 from gns_callback.per_example.sketch import reseed_probes
 from gns_callback.per_example.sum_check import SumCheck
+from gns_callback.probe.attributes import describe
 from gns_callback.probe.state import preserved_state
 from gns_callback.random_streams import StepDrawWatch, caller_frames, drawn_reason, scope_generators
 from gns_callback.sampling import draws_may_vary, population_from, varying_draws_high, without_replacement
@@ -219,6 +220,7 @@ class GradientNoiseScaleMeter:
         self.needs_check = False
         self._check_tries = 0  # checks in a row that failed to run (:meth:`_check_failed`)
         self._coverage_said = False  # the partial coverage warned of (:meth:`_say_coverage`)
+        self._said_not_restored = False  # the checks' passes left state that could not be put back (said once)
         self._attached = False
         self._widens_for_left_out = False  # set by attach()
         self._enabled = True
@@ -381,6 +383,7 @@ class GradientNoiseScaleMeter:
         if self.method != "per_example" or self.failure is not None:
             return PerExampleCheck("not checked", detail=f"method={self.method!r}")
         self._arm_sum_check(False)  # this check includes the first step's
+        state = None
         try:
             with self.paused(), preserved_state(self.model, [], **preserve) as state:
                 self.per_example_check = check_per_example(self.model, run_pass, batch_size, reset=state.restore,
@@ -389,6 +392,9 @@ class GradientNoiseScaleMeter:
             self._check_failed(error)
         else:
             self._check_tries = 0
+        if state is not None and state.not_restored and not self._said_not_restored:
+            self._said_not_restored = True
+            _warn_not_restored(state.not_restored)
         if self.per_example_check.refused:
             self._problem = self._problem or self.per_example_check.detail
         return self.per_example_check
@@ -860,6 +866,16 @@ class GradientNoiseScaleMeter:
         ``MIN_COVERAGE``, where it is not read: the estimate is then the covered parameters' own."""
         share = self.left_out.share() if self._widens_for_left_out else None
         return {**self.collector.coverage().to_dict(), "left_out_gradient_share": share}
+
+
+def _warn_not_restored(names: Sequence[str]) -> None:
+    """The check's passes changed state it could not put back: from here on the run differs from one without the
+    meter."""
+    warnings.warn(
+        f"gns_callback: the per-example check's passes of the training step changed module attribute(s) "
+        f"{describe(names)} and could not put them back (too large to copy, or not copyable); the run now "
+        "differs from one without gns_callback. Keep that state elsewhere, or pass method='micro_batch'.",
+        RuntimeWarning, stacklevel=4)
 
 
 def _host_loss(loss: Union[torch.Tensor, float, None]) -> float:

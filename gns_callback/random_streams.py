@@ -22,14 +22,14 @@ import sys
 from collections.abc import Hashable, Iterator
 from itertools import islice
 from types import FrameType, ModuleType
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["GENERATOR_TYPES", "RNGState", "RandomDrawWatch", "StepDrawWatch", "caller_frames", "drawn_reason",
-           "generator_state", "module_generators", "moved", "scope_generators", "set_generator_state",
+__all__ = ["GENERATOR_TYPES", "RNGState", "RandomDrawWatch", "StepDrawWatch", "attribute_objects", "caller_frames",
+           "drawn_reason", "generator_state", "module_generators", "moved", "scope_generators", "set_generator_state",
            "stream_states"]
 
 StreamStates = dict[str, Hashable]
@@ -48,13 +48,22 @@ def module_generators(module: Optional[nn.Module], skip: Iterable[str] = ()) -> 
     """``(name, generator)`` for each generator object the attributes of ``module`` and its submodules hold, directly
     or inside dicts, lists, tuples and plain objects (a helper that augments, a DataLoader's ``generator``), up to
     :data:`_DEPTH` levels down; ``skip``: attribute names left alone (a framework's internals)."""
+    return attribute_objects(module, _is_generator, skip)
+
+
+def attribute_objects(module: Optional[nn.Module], wanted: Callable[[Any], bool], skip: Iterable[str] = (),
+                      stop: Iterable[Any] = ()) -> list[tuple[str, Any]]:
+    """``(name, object)`` for each object ``wanted`` accepts that the attributes of ``module`` and its submodules
+    hold, directly or inside dicts, lists, tuples and plain objects, up to :data:`_DEPTH` levels down and
+    :data:`_ITEMS` entries a container (a bounded walk: a data set held as a list is not read through). Modules,
+    tensors and the ``stop`` objects (a Trainer) are not walked into; ``skip``: attribute names left alone."""
     found: dict[int, tuple[str, Any]] = {}
-    seen: set[int] = set()
+    seen: set[int] = {id(obj) for obj in stop}
     skipped = set(skip) | TORCH_INTERNALS
     for prefix, sub in (module.named_modules() if module is not None else ()):
         for key, value in vars(sub).items():
             if key not in skipped:
-                _find_generators(value, f"{prefix}.{key}" if prefix else key, 0, found, seen)
+                _find(value, f"{prefix}.{key}" if prefix else key, 0, wanted, found, seen)
     return list(found.values())
 
 
@@ -66,7 +75,7 @@ def scope_generators(frames: Iterable[FrameType]) -> list[tuple[str, Any]]:
     seen: set[int] = set()
     for frame in frames:
         for key, value in frame.f_locals.items():
-            _find_generators(value, f"loop:{key}", _DEPTH - 2, found, seen)
+            _find(value, f"loop:{key}", _DEPTH - 2, _is_generator, found, seen)
         for key, value in frame.f_globals.items():
             if isinstance(value, GENERATOR_TYPES):
                 found.setdefault(id(value), (f"loop:{key}", value))
@@ -90,8 +99,13 @@ _ATOMS = (str, bytes, int, float, complex, bool, type(None))
 TORCH_INTERNALS = frozenset(vars(nn.Module()))
 
 
-def _find_generators(value: Any, name: str, depth: int, found: dict[int, tuple[str, Any]], seen: set[int]) -> None:
-    if isinstance(value, GENERATOR_TYPES):
+def _is_generator(value: Any) -> bool:
+    return isinstance(value, GENERATOR_TYPES)
+
+
+def _find(value: Any, name: str, depth: int, wanted: Callable[[Any], bool], found: dict[int, tuple[str, Any]],
+          seen: set[int]) -> None:
+    if wanted(value):
         found.setdefault(id(value), (name, value))
         return
     if (depth >= _DEPTH or id(value) in seen or len(seen) > _MAX_SEEN or isinstance(value, _ATOMS)
@@ -99,7 +113,7 @@ def _find_generators(value: Any, name: str, depth: int, found: dict[int, tuple[s
         return
     seen.add(id(value))
     for item_name, item in _items(value, name):
-        _find_generators(item, item_name, depth + 1, found, seen)
+        _find(item, item_name, depth + 1, wanted, found, seen)
 
 
 def _items(value: Any, name: str) -> Iterator[tuple[str, Any]]:

@@ -755,6 +755,31 @@ def test_the_coupling_check_leaves_the_model_and_random_streams_as_they_were(dig
     assert meter.failure is None and meter.steps_seen == 1
 
 
+def test_state_the_check_changes_and_cannot_put_back_is_warned_about_once(digits):
+    """An attribute no copy can hold (a lock) that the passes change: the run now differs from one without the check,
+    and the user is told so, once."""
+    import threading
+
+    class Holder:
+        def __init__(self):
+            self.lock, self.count = threading.Lock(), 0
+
+    x, y = digits[0][:32], digits[1][:32]
+    model = mlp()
+    model.holder = Holder()
+
+    def run_pass():
+        model.holder.count += 1
+        F.cross_entropy(model(x), y).backward()
+
+    with GradientNoiseScaleMeter(model) as meter, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        meter.check_per_example(run_pass, batch_size=32)
+        meter.check_per_example(run_pass, batch_size=32)
+    said = [str(w.message) for w in caught if "could not put them back" in str(w.message)]
+    assert len(said) == 1 and "holder" in said[0], said
+
+
 def test_coupled_examples_stop_the_next_step_with_the_reason(digits):
     x = digits[0][:32]
     model = mlp()

@@ -9,13 +9,17 @@ version counters, recursively) is compared, so unchanged values keep their ident
 original object back, its contents restored in place where it is a tensor, list, dict, set or plain object (so
 other references to it see the restored value), else a fresh copy.
 
-The model's own modules, parameters and buffers (and objects the caller keeps) are shared, never copied: inside
-an entry they count by identity alone (an entry that is itself a kept object is restored in place as any other).
+The model's own modules, parameters and buffers (and objects the caller keeps, with the modules, parameters and
+buffers of kept modules) are shared, never copied: inside an entry they count by identity alone (an entry that is
+itself a kept object is restored in place as any other). Modules held outside the model's tree (an EMA teacher in a
+plain list: :func:`outside_modules`) are kept so by :class:`~gns_callback.probe.state.ProbeState`, which puts their
+parameters and buffers back in place as the model's own.
 So a list that holds parameters (``nn.LSTM._flat_weights``, which the fused kernel reads its weights from) is
 unchanged when a step updates the parameters in place, and is never restored to copies of them: that cut an
 LSTM's weights off from their gradients for the rest of the run.
 
-Copies live in host memory (tensors, also inside lists, tuples and dicts); objects holding device tensors and
+Copies live in host memory (tensors, also inside lists, tuples and dicts, which are put back in place where a
+step changed them, so that other references to them see it); objects holding device tensors and
 entries larger than ``max_copy_bytes`` are not copied, only fingerprinted. Such an entry, or one ``deepcopy``
 refuses, is reported by name in :attr:`AttributeState.not_restored` if (and only if) a step changed it.
 """
@@ -33,7 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from gns_callback.random_streams import TORCH_INTERNALS, module_generators
+from gns_callback.random_streams import TORCH_INTERNALS, attribute_objects, module_generators
 
 _ATOMS = (type(None), bool, int, float, complex, str, bytes, range, torch.device, torch.dtype)
 _MAX_DEPTH = 6
@@ -81,23 +85,34 @@ class _Walk:
             items = tuple((self(k, depth + 1), self(v, depth + 1, in_object)) for k, v in value.items())
             return (type(value), id(value), items)
         if isinstance(value, (nn.Module, type)) or inspect.isroutine(value) or not hasattr(value, "__dict__"):
-            return ("object", id(value))  # modules are covered entry by entry; functions don't change
+            return ("object", id(value))  # modules are covered entry by entry, or kept; functions don't change
         return (type(value), id(value), self(vars(value), depth + 1, in_object=True))
 
 
 class _HostTensor:
-    """A tensor's host copy, and where it came from."""
+    """A tensor's host copy, and where it came from: the original tensor, its version counter and its flags."""
 
-    __slots__ = ("data", "device", "requires_grad")
+    __slots__ = ("original", "version", "data", "device", "requires_grad")
 
     def __init__(self, tensor: Tensor) -> None:
+        self.original = tensor
+        self.version = tensor._version
         self.data = tensor.detach().to("cpu", copy=True)
         self.device = tensor.device
         self.requires_grad = tensor.requires_grad
 
     def back(self) -> Tensor:
-        tensor = self.data.to(self.device, copy=True)
-        return tensor.requires_grad_() if self.requires_grad else tensor
+        """The original tensor with its saved values (in place: other references to it see them), or a fresh one
+        where the step changed its shape, dtype, device or ``requires_grad``."""
+        original = self.original
+        if (original.shape != self.data.shape or original.dtype != self.data.dtype or original.device != self.device
+                or original.requires_grad != self.requires_grad):
+            tensor = self.data.to(self.device, copy=True)
+            return tensor.requires_grad_() if self.requires_grad else tensor
+        if original._version != self.version:
+            with torch.no_grad():
+                original.copy_(self.data)
+        return original
 
 
 def _plain(value: Any) -> bool:
@@ -133,6 +148,8 @@ def _load(saved: Any, memo: dict[int, Any], nested: bool = False) -> Any:
 
 def _restore_into(original: Any, fresh: Any) -> bool:
     """Put ``fresh``'s contents into ``original`` in place; False where that is not possible."""
+    if fresh is original:  # a tensor :meth:`_HostTensor.back` put back in place
+        return True
     if isinstance(original, Tensor):
         if not isinstance(fresh, Tensor) or fresh.shape != original.shape or fresh.dtype != original.dtype:
             return False
@@ -169,12 +186,35 @@ class _Entry:
     saved: Any = _MISSING  # _MISSING: not copied (too large, on a device inside an object, or refused)
 
 
+def _module_objects(module: nn.Module) -> list[Any]:
+    """A module's submodules, parameters and buffers: what a snapshot shares by identity."""
+    return [*module.modules(), *module.parameters(), *module.buffers()]
+
+
+def outside_modules(module: nn.Module, skip: Iterable[str] = (),
+                    keep: Iterable[Any] = ()) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` for each module that the attributes of ``module`` and its submodules hold outside its
+    tree: inside a list, tuple, dict or plain object, a few levels down (the bounded walk of
+    :func:`~gns_callback.random_streams.attribute_objects`). An EMA or mean-teacher network kept as
+    ``self.teacher = [copy.deepcopy(self.net)]`` is one: no submodule, so in no ``state_dict``, no optimizer and no
+    ``module.modules()``, yet a step may update it in place, and a snapshot must copy and put back its tensors too.
+    ``keep`` objects (a Trainer) are neither returned nor walked into; ``skip``: attribute names left alone."""
+    tree = {id(sub) for sub in module.modules()}
+    keep = list(keep)
+    kept = {id(obj) for obj in keep}
+
+    def outside(value: Any) -> bool:
+        return isinstance(value, nn.Module) and id(value) not in tree and id(value) not in kept
+
+    return attribute_objects(module, outside, skip, stop=keep)
+
+
 class AttributeState:
     """The attribute entries of ``module`` and its submodules (see the module docstring).
 
     Args:
-        keep: objects referenced from the state that stay shared, never copied (e.g. a Trainer); the modules,
-            parameters and buffers of ``module`` always are.
+        keep: objects referenced from the state that stay shared, never copied (e.g. a Trainer, a module outside
+            the tree); the modules, parameters and buffers of ``module`` and of kept modules always are.
         skip: ``__dict__`` names left alone (a framework's internals).
         max_copy_bytes: entries holding more tensor/array bytes than this are fingerprinted, not copied.
     """
@@ -183,7 +223,9 @@ class AttributeState:
                  max_copy_bytes: float = 2**29) -> None:
         # Generators too: a copy would lose their state (RNGState puts it back in place, probe/state.py).
         generators = [gen for _, gen in module_generators(module, skip)]
-        shared = [*module.modules(), *module.parameters(), *module.buffers(), *generators, *keep]
+        keep = list(keep)
+        trees = [module, *(obj for obj in keep if isinstance(obj, nn.Module))]
+        shared = [*generators, *keep, *(obj for tree in trees for obj in _module_objects(tree))]
         self._memo = {id(obj): obj for obj in shared}
         self._skip = TORCH_INTERNALS | set(skip)
         self.max_copy_bytes = max_copy_bytes

@@ -5,7 +5,9 @@ parameters and buffers (BatchNorm running statistics and ``num_batches_tracked``
 (Adam's moments and step counters; state the probe created lazily is removed again) and ``param_groups``,
 ``.grad`` (``None`` stays ``None``), ``requires_grad``, every submodule's ``training`` flag, the RNG states
 (torch CPU and CUDA, numpy, ``random``) and what a step keeps in module attributes (torchmetrics states, lists,
-counters: :mod:`gns_callback.probe.attributes`). Iterators in module attributes, which no copy can rewind, replay
+counters: :mod:`gns_callback.probe.attributes`). Modules the attributes hold outside the model's tree (an EMA teacher
+in a plain list, updated in place by each step: :func:`~gns_callback.probe.attributes.outside_modules`) are put back
+as the model's own: their parameters and buffers in place, ``.grad``, ``requires_grad`` and training flags. Iterators in module attributes, which no copy can rewind, replay
 to the run what the probe steps drew from them (:mod:`gns_callback.probe.iterators`). Copies live in host memory, not on the accelerator being probed, and
 nothing goes to disk (an interrupted probe leaves no temporary checkpoint behind; Lightning's BatchSizeFinder
 did).
@@ -15,12 +17,12 @@ from __future__ import annotations
 
 import copy
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from gns_callback.probe.attributes import AttributeState
+from gns_callback.probe.attributes import AttributeState, outside_modules
 from gns_callback.probe.iterators import ReplayedIterators
 from gns_callback.random_streams import RNGState
 
@@ -82,10 +84,17 @@ class OptimizerState:
             opt.__dict__["_opt_called"] = self.opt_called
 
 
-class ModuleState:
-    """Parameters and buffers (values and identity), ``.grad``, ``requires_grad`` and training flags."""
+def _unique_modules(roots: Iterable[nn.Module]) -> list[nn.Module]:
+    """Every module of the trees under ``roots``, once (an outside module may hold one of the model's)."""
+    return list({id(sub): sub for root in roots for sub in root.modules()}.values())
 
-    def __init__(self, module: nn.Module) -> None:
+
+class ModuleState:
+    """Parameters and buffers (values and identity), ``.grad``, ``requires_grad`` and training flags of ``module``
+    and of the ``outside`` modules (not in its tree, yet changed by its steps: an EMA teacher in a plain list)."""
+
+    def __init__(self, module: nn.Module, outside: Iterable[nn.Module] = ()) -> None:
+        modules = _unique_modules([module, *outside])
         copies: dict[int, Tensor] = {}  # tied weights are copied once
 
         def saved(tensor: Optional[Tensor]) -> Optional[Tensor]:
@@ -97,13 +106,13 @@ class ModuleState:
 
         self.tensors = [
             (sub, registry, name, tensor, saved(tensor))
-            for sub in module.modules()
+            for sub in modules
             for registry in ("_parameters", "_buffers")
             for name, tensor in getattr(sub, registry).items()
         ]
-        params = {id(p): p for p in module.parameters()}.values()
+        params = {id(p): p for sub in modules for p in sub._parameters.values() if p is not None}.values()
         self.params = [(p, p.requires_grad, p.grad) for p in params]
-        self.modes = [(sub, sub.training) for sub in module.modules()]
+        self.modes = [(sub, sub.training) for sub in modules]
 
     def restore(self) -> None:
         with torch.no_grad():
@@ -126,10 +135,13 @@ class ProbeState:
 
     def __init__(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], **attributes: Any) -> None:
         skip = attributes.get("skip", ())
+        keep = [*attributes.pop("keep", ()), *optimizers]
         self.iterators = ReplayedIterators(module, skip=skip)  # before the attributes' snapshot
         self.rng = RNGState(module, skip=skip)
-        self.module = ModuleState(module)
-        self.attributes = AttributeState(module, keep=[*attributes.pop("keep", ()), *optimizers], **attributes)
+        # Restored in place with the model's own; to the attributes' snapshot they are shared, never copied.
+        self.outside = [sub for _, sub in outside_modules(module, skip=skip, keep=keep)]
+        self.module = ModuleState(module, self.outside)
+        self.attributes = AttributeState(module, keep=[*keep, *self.outside], **attributes)
         self.optimizers = [OptimizerState(opt) for opt in optimizers]
 
     @property

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from gns_callback.probe.attributes import AttributeState
+from gns_callback.probe.attributes import AttributeState, outside_modules
 
 
 class Holder:
@@ -127,3 +127,17 @@ def test_parameters_held_in_a_list_stay_the_parameters():
     lstm.zero_grad()
     lstm(torch.randn(5, 2, 3))[0].sum().backward()
     assert all(p.grad is not None for p in lstm.parameters())
+
+
+def test_outside_modules_are_found_through_plain_containers_but_not_in_the_tree_or_kept_objects():
+    class Helper:  # a plain object holding a module, as an EMA helper class does
+        def __init__(self, module):
+            self.shadow = module
+
+    net, teacher, ema, kept, deep = Net(), nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
+    net.teacher = [teacher]
+    net.helpers = {"ema": Helper(ema), "layer": [net.layer]}  # a module of the tree, held again: not outside
+    net.kept = [kept]
+    net.deep = [[[[[deep]]]]]  # deeper than the bounded walk goes
+    found = outside_modules(net, keep=[kept])
+    assert [(name, module) for name, module in found] == [("teacher[0]", teacher), ("helpers['ema'].shadow", ema)]

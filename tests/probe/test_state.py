@@ -1,6 +1,7 @@
 """Nothing about the run changes: weights, optimizer state, BatchNorm statistics, RNG, gradients, modes,
 requires_grad, the step counter, the loggers, the data order, and no files are left behind."""
 
+import copy
 import os
 import random
 import tempfile
@@ -13,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from gns_callback.probe import probe_micro_batch
+from gns_callback.probe import preserved_state, probe_micro_batch
 from tests.helpers import Classifier, bn_mlp, quiet_trainer
 from tests.probe.models import ProbeAtBatch, RecordingLogger
 
@@ -236,3 +237,55 @@ def test_manual_optimization_does_not_count_probe_steps(digits):
     trainer.fit(ManualModule(bn_mlp()), DataLoader(TensorDataset(x[:64], y[:64]), batch_size=8))
     assert check_steps == [(2, 2)] and trainer.global_step == 4
     assert probe.results[2].max_micro_batch > 8
+
+
+class WithOutsideModules(nn.Module):
+    """A model whose attributes hold modules outside its tree (an EMA teacher in a plain list, another in a dict
+    inside a list) and plain tensors in a list: none a submodule, in the ``state_dict`` or the optimizer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = bn_mlp()
+        self.teacher = [copy.deepcopy(self.net).requires_grad_(False)]
+        self.averages = [{"ema": copy.deepcopy(self.net)}]
+        self.ema_tensors = [p.detach().clone() for p in self.net.parameters()]
+
+    def outside(self) -> list[nn.Module]:
+        return [self.teacher[0], self.averages[0]["ema"]]
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """A training step that updates everything outside the tree in place (BatchNorm statistics included)."""
+        loss = F.cross_entropy(self.net(x), y)
+        teacher, ema = self.outside()
+        loss = loss + F.mse_loss(ema(x), teacher(x))  # both in training mode: their running statistics move
+        loss.backward()
+        teacher.eval()
+        with torch.no_grad():
+            for weight, average, shadow in zip(self.net.parameters(), teacher.parameters(), self.ema_tensors):
+                average.mul_(0.5).add_(weight)
+                shadow.mul_(0.5).add_(weight)
+
+
+def test_modules_and_tensors_outside_the_module_tree_are_put_back_in_place():
+    """Restored in place, as the model's own: values, the same tensor objects, ``.grad`` and training flags (they
+    counted by the list's identity alone and kept what the probe steps did to them)."""
+    model = WithOutsideModules()
+    opt = torch.optim.SGD([*model.parameters(), *model.averages[0]["ema"].parameters()], lr=0.1)
+    batch = (torch.randn(8, 64), torch.randint(0, 10, (8,)))
+    before = [snapshot(module, [opt]) for module in model.outside()]
+    tensors = [[*module.parameters(), *module.buffers()] for module in model.outside()]
+    shadows = list(model.ema_tensors)
+    shadow_values = [t.clone() for t in shadows]
+    lists = (model.teacher, model.averages, model.averages[0], model.ema_tensors)
+    with preserved_state(model, [opt]) as state:
+        for _ in range(2):
+            model.step(*batch)
+            assert model.averages[0]["ema"][1].num_batches_tracked.item() == 1
+            state.restore()  # between passes too, any number of times
+    for module, saved, kept in zip(model.outside(), before, tensors):
+        assert_same(saved, snapshot(module, [opt]))
+        assert [*module.parameters(), *module.buffers()] == kept  # the same objects: optimizer references hold
+    assert (model.teacher, model.averages, model.averages[0], model.ema_tensors) == lists
+    assert all(a is b for a, b in zip(model.ema_tensors, shadows))
+    assert_same(shadow_values, model.ema_tensors)
+    assert not state.not_restored

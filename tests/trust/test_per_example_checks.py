@@ -9,6 +9,7 @@ at all, with the reason and the fix. Independent ones train to the bit as withou
 (the check's passes draw random numbers, and put the streams back). An L2 term in the loss adds to every parameter's
 gradient what no example's norm sees: it is measured by micro-batches, whose gradients carry it, or not at all."""
 
+import copy
 import json
 
 import pytest
@@ -239,6 +240,41 @@ def test_logs_metric_states_and_weights_are_those_of_a_fit_without_the_callback(
     ours_alone = [{k: v for k, v in m.items() if not k.startswith("gns")} for m in logs_ours]
     assert [m for m in ours_alone if m] == logs  # the callback's own entries (gns/...) left out
     assert all(torch.equal(weights[k], weights_ours[k]) for k in weights)
+
+
+class MeanTeacher(Classifier):
+    """A mean teacher kept in a plain list, out of the module tree (no submodule: in no ``state_dict``, no optimizer),
+    updated in place under ``no_grad`` by every ``training_step``, which also reads it."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__(net, lr=0.05)
+        self.teacher = [copy.deepcopy(net).requires_grad_(False)]
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.net(x)
+        with torch.no_grad():
+            target = self.teacher[0](x)
+            for ema, weight in zip(self.teacher[0].parameters(), self.net.parameters()):
+                ema.mul_(0.9).add_(0.1 * weight)
+        return F.cross_entropy(logits, y) + 0.1 * F.mse_loss(logits, target)
+
+
+def test_a_mean_teacher_outside_the_module_tree_is_that_of_a_fit_without_the_callback(digits, tmp_path):
+    """The check's passes of ``training_step`` update the teacher too; its tensors are put back in place (they were
+    fingerprinted by the list's identity alone, and the teacher drifted: both networks ended elsewhere)."""
+    x, y = digits
+    runs = []
+    for callbacks in ([], [GradientNoiseScaleCallback(report_path=str(tmp_path / "report.json"), verbose=False)]):
+        module = MeanTeacher(mlp())
+        teacher_params = list(module.teacher[0].parameters())
+        quiet_trainer(callbacks=callbacks).fit(module, with_replacement_loader(x, y, 32, 32 * 5, seed=3))
+        assert list(module.teacher[0].parameters()) == teacher_params  # the same tensors, restored in place
+        runs.append((module.net.state_dict(), module.teacher[0].state_dict()))
+    assert callbacks[0].meter.per_example_check.status == "independent"
+    (student, teacher), (student_ours, teacher_ours) = runs
+    assert all(torch.equal(student[k], student_ours[k]) for k in student)
+    assert all(torch.equal(teacher[k], teacher_ours[k]) for k in teacher)
 
 
 def frozen_batch_norm_net() -> nn.Module:
