@@ -1,0 +1,133 @@
+"""A loss divided by a sum over the batch that depends on its examples: ``CrossEntropyLoss(weight=...)``, whose mean
+is ``Σ_i w_i l_i / Σ_i w_i``. Per-example norms read each example's weighted gradient; the batch gradient is a
+ratio of two sums over the batch. Not caught by the first batch's check (README, "When it can't measure").
+
+    python benchmarks/batch_normalised_losses.py [--seeds 5] [--steps 400]
+
+The digits MLP 64-32-10 at fixed parameters, batches of 32 drawn with replacement, the plain-loop meter at its
+defaults. Two exact values: "weighted examples", ``B_simple`` of ``g_i = w_i ∇l_i / mean(w)`` over the data set
+(float64, one backward pass per example), what a loss divided by a constant would have; "batch gradient", ``B·tr
+Cov(G_B) / |E G_B|²`` of the weighted-mean batch gradient itself, by Monte Carlo over ``--draws`` batches. Then how
+far the check's normaliser moves when the second half's rows are copied from the first (``|f − 1|``, 20 batches):
+what the check could see.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from gns_callback import GradientNoiseScaleMeter  # noqa: E402
+import gns_callback.per_example.checks as checks  # noqa: E402
+
+WEIGHTINGS = {
+    "none": None,
+    "0.2-5": torch.tensor([0.2, 0.3, 0.5, 0.7, 1.0, 1.0, 1.5, 2.0, 3.0, 5.0]),
+    "0.1-10": torch.tensor([0.1, 0.2, 0.3, 0.5, 1.0, 1.0, 2.0, 3.0, 5.0, 10.0]),
+}
+
+
+def digits() -> tuple[torch.Tensor, torch.Tensor]:
+    from sklearn.datasets import load_digits
+    data = load_digits()
+    return torch.tensor(data.data, dtype=torch.float32) / 16, torch.tensor(data.target)
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 10))
+
+
+def example_gradients(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Each example's unweighted loss gradient, float64, one row per example."""
+    net = model().double()
+    rows = []
+    for i in range(len(x)):
+        net.zero_grad()
+        F.cross_entropy(net(x[i:i + 1].double()), y[i:i + 1]).backward()
+        rows.append(torch.cat([p.grad.reshape(-1) for p in net.parameters()]))
+    return torch.stack(rows)
+
+
+def exact_values(rows: torch.Tensor, w: torch.Tensor, draws: int, batch: int) -> tuple[float, float]:
+    """(weighted examples, batch gradient): see the module docstring."""
+    g = w[:, None] * rows / w.mean()
+    mean = g.mean(0)
+    examples = float((g - mean).pow(2).sum(1).mean() / mean.pow(2).sum())
+    generator, grads = torch.Generator().manual_seed(123), []
+    for _ in range(draws):
+        i = torch.randint(0, len(rows), (batch,), generator=generator)
+        grads.append((w[i, None] * rows[i]).sum(0) / w[i].sum())
+    grads = torch.stack(grads)
+    centre = grads.mean(0)
+    return examples, float(batch * (grads - centre).pow(2).sum(1).mean() / centre.pow(2).sum())
+
+
+def meter_reading(x: torch.Tensor, y: torch.Tensor, weight, seed: int, steps: int, batch: int):
+    net = model()
+    generator = torch.Generator().manual_seed(seed)
+    with GradientNoiseScaleMeter(net) as meter:
+        for _ in range(steps):
+            i = torch.randint(0, len(x), (batch,), generator=generator)
+            F.cross_entropy(net(x[i]), y[i], weight=weight).backward()
+            meter.step()
+            net.zero_grad()
+    return meter.run_estimate
+
+
+def normaliser_moves(x: torch.Tensor, y: torch.Tensor, weight, batch: int, batches: int = 20) -> torch.Tensor:
+    """``|f − 1|`` of the check's common factor, with the batch's rows copied before the loss (as in Lightning)."""
+    factors: list[float] = []
+    compare = checks._compare
+
+    def recording(before, after, half, tolerance):
+        count = min(half, before.shape[0])
+        factors.append(float((after[:count] / before[:count]).median()))
+        return compare(before, after, half, tolerance)
+
+    checks._compare = recording
+    try:
+        net = model()
+        for seed in range(batches):
+            i = torch.randint(0, len(x), (batch,), generator=torch.Generator().manual_seed(seed))
+            j = torch.cat([i[:batch // 2], i[:batch // 2]])
+            checks.check_per_example(net, lambda: F.cross_entropy(net(x[i]), y[i], weight=weight).backward(), batch,
+                                     reset=lambda: None,
+                                     run_replaced_pass=lambda: F.cross_entropy(net(x[j]), y[j], weight=weight).backward())
+    finally:
+        checks._compare = compare
+    return (torch.tensor(factors) - 1).abs()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--draws", type=int, default=20000)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    x, y = digits()
+    rows = example_gradients(x, y)
+    print("| class weights | exact: weighted examples | exact: batch gradient | run average [95% CI] per seed | "
+          "held (examples / batch gradient) | check's normaliser moved, median and max |")
+    print("|---|---|---|---|---|---|")
+    for name, weight in WEIGHTINGS.items():
+        w = (torch.ones(10) if weight is None else weight).double()[y]
+        examples, batch_gradient = exact_values(rows, w, args.draws, 32)
+        readings = [meter_reading(x, y, weight, seed, args.steps, 32) for seed in range(args.seeds)]
+        held = [sum(r.ci_low <= value <= r.ci_high for r in readings) for value in (examples, batch_gradient)]
+        moves = normaliser_moves(x, y, weight, 32)
+        shown = "; ".join(f"{r.b_simple:.1f} [{r.ci_low:.1f}, {r.ci_high:.1f}]" for r in readings)
+        print(f"| {name} | {examples:.2f} | {batch_gradient:.2f} | {shown} | {held[0]}/{len(readings)} / "
+              f"{held[1]}/{len(readings)} | {float(moves.median()):.1%}, {float(moves.max()):.0%} |")
+
+
+if __name__ == "__main__":
+    main()
