@@ -25,6 +25,8 @@ from typing import Callable, Generic, Iterable, Optional, TypeVar
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from gns_callback.own_hooks import OwnHook
+
 T = TypeVar("T")
 
 
@@ -112,7 +114,7 @@ class PassLedger(Generic[T]):
     def watch(self, params: Iterable[torch.nn.Parameter]) -> None:
         """Commit the running pass whenever one of ``params`` gets its ``.grad`` accumulated."""
         for p in params:
-            self._handles.append(p.register_post_accumulate_grad_hook(self._on_accumulated))
+            self._handles.append(p.register_post_accumulate_grad_hook(OwnHook(self._on_accumulated)))
 
     def unwatch(self) -> None:
         for handle in self._handles:

@@ -55,6 +55,7 @@ from torch import nn
 
 from gns_callback.backward_passes import PassLedger, hooks_inert
 from gns_callback.norms import squared_norm, squared_norm_sum
+from gns_callback.own_hooks import OwnHook
 
 #: Parameters whose norms are watched (the smallest, so that marking costs almost nothing).
 WATCHED = 2
@@ -198,7 +199,7 @@ class StaleGradients:
         self.checks_left = STALE_CHECKS
         self._passes: PassLedger[list] = PassLedger(new=list, merge=operator.add)
         self._passes.watch([param])
-        self._handle = param.register_hook(self._on_grad)
+        self._handle = param.register_hook(OwnHook(self._on_grad))
 
     def remove(self) -> None:
         self._handle.remove()

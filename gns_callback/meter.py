@@ -45,6 +45,7 @@ from gns_callback.estimate import GNSEstimate
 from gns_callback.grad_watch import CLEARED as GRADIENTS_CLEARED, GradientWatch, StaleGradients, Verdict
 from gns_callback.left_out import LeftOutShare
 from gns_callback.norms import squared_norm_sum
+from gns_callback.own_hooks import remove_inert_hooks
 from gns_callback.per_example.checks import SUMS_CHECKED, PerExampleCheck, check_per_example, first_step_check
 from gns_callback.per_example.tracker import MICRO_BATCH_HINT
 from gns_callback.per_example.sketch import reseed_probes
@@ -271,8 +272,9 @@ class GradientNoiseScaleMeter:
         return getattr(self.collector, "tracker", None)
 
     def detach(self) -> None:
-        """Take every hook off."""
+        """Take every hook off (and the inert copies of them that a copy of the model held in it carries)."""
         self.collector.detach()
+        remove_inert_hooks(self.model)
         if self._stale is not None:
             self._stale.remove()
             self._stale = None

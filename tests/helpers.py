@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import types
+
 import pytorch_lightning as pl
 import torch
 import torch.nn as nn
@@ -152,3 +155,28 @@ def token_model(seed: int = 0) -> nn.Module:
 def bn_mlp(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 10))
+
+
+def package_objects_reachable(root: object) -> list[str]:
+    """The types of gns_callback's objects (a tracker, a collector, a meter, a hook of ours) that ``root`` refers to,
+    directly or not; classes, functions and modules are not followed (through them everything is reachable)."""
+    found, seen, todo = set(), set(), [root]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, (type, types.ModuleType, types.FunctionType)):
+            continue
+        seen.add(id(obj))
+        if type(obj).__module__.startswith("gns_callback"):
+            found.add(type(obj).__qualname__)
+        todo.extend(gc.get_referents(obj))
+    return sorted(found)
+
+
+def module_hooks(model: nn.Module) -> list[object]:
+    """Every hook on ``model``'s modules and parameters."""
+    return [hook for module in model.modules()
+            for hooks in (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
+                          module._backward_pre_hooks) for hook in hooks.values()] + [
+        hook for param in model.parameters()
+        for hooks in (param._backward_hooks or {}, getattr(param, "_post_accumulate_grad_hooks", None) or {})
+        for hook in hooks.values()]

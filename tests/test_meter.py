@@ -1,8 +1,10 @@
 """GradientNoiseScaleMeter in plain PyTorch loops (no Trainer), against the exact value by brute force."""
 
+import copy
 import dataclasses
 import json
 import math
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -15,8 +17,9 @@ from torch import nn
 
 from gns_callback.exact import exact_noise_scale, per_example_gradients
 from gns_callback.meter import TRAINABLE_CHECK_EVERY, GradientNoiseScaleMeter
+from gns_callback.own_hooks import inert_hook
 from gns_callback.smoothing import RatioAccumulator
-from tests.helpers import mlp
+from tests.helpers import mlp, module_hooks, package_objects_reachable
 from tests.trust.models import ScaledLogits
 
 PLAIN_LOOP = textwrap.dedent(
@@ -90,6 +93,38 @@ def test_hooks_come_off_at_exit(digits):
     before = meter.run_estimate
     _steps(meter, net, *digits, steps=3, seed=1)  # detached: nothing is measured
     assert meter.run_estimate == before and before.steps == 3
+
+
+@pytest.mark.parametrize("method", ["per_example", "micro_batch"])
+def test_a_copy_of_the_model_made_while_measuring_carries_no_hook_of_the_meter(digits, method):
+    """A mean teacher deep-copied from the model while the meter's hooks are on, run forward and backward at every
+    step: its hooks are inert and it refers to no meter, the estimate is the one without it, and pickling the model
+    pickles no meter. Before, its hooks were bound to copies of the collector (``micro_batch``'s forward pre-hook,
+    ``per_example``'s forward hooks), which kept hooking the copy after the meter was gone."""
+    x, y = digits
+
+    def run(teach: bool):
+        net, teacher = mlp(), None
+        with GradientNoiseScaleMeter(net, method=method) as meter:
+            g = torch.Generator().manual_seed(0)
+            for _ in range(4):
+                if teach and teacher is None:
+                    teacher = copy.deepcopy(net)
+                    assert package_objects_reachable(teacher) == []
+                    assert all(hook is inert_hook for hook in module_hooks(teacher))
+                    assert package_objects_reachable(pickle.loads(pickle.dumps(net))) == []
+                for _ in range(2):
+                    i = torch.randint(0, len(x), (8,), generator=g)
+                    (F.cross_entropy(net(x[i]), y[i]) / 2).backward()
+                    if teacher is not None:
+                        F.mse_loss(teacher(x[i]), net(x[i]).detach()).backward()
+                meter.step(micro_batch_size=8)
+                net.zero_grad()
+        return meter.run_estimate, teacher
+
+    with_teacher, teacher = run(teach=True)
+    assert with_teacher.steps == 4 and with_teacher == run(teach=False)[0]
+    assert all(param.grad is not None for param in teacher.parameters())
 
 
 @pytest.mark.parametrize("method", ["per_example", "micro_batch"])

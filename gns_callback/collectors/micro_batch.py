@@ -27,6 +27,7 @@ from torch.utils.hooks import RemovableHandle
 from gns_callback.accumulation import AccumulationWindow, LossReduction
 from gns_callback.collectors.coverage import Coverage
 from gns_callback.norms import squared_norm, squared_norm_sum
+from gns_callback.own_hooks import OwnHook
 from gns_callback.backward_passes import PassLedger, hooks_inert
 
 #: Gradient bytes the hooks hold before squaring them in one multi-tensor kernel (the extra memory, at most).
@@ -96,8 +97,8 @@ class MicroBatchCollector:
     def attach(self) -> None:
         self.detach()
         self._params = [p for p in self.model.parameters() if p.requires_grad]
-        self._handles = [p.register_hook(partial(self._on_grad, p)) for p in self._params]
-        self._handles.append(self.model.register_forward_pre_hook(self._on_forward))
+        self._handles = [p.register_hook(OwnHook(partial(self._on_grad, p))) for p in self._params]
+        self._handles.append(self.model.register_forward_pre_hook(OwnHook(self._on_forward)))
         self._passes.watch(self._params)
 
     def detach(self) -> None:

@@ -45,6 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from gns_callback.batch_size import first_half_rows
+from gns_callback.own_hooks import OwnHook
 
 from .layout import LayoutError, batch_dim, is_sequence_first, position_dims
 from .sketch import restart_probes
@@ -292,7 +293,8 @@ def _rows_replaced(model: nn.Module, tracker: PerExampleNormTracker, batch_size:
         changed = _second_half_from_first(inp, dim, batch_size)
         return ((changed, *args[1:]), kwargs) if args else (args, {**kwargs, "input": changed})
 
-    handles = [module.register_forward_pre_hook(pre_hook, with_kwargs=True) for module in tracker.measured_modules()
+    handles = [module.register_forward_pre_hook(OwnHook(pre_hook), with_kwargs=True)
+               for module in tracker.measured_modules()
                if layer_kind(module) in SUPPORTED_MODULES]
     try:
         yield replaced

@@ -21,6 +21,7 @@ from torch.utils.hooks import RemovableHandle
 
 from gns_callback.backward_passes import PassLedger, current_pass, hooks_inert
 from gns_callback.norms import squared_norm
+from gns_callback.own_hooks import OwnHook
 
 from . import compiled
 from .attention import (
@@ -598,8 +599,9 @@ class PerExampleNormTracker:
                 owners = (module, self._tied[module]) if module in self._tied and local_name == "weight" else (module,)
                 qualified = _qualified(covered.name, local_name)
                 self._handles.append(param.register_hook(
-                    partial(self._on_param_grad, owners, qualified, id(param), local_name)))
-        self._handles += [alias.register_forward_hook(partial(self._on_alias_forward, measured), with_kwargs=True)
+                    OwnHook(partial(self._on_param_grad, owners, qualified, id(param), local_name))))
+        self._handles += [alias.register_forward_hook(OwnHook(partial(self._on_alias_forward, measured)),
+                                                      with_kwargs=True)
                           for alias, measured in self._aliases.items() if measured in self._covered_modules]
         parents = _parents(self.model)
         self._table_callers, self._bare_callers = self._find_table_callers(parents), self._find_bare_callers(parents)
@@ -614,15 +616,15 @@ class PerExampleNormTracker:
         """The forward hook of a supported layer; around an attention module's forward, the capture of its
         projections (:mod:`.attention`), removed however the forward ends."""
         if is_recurrent(module):
-            return [module.register_forward_hook(self._on_recurrent_forward, with_kwargs=True)]
+            return [module.register_forward_hook(OwnHook(self._on_recurrent_forward), with_kwargs=True)]
         if is_cell(module):
-            return [module.register_forward_hook(self._on_cell_forward, with_kwargs=True)]
+            return [module.register_forward_hook(OwnHook(self._on_cell_forward), with_kwargs=True)]
         if _is_bag(module):
-            return [module.register_forward_hook(self._on_bag_forward, with_kwargs=True)]
+            return [module.register_forward_hook(OwnHook(self._on_bag_forward), with_kwargs=True)]
         if not is_attention(module):
-            return [module.register_forward_hook(self._on_forward, with_kwargs=True)]
-        return [module.register_forward_pre_hook(self._on_attention_start, with_kwargs=True),
-                module.register_forward_hook(self._on_attention_end, always_call=True)]
+            return [module.register_forward_hook(OwnHook(self._on_forward), with_kwargs=True)]
+        return [module.register_forward_pre_hook(OwnHook(self._on_attention_start), with_kwargs=True),
+                module.register_forward_hook(OwnHook(self._on_attention_end), always_call=True)]
 
     def call_at_pass_end(self, callback: Optional[Callable[[], None]]) -> None:
         """``callback()`` as each backward pass that fills a measured ``.grad`` ends (None: nothing)."""
@@ -1061,7 +1063,7 @@ class PerExampleNormTracker:
         for param_name, param in moved:
             bare = _BareParameter(param_name, param, (owner,))
             self._bare[id(param)] = bare
-            self._handles.append(param.register_hook(partial(self._on_bare_grad, bare)))
+            self._handles.append(param.register_hook(OwnHook(partial(self._on_bare_grad, bare))))
         return name
 
     def _to_caller(self, module: nn.Module, caller: nn.Module, reason: str) -> None:
@@ -1071,8 +1073,8 @@ class PerExampleNormTracker:
         hooked |= {id(m) for m in [*self._table_callers.values(), *self._bare_callers.values()]}
         name = self._make_bare(module, caller, reason)
         if id(caller) not in hooked:
-            self._handles += [caller.register_forward_pre_hook(self._before_owner_forward, with_kwargs=True),
-                              caller.register_forward_hook(self._on_owner_forward)]
+            self._handles += [caller.register_forward_pre_hook(OwnHook(self._before_owner_forward), with_kwargs=True),
+                              caller.register_forward_hook(OwnHook(self._on_owner_forward))]
         warnings.warn(f"gns_callback: the parameters of '{name}' are used outside its forward; from the next step on "
                       "they are read where the module that calls it uses them, or left out with the reason (this "
                       "step is not measured).", stacklevel=2)
@@ -1208,10 +1210,11 @@ class PerExampleNormTracker:
         turn out to be a shared position table), and a gradient hook on each bare parameter."""
         owners = {id(owner): owner for bare in self._bare.values() for owner in bare.owners}
         owners.update({id(caller): caller for caller in [*self._table_callers.values(), *self._bare_callers.values()]})
-        return ([owner.register_forward_pre_hook(self._before_owner_forward, with_kwargs=True)
+        return ([owner.register_forward_pre_hook(OwnHook(self._before_owner_forward), with_kwargs=True)
                  for owner in owners.values()]
-                + [owner.register_forward_hook(self._on_owner_forward) for owner in owners.values()]
-                + [bare.param.register_hook(partial(self._on_bare_grad, bare)) for bare in self._bare.values()])
+                + [owner.register_forward_hook(OwnHook(self._on_owner_forward)) for owner in owners.values()]
+                + [bare.param.register_hook(OwnHook(partial(self._on_bare_grad, bare)))
+                   for bare in self._bare.values()])
 
     @_never_raises
     def _before_owner_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import copy
+import pickle
 import warnings
 
 import pytest
@@ -9,8 +11,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gns_callback.per_example import PerExampleNormTracker
+from gns_callback.own_hooks import inert_hook
 from gns_callback.per_example import tracker as tracker_module
-from tests.helpers import LearnedSlope
+from tests.helpers import LearnedSlope, module_hooks, package_objects_reachable
 
 from .conftest import per_example_sq_norms_reference
 
@@ -175,6 +178,53 @@ def test_detach_leaves_no_hooks() -> None:
     inputs = torch.randn(BATCH, 3, 6, 6, dtype=torch.float64)
     model(inputs).sum().backward()
     assert tracker.pop() is None
+
+
+def make_encoder() -> nn.Module:
+    """Attention (a forward pre-hook and a forward hook run however the forward ends), Linear and LayerNorm."""
+    torch.manual_seed(0)
+    return nn.TransformerEncoderLayer(6, 2, dim_feedforward=8, dropout=0.0, batch_first=True).double()
+
+
+COPIED = {"mlp": MODELS["mlp"], "encoder": (make_encoder, lambda: torch.randn(BATCH, 3, 6, dtype=torch.float64))}
+
+
+@pytest.mark.parametrize("name", list(COPIED))
+def test_a_copy_of_the_model_carries_no_live_hook_and_no_tracker(name: str) -> None:
+    """``copy.deepcopy(model)`` while the hooks are on (an EMA copy, ``AveragedModel(model)``): the copy's hooks are
+    inert, it refers to no tracker, its passes record nothing, and the model is measured as before. Before, the
+    copy's hooks were bound to a copy of the tracker (and of its whole ``.model``, a LightningModule in a fit), and
+    measured the copy for good."""
+    make_model, make_inputs = COPIED[name]
+    model, inputs = make_model(), make_inputs()
+    weights = torch.randn_like(model(inputs))
+    with PerExampleNormTracker(model) as tracker:
+        copied = copy.deepcopy(model)
+        assert package_objects_reachable(copied) == []
+        assert module_hooks(copied) and all(hook is inert_hook for hook in module_hooks(copied))
+        run_backward(copied, inputs, weights)
+        assert tracker.pop() is None
+        run_backward(model, inputs, weights)
+        got = tracker.pop()
+        torch.testing.assert_close(copied(inputs), model(inputs), rtol=0, atol=0)
+    torch.testing.assert_close(got, expected_sq_norms(model, tracker, inputs, weights), rtol=1e-4, atol=0)
+    assert module_hooks(model) == [] and module_hooks(copied) != []  # the copy's inert hooks are not the tracker's
+
+
+def test_pickling_the_model_pickles_no_tracker() -> None:
+    """``torch.save(model)`` (or ``pickle``) while the hooks are on: the tracker is not pickled, and the loaded
+    model runs with inert hooks. Before, the bound hooks pickled the tracker (and its model) along."""
+    model, inputs = make_mlp(), torch.randn(BATCH, 5, dtype=torch.float64)
+    with PerExampleNormTracker(model) as tracker:
+        data = pickle.dumps(model)
+        assert b"PerExampleNormTracker" not in data
+        loaded = pickle.loads(data)
+        assert package_objects_reachable(loaded) == []
+        loaded(inputs).sum().backward()
+        assert tracker.pop() is None
+        torch.testing.assert_close(loaded(inputs), model(inputs), rtol=0, atol=0)
+        model(inputs).sum().backward()
+        assert tracker.pop() is not None
 
 
 def test_hooks_on_live_outputs_go_inert_after_detach() -> None:
