@@ -75,9 +75,10 @@ IMPACT = 1e-2
 class PerExampleCheck:
     """The outcome: ``status`` is ``"independent"`` (both checks passed), ``"extra gradient"`` (check 1 failed),
     ``"coupled"`` (check 2 failed), ``"unmeasurable"`` (the hooks can't measure the batch's passes at all),
-    ``"sums checked"`` (check 1 alone passed, on a training step) or ``"not checked"``; ``spread`` the largest relative difference the failed or
-    last check read (NaN when not checked); ``detail`` says why: the reason to stop measuring, why nothing was
-    checked, or for a pass a note (a penalty on the parameters measured as is, and what it moves)."""
+    ``"sums checked"`` (check 1 alone passed, on a training step) or ``"not checked"``; ``spread`` the largest
+    relative difference the failed or last check read (NaN when not checked); ``detail`` says why: the reason to stop
+    measuring, why nothing was checked, or for a pass a note (a penalty on the parameters measured as is, and what
+    it moves)."""
 
     status: str
     spread: float = float("nan")

@@ -87,7 +87,7 @@ class SumCheck:
         with torch.no_grad():
             summed = summed.float()
             eps = max(eps, torch.finfo(grad.dtype).eps)
-            rounding = 100 * eps * (magnitude * batch_size) ** 0.5
+            rounding = _rounding(eps, magnitude, batch_size)
             rest = grad.float() - summed
             self.rests[param_name] = _rest(summed, rest, grad, rounding, param, eps)
             if self.keep_tensors:
@@ -101,7 +101,13 @@ class SumCheck:
         refused as 78% of its gradient "used outside its layer". A rest under the model's rounding moves neither
         ``tr Σ`` nor ``|G|²`` by more than about 1e-8 of the examples' scale."""
         return {name: rest for name, rest in self.rests.items()
-                if rest.norm > max(rest.rounding, 100 * rest.epsilon * (self.batch_size * self.summed_sq_norms) ** 0.5)}
+                if rest.norm > max(rest.rounding, _rounding(rest.epsilon, self.summed_sq_norms, self.batch_size))}
+
+
+def _rounding(eps: float, sq_norm_sum: float, batch_size: int) -> float:
+    """The largest rest read as rounding of a sum over examples whose ``Σ_i |g_i|²`` is ``sq_norm_sum``:
+    ``100·ε·(B·Σ_i |g_i|²)^½``."""
+    return 100 * eps * (sq_norm_sum * batch_size) ** 0.5
 
 
 def _rest(summed: Tensor, rest: Tensor, grad: Tensor, rounding: float, param: Optional[Tensor], eps: float) -> Rest:

@@ -7,8 +7,9 @@ parameters and buffers (BatchNorm running statistics and ``num_batches_tracked``
 (torch CPU and CUDA, numpy, ``random``) and what a step keeps in module attributes (torchmetrics states, lists,
 counters: :mod:`gns_callback.probe.attributes`). Modules the attributes hold outside the model's tree (an EMA teacher
 in a plain list, updated in place by each step: :func:`~gns_callback.probe.attributes.outside_modules`) are put back
-as the model's own: their parameters and buffers in place, ``.grad``, ``requires_grad`` and training flags. Iterators in module attributes, which no copy can rewind, replay
-to the run what the probe steps drew from them (:mod:`gns_callback.probe.iterators`). Copies live in host memory, not on the accelerator being probed, and
+as the model's own: their parameters and buffers in place, ``.grad``, ``requires_grad`` and training flags.
+Iterators in module attributes, which no copy can rewind, replay to the run what the probe steps drew from them
+(:mod:`gns_callback.probe.iterators`). Copies live in host memory, not on the accelerator being probed, and
 nothing goes to disk (an interrupted probe leaves no temporary checkpoint behind; Lightning's BatchSizeFinder
 did).
 """
