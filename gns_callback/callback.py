@@ -498,6 +498,15 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         self._sizes.append(self._batch_size)
         self._losses.append(loss.detach())  # the critical batch reads the noise scale against the loss
 
+    def on_before_zero_grad(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        """Lightning zeroes the gradients before the first backward pass of each step. Passes recorded since the last
+        measured step are zeroed with them, unread by any optimizer step: a module's ``optimizer_step`` that runs the
+        closure alone to skip a step (Lightning's docs show it for alternating updates). Only the next step's own
+        passes count. Before, they were read as micro-batches of the next step: skipping one step in 4 on the digits
+        MLP read B_simple = 117 (95% CI 98–146) against an exact 67, one in 2 read it unbounded."""
+        if self._sizes and self.meter is not None:
+            self._drop_pending()
+
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if self.meter is not None:
             self.meter.enabled = False  # validation with gradients on is not a training step
@@ -525,6 +534,10 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
     def _skip_reevaluation(self) -> None:
         """The optimizer evaluates its closure again within the same step (LBFGS's line search): its parameters now
         depend on the batch, whose ``|G_B|²`` they have driven down, so only the step's first evaluation counts."""
+        self._drop_pending()
+
+    def _drop_pending(self) -> None:
+        """Forget the backward passes recorded since the last measured step: no step reads their gradients."""
         self._sizes, self._losses = [], []
         self.meter.discard_pending()
 
