@@ -6,7 +6,8 @@ setup that would give a wrong number is refused before any training time is spen
 * sharded strategies (FSDP, DeepSpeed, model parallel): no rank's ``.grad`` holds the whole gradient, so
   ``|G_B|²`` and every micro-batch norm would be partial sums (:func:`sharded_refusal`);
 * manual optimization: the callback reads gradients at the optimizer step Lightning makes (:func:`manual_refusal`);
-* ``adapt=True`` beside a ``GradientAccumulationScheduler``: both would set ``accumulate_grad_batches``;
+* ``adapt=True`` beside a ``GradientAccumulationScheduler``: both would set ``accumulate_grad_batches``; beside
+  ``StochasticWeightAveraging``: its ``SWALR``, installed mid-run, sets the LR to its own ``swa_lrs``;
 * several training DataLoaders combined into each batch (checked at the first batch, when Lightning has built
   them): :func:`combined_loaders_refusal`.
 
@@ -53,13 +54,23 @@ def manual_refusal(pl_module: Any) -> Optional[str]:
 
 
 def adapt_refusal(trainer: Any, adapt: bool) -> Optional[str]:
-    """Why ``adapt=True`` cannot run beside a ``GradientAccumulationScheduler`` (either namespace); else None."""
-    if not adapt or facts.accumulation_schedule(trainer) is None:
+    """Why ``adapt=True`` cannot run beside a ``GradientAccumulationScheduler`` or ``StochasticWeightAveraging``
+    (either namespace); else None."""
+    if not adapt:
         return None
-    return (
-        "GradientNoiseScaleCallback(adapt=True) changes accumulate_grad_batches itself; remove the "
-        "GradientAccumulationScheduler callback or set adapt=False."
-    )
+    if facts.accumulation_schedule(trainer) is not None:
+        return (
+            "GradientNoiseScaleCallback(adapt=True) changes accumulate_grad_batches itself; remove the "
+            "GradientAccumulationScheduler callback or set adapt=False."
+        )
+    if facts.has_callback(trainer, "StochasticWeightAveraging"):
+        return (
+            "GradientNoiseScaleCallback(adapt=True) scales the learning rate by the factor it reports, but "
+            "StochasticWeightAveraging replaces the LR scheduler with its SWALR at swa_epoch_start, which sets the LR "
+            "to its own swa_lrs: the factor would silently be undone. Remove StochasticWeightAveraging, or set "
+            "adapt=False and apply the recommendation (cb.recommendation) yourself."
+        )
+    return None
 
 
 def combined_loaders_refusal(trainer: Any) -> Optional[str]:

@@ -39,6 +39,12 @@ def accumulation_schedule(trainer: Any) -> Optional[dict[int, int]]:
     return None
 
 
+def has_callback(trainer: Any, name: str) -> bool:
+    """Whether one of ``trainer``'s callbacks is Lightning's callback class ``name`` (either namespace)."""
+    types = callback_types(name)
+    return any(isinstance(callback, types) for callback in trainer.callbacks)
+
+
 #: Strategies that split parameters, gradients or optimizer state across ranks (by class name, looked up in every
 #: installed namespace): no rank's ``.grad`` holds the whole gradient, and DeepSpeed's engine also runs backward
 #: and accumulation itself.
