@@ -433,11 +433,8 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         first step."""
         population, problem = self._population(trainer)
         if problem is not None:
-            raise misconfiguration(trainer,
-                f"GradientNoiseScaleCallback cannot measure this run: {problem}. Pass shuffle=True to the training "
-                "DataLoader; or, if the data set is in a random order already (shuffled or drawn beforehand) and must "
-                "be read in order, GradientNoiseScaleCallback(data_in_random_order=True)."
-            )
+            raise misconfiguration(trainer, f"GradientNoiseScaleCallback cannot measure this run: "
+                                            f"{_unshuffled_problem(trainer, problem)}")
         self.meter.population = population
         self._sampled_loader = getattr(trainer, "train_dataloader", None)
         seen = draws_may_vary(self._sampled_loader, pl_module)
@@ -822,6 +819,20 @@ def _check_arguments(values: dict[str, Any]) -> None:
 
 
 _EMPTY_MODEL = torch.nn.Module()  # what a meter reads from before fit (or after a restore, before fit start)
+
+
+def _unshuffled_problem(trainer: Any, problem: str) -> str:
+    """The training DataLoader does not shuffle: ``problem``, and what to do. Under ``overfit_batches`` Lightning
+    itself reads the same few batches in order (it replaces the user's shuffling sampler), so shuffle=True is no fix
+    there."""
+    overfit = getattr(trainer, "overfit_batches", 0)
+    if overfit:
+        return (f"Trainer(overfit_batches={overfit!r}) trains on the same batches every epoch, read in order whatever "
+                "the DataLoader's shuffle, while the noise scale assumes batches drawn at random. Remove the callback "
+                "from overfitting runs, or set overfit_batches=0.")
+    return (f"{problem}. Pass shuffle=True to the training DataLoader; or, if the data set is in a random order "
+            "already (shuffled or drawn beforehand) and must be read in order, "
+            "GradientNoiseScaleCallback(data_in_random_order=True).")
 
 
 def _with_schedule_note(rec: Recommendation, schedule: Optional[tuple[str, list[float]]],

@@ -155,3 +155,14 @@ def test_a_reloaded_loader_that_does_not_shuffle_stops_the_measurement_and_the_r
     callback, caught = curriculum_fit(digits, tmp_path, shuffle_later=False)
     assert "reloaded for epoch 1" in single(messages(caught, "stopped measuring"))
     assert not callback.run_estimate.measured and "shuffle=True" in callback.run_estimate.failure
+
+
+def test_overfit_batches_is_refused_with_its_own_fix(tmp_path):
+    """``overfit_batches`` replaces the user's shuffling sampler with one read in order. Before, the refusal said
+    "Pass shuffle=True to the training DataLoader", which the DataLoader already had."""
+    x, y = wine()
+    callback = GradientNoiseScaleCallback(report_path=str(tmp_path / "report.json"), verbose=False)
+    loader = DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)
+    with pytest.raises(MisconfigurationException, match=r"overfit_batches=2.*overfit_batches=0") as refusal:
+        quiet_trainer(max_epochs=1, overfit_batches=2, callbacks=[callback]).fit(Classifier(net()), loader)
+    assert "shuffle=True" not in str(refusal.value)
