@@ -40,7 +40,7 @@ from gns_callback.probe import ProbeResult
 from gns_callback.random_streams import RandomDrawWatch, drawn_reason
 from gns_callback.recommendation import Recommendation, recommend
 from gns_callback.recommendation.calibration import CALIBRATED, uncalibrated_reason
-from gns_callback.recommendation.learning_rate import peak_schedule_note
+from gns_callback.recommendation.learning_rate import param_groups_note, peak_schedule_note
 from gns_callback.recommendation.objective import BALANCED, OBJECTIVES
 from gns_callback.recommendation.rules import LR_RULES
 from gns_callback.report import DEFAULT_REPORT_NAME, write_report
@@ -601,7 +601,8 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             left_out_share=coverage.get("left_out_gradient_share") or 0.0,
             **self.recommend_options,
         )
-        return _with_schedule_note(rec, facts.peak_lr_schedule(trainer), current_lr)
+        rec = _with_schedule_note(rec, facts.peak_lr_schedule(trainer), current_lr)
+        return _with_groups_note(rec, facts.group_base_lrs(trainer), current_lr)
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self._follow_reloaded_loader(trainer)
@@ -833,6 +834,14 @@ def _unshuffled_problem(trainer: Any, problem: str) -> str:
     return (f"{problem}. Pass shuffle=True to the training DataLoader; or, if the data set is in a random order "
             "already (shuffled or drawn beforehand) and must be read in order, "
             "GradientNoiseScaleCallback(data_in_random_order=True).")
+
+
+def _with_groups_note(rec: Recommendation, lrs: list[float], current_lr: Optional[float]) -> Recommendation:
+    """``rec`` with a note on scaling each param group's LR where the groups run at different LRs."""
+    if rec.learning_rate is None or not current_lr:
+        return rec
+    note = param_groups_note(lrs, rec.learning_rate / current_lr)
+    return rec if note is None else dataclasses.replace(rec, notes=(*rec.notes, note))
 
 
 def _with_schedule_note(rec: Recommendation, schedule: Optional[tuple[str, list[float]]],

@@ -155,3 +155,24 @@ def test_a_schedule_that_sets_the_lr_itself_is_told_to_scale_its_peak(digits, tm
     factor = rec.learning_rate / (0.05 / 25)
     note = [n for n in rec.notes if n.startswith("OneCycleLR sets the learning rate")]
     assert note and f"×{factor:.3g}" in note[0] and f"max_lr={0.05 * factor:.4g}" in note[0], rec.notes
+
+
+class TwoGroups(Classifier):
+    """SGD with the first layer's group held at LR 0 (a frozen backbone) and the head's at 0.2."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([{"params": self.net[0].parameters(), "lr": 0.0},
+                                {"params": self.net[2].parameters(), "lr": 0.2}])
+
+
+def test_param_groups_at_different_lrs_are_read_at_the_largest_and_each_is_scaled(digits, tmp_path):
+    """Before, the first group's LR stood for the run: the recommended LR was 0 ('SGD(params, lr=0)'), and an LR
+    increase was never held at the stability limit, which binds the largest group."""
+    cb = GradientNoiseScaleCallback(report_path=str(tmp_path / "r.json"), verbose=False)
+    quiet_trainer(max_epochs=1, callbacks=[cb]).fit(
+        TwoGroups(mlp()), with_replacement_loader(*digits, batch_size=8, num_samples=8 * 200, seed=0))
+    rec = cb.recommendation
+    assert rec.current.learning_rate == 0.2 and rec.learning_rate > 0
+    factor = rec.learning_rate / 0.2
+    note = [n for n in rec.notes if n.startswith("the optimizer's 2 param groups run at different LRs (0, 0.2)")]
+    assert note and f"×{factor:.3g}" in note[0] and f"lr=0, {rec.learning_rate:.4g}" in note[0], rec.notes

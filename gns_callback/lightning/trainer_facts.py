@@ -123,12 +123,21 @@ def steps_per_epoch(trainer: Any) -> Optional[int]:
     return math.ceil(batches / trainer.accumulate_grad_batches)
 
 
-def base_lr(trainer: Any) -> Optional[float]:
-    """The first optimizer's first group's LR before any schedule (``initial_lr`` when a scheduler set one)."""
+def group_base_lrs(trainer: Any) -> list[float]:
+    """The first optimizer's param groups' LRs before any schedule (``initial_lr`` where a scheduler set one); empty
+    without an optimizer."""
     if not trainer.optimizers:
-        return None
-    group = trainer.optimizers[0].param_groups[0]
-    return float(group.get("initial_lr", group["lr"]))
+        return []
+    return [float(group.get("initial_lr", group["lr"])) for group in trainer.optimizers[0].param_groups]
+
+
+def base_lr(trainer: Any) -> Optional[float]:
+    """The largest of :func:`group_base_lrs` (None without an optimizer). A new LR scales every group by one factor,
+    so the largest is the one the stability limit binds; a group held at LR 0 (a frozen backbone) is not taken for
+    the run's LR. Before, the first group's was taken: with groups at LRs 0 and 0.4 the recommended LR was 0, and
+    its stability limit was never applied."""
+    lrs = group_base_lrs(trainer)
+    return max(lrs) if lrs else None
 
 
 def say(trainer: Any, message: str) -> None:

@@ -272,6 +272,19 @@ def plan_warmup(
     return Warmup(epochs, max(1, math.ceil(epochs * examples_per_epoch / batch_size)), start)
 
 
+def param_groups_note(lrs: list[float], factor: float) -> Optional[str]:
+    """What to change where the optimizer's param groups run at different LRs: each group's, by the recommended LR's
+    ``factor`` over the current one (the largest group's); None where the groups share one LR or the factor is
+    unknown."""
+    if len(set(lrs)) <= 1 or not math.isfinite(factor) or factor < 0.0:
+        return None
+    current = ", ".join(f"{lr:.4g}" for lr in lrs)
+    scaled = ", ".join(f"{lr * factor:.4g}" for lr in lrs)
+    return (f"the optimizer's {len(lrs)} param groups run at different LRs ({current}): the learning rates shown are "
+            f"the largest group's; scale every group's LR by ×{factor:.3g} instead of setting one lr= "
+            f"(lr={scaled})")
+
+
 def peak_schedule_note(schedule: str, peaks: list[float], factor: float) -> Optional[str]:
     """What to change where a schedule sets the LR outright from peaks of its own (``OneCycleLR``, ``CyclicLR``):
     those peaks, by the recommended LR's ``factor`` over the current one (the schedule's start); None for a factor

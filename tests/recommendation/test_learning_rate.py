@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from gns_callback.recommendation.learning_rate import (INCREASE_MARGIN, choose_lr, peak_schedule_note, pick_rule,
-                                                    plan_warmup, sgd_ceiling, transfer)
+from gns_callback.recommendation.learning_rate import (INCREASE_MARGIN, choose_lr, param_groups_note, peak_schedule_note,
+                                                    pick_rule, plan_warmup, sgd_ceiling, transfer)
 from gns_callback.recommendation import recommend
 
 
@@ -143,3 +143,10 @@ def test_a_peak_schedule_is_scaled_by_the_lr_factor_and_left_alone_at_one():
     assert "×1.5" in note and "max_lr=0.15, 0.03" in note
     assert peak_schedule_note("OneCycleLR", [0.1], 1.0) is None
     assert peak_schedule_note("OneCycleLR", [0.1], math.nan) is None
+
+
+def test_param_groups_at_different_lrs_are_each_scaled_by_the_factor():
+    note = param_groups_note([0.0, 0.1, 0.02], 1.5)
+    assert "3 param groups" in note and "×1.5" in note and "lr=0, 0.15, 0.03" in note
+    assert param_groups_note([0.1, 0.1], 1.5) is None and param_groups_note([0.1], 2.0) is None
+    assert param_groups_note([0.0, 0.1], math.nan) is None
