@@ -634,6 +634,8 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             return
         event = self._adapter.consider(trainer, rec, self._micro_batch_size, facts.steps_per_epoch(trainer),
                                        self.meter.method)
+        while self._adapter.notices:
+            _warn_rank_zero(trainer, self._adapter.notices.pop(0))
         if event is not None:
             self._announce_adaptation(trainer, event)
 

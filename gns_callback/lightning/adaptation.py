@@ -7,13 +7,17 @@ together (:mod:`gns_callback.lr_multiplier`) so the user's schedule keeps workin
 
 Refused at fit start (:meth:`Adapter.unsupported`): schedulers whose LRs can't be scaled exactly (the factor
 reported would not be the factor applied). Under ``micro_batch`` on one device accumulation never goes below 2:
-with a single micro-batch per step there is nothing to compare, and measuring would stop.
+with a single micro-batch per step there is nothing to compare, and measuring would stop. Accumulation is not lowered
+where the rest of the fit would then take more optimizer steps than a ``OneCycleLR`` stepped per step has left: it
+raises an error past its ``total_steps`` (:func:`too_short_schedules`), and the run would die; a warning says so.
 """
 
 from __future__ import annotations
 
 import math
 from typing import Any, Optional
+
+import torch
 
 from gns_callback.json_values import json_safe
 from gns_callback.lr_multiplier import SCALABLE_SCHEDULERS, rescale_learning_rates, unscalable_schedulers
@@ -28,6 +32,8 @@ class Adapter:
         self.lr_multiplier = 1.0  # what has been applied on top of the user's LR
         self.ramp: Optional[dict[str, float]] = None
         self.events: list[dict[str, Any]] = []
+        self.notices: list[str] = []  # for the callback to warn with (once each kind)
+        self._held_for_schedule = False
 
     @staticmethod
     def unsupported(trainer: Any) -> Optional[str]:
@@ -55,7 +61,7 @@ class Adapter:
         current = trainer.accumulate_grad_batches
         self.policy.min_accumulate = 2 if method == "micro_batch" and trainer.world_size == 1 else 1
         decision = self.policy.decide(current, rec, micro_batch_size=micro_batch_size, num_devices=trainer.world_size)
-        if not decision.change:
+        if not decision.change or self._held_for_schedule_length(trainer, current, decision.accumulate_grad_batches):
             return None
         rule = rec.lr_rule or "none"
         factor = decision.new_lr(1.0, rule)
@@ -77,6 +83,24 @@ class Adapter:
         }
         self.events.append(event)
         return event
+
+    def _held_for_schedule_length(self, trainer: Any, current: int, new: int) -> bool:
+        """Whether lowering accumulation from ``current`` to ``new`` must wait: the schedules of
+        :func:`too_short_schedules` would run out of steps (a notice the first time)."""
+        if new >= current:
+            return False
+        short = too_short_schedules(trainer, new)
+        if not short:
+            return False
+        if not self._held_for_schedule:
+            self._held_for_schedule = True
+            self.notices.append(
+                f"GradientNoiseScaleCallback(adapt=True): kept accumulate_grad_batches at {current} rather than lowering "
+                f"it to {new}: the rest of the fit would then take more optimizer steps than {', '.join(short)} has "
+                "left of its total_steps, and OneCycleLR raises an error past them. To follow the recommendation "
+                "(cb.recommendation), start a run with it, or size total_steps for it."
+            )
+        return True
 
     def advance(self, trainer: Any) -> None:
         """One optimizer step along the LR ramp: step k after the change runs at start + (target − start)·k/warmup."""
@@ -107,3 +131,34 @@ class Adapter:
         self.events = list(state.get("adaptations", []))
         if state.get("policy"):
             self.policy.load_state_dict(state["policy"])
+
+
+def optimizer_steps_left(trainer: Any, accumulate: int) -> Optional[int]:
+    """Optimizer steps the rest of the fit takes at ``accumulate`` from this epoch's start, by ``max_epochs`` and
+    ``max_steps``, whichever ends it first (None: neither bounds it, or the epoch's length is unknown)."""
+    bounds = []
+    batches, max_epochs = trainer.num_training_batches, trainer.max_epochs
+    if isinstance(batches, int) and batches > 0 and max_epochs is not None and max_epochs >= 0:
+        bounds.append(math.ceil(batches / accumulate) * max(0, max_epochs - trainer.current_epoch))
+    if trainer.max_steps is not None and trainer.max_steps >= 0:
+        bounds.append(max(0, trainer.max_steps - trainer.global_step))
+    return min(bounds) if bounds else None
+
+
+def too_short_schedules(trainer: Any, accumulate: int) -> list[str]:
+    """``OneCycleLR`` schedulers stepped per optimizer step with fewer steps left of their ``total_steps`` than the rest
+    of the fit takes at ``accumulate`` (described, e.g. ``"OneCycleLR (44 steps left)"``): past them OneCycleLR raises
+    ``ValueError``. Lightning sizes them with ``trainer.estimated_stepping_batches``, at the accumulation of fit start:
+    before, adapt lowered accumulation under one and the run died in its last epoch ("Tried to step 49 times")."""
+    steps = optimizer_steps_left(trainer, accumulate)
+    if steps is None:
+        return []
+    short = []
+    for config in trainer.lr_scheduler_configs:
+        scheduler = config.scheduler
+        if config.interval != "step" or not isinstance(scheduler, torch.optim.lr_scheduler.OneCycleLR):
+            continue
+        left = scheduler.total_steps - scheduler.last_epoch
+        if steps // max(1, config.frequency) > left:
+            short.append(f"{type(scheduler).__name__} ({left} steps left)")
+    return short

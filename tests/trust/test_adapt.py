@@ -142,3 +142,26 @@ def test_stochastic_weight_averaging_is_refused_at_fit_start(digits):
     trains_without_callback(lambda: Classifier(mlp()), lambda: shuffled_digits(digits), callbacks=[swa()])
     with pytest.raises(MisconfigurationException, match="StochasticWeightAveraging.*SWALR.*adapt=False"):
         fit(Classifier(mlp()), shuffled_digits(digits), (GradientNoiseScaleCallback(adapt=True),), callbacks=[swa()])
+
+
+class SizedOneCycle(Classifier):
+    """OneCycleLR per step over ``trainer.estimated_stepping_batches``, as Lightning's docs size it."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.01)
+        schedule = S.OneCycleLR(optimizer, max_lr=0.02, total_steps=self.trainer.estimated_stepping_batches,
+                                cycle_momentum=False)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def test_accumulation_is_not_lowered_past_the_steps_a_one_cycle_schedule_has_left(digits):
+    """B_simple ≈ 8 at a global batch of 8 × 16: adapt lowers accumulation, which makes more optimizer steps than
+    OneCycleLR was sized for. Before, the run died in its last epoch (ValueError: "Tried to step 49 times. The
+    specified number of total steps is 48"); now accumulation is kept, with a warning that says why."""
+    loader = lambda: shuffled_digits(digits)  # noqa: E731
+    trains_without_callback(lambda: SizedOneCycle(small_noise_mlp()), loader, accumulate_grad_batches=16)
+    callback = GradientNoiseScaleCallback(adapt=True, adapt_patience=1, verbose=False)
+    with pytest.warns(UserWarning, match=r"kept accumulate_grad_batches at 16 .*OneCycleLR \(\d+ steps left\)"):
+        trainer = fit(SizedOneCycle(small_noise_mlp()), loader(), (callback,), max_epochs=4, accumulate_grad_batches=16)
+    assert trainer.state.finished and trainer.global_step == 4 * 12
+    assert trainer.accumulate_grad_batches == 16 and callback.adaptations == []
