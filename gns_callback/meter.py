@@ -216,6 +216,7 @@ class GradientNoiseScaleMeter:
         self._stale: Optional[StaleGradients] = None  # the first steps' check for gradients left from before
         self._stale_steps = 0  # steps it found
         self._trainable: tuple[int, ...] = ()  # ids of the trainable parameters when the hooks went on
+        self._unreadable = False  # the last step's norms could not be read (:meth:`_collect`)
         #: Set when the measured parameters changed, or a check could not run: run :meth:`check_per_example` again
         #: before the next step.
         self.needs_check = False
@@ -513,6 +514,8 @@ class GradientNoiseScaleMeter:
         if stale is not None and self._stale_step(stale):
             return
         window = self._collect(_as_sizes(micro_batch_size), loss_divisor)
+        if window.empty and self._unreadable_after_trainable_change():
+            return self._follow_trainable()
         if not window.empty:
             self._read_sum_check(window)
         verdict = self._gradients_changed(loss_scale)
@@ -559,6 +562,19 @@ class GradientNoiseScaleMeter:
         if not self._attached or self.failure is not None or self.steps_offered % TRAINABLE_CHECK_EVERY:
             return False
         return _trainable_ids(self.model) != self._trainable
+
+    def _unreadable_after_trainable_change(self) -> bool:
+        """Whether the step's norms could not be read (:meth:`_collect`) because the trainable parameters changed since
+        the hooks went on, between two checks of :meth:`_trainable_changed`: a layer frozen mid-run whose output still
+        gets a gradient (an earlier layer trains) gets none for its parameters. Then the new set is followed at once,
+        as at a check. Before, measuring stopped for the rest of the run ("a measured layer's output received a
+        gradient but its parameters none"), and its fix (``micro_batch``) was no fix. One process only: ranks follow
+        a change together, at a check (they stop together on what they can't read)."""
+        unreadable, self._unreadable = self._unreadable, False
+        if not unreadable or self.reduce is not None or _trainable_ids(self.model) == self._trainable:
+            return False
+        self._problem = None
+        return True
 
     def _follow_trainable(self) -> None:
         """Measure the model's trainable parameters as they are now, from the next step; the steps so far are
@@ -650,6 +666,7 @@ class GradientNoiseScaleMeter:
             passes = self.collector.pop_into(window, batch_sizes=sizes, loss_divisor=loss_divisor,
                                              loss_reduction=self.loss_reduction)
         except Exception as error:  # noqa: BLE001 - the hooks found the step unmeasurable, or a bug: never kill the run
+            self._unreadable = True
             self._problem = self._problem or (str(error) if isinstance(error, RuntimeError) else
                                               f"an error reading the step's norms ({type(error).__name__}: {error}): "
                                               "a bug in gns_callback, please report it with the model")

@@ -42,3 +42,33 @@ def test_an_unfrozen_backbone_is_measured_from_the_next_check_on(digits, exact_g
     assert estimate.steps >= 2 * STEPS_PER_EPOCH
     assert estimate.trace_sigma == pytest.approx(exact_trace, rel=0.15)
     assert estimate.ci_low <= exact <= estimate.ci_high
+
+
+class FreezesItsHead(Classifier):
+    """The last layer frozen at step ``at``, between two checks of the trainable set, while the first one trains on:
+    the head's output still gets a gradient, its parameters none (fixed parameters, lr 0)."""
+
+    def __init__(self, net, at):
+        super().__init__(net)
+        self.at = at
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.global_step == self.at:
+            self.net[2].requires_grad_(False)
+
+
+def test_a_layer_frozen_between_checks_while_an_earlier_one_trains_is_followed_at_once(digits, exact_gns):
+    """Before, measuring stopped for the rest of the run ("a measured layer's output received a gradient but its
+    parameters none", with micro_batch as the fix): on digits frozen at step 10 of 132, B_simple not measured."""
+    x, y = digits
+    callback = GradientNoiseScaleCallback(verbose=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_trainer(callbacks=[callback]).fit(FreezesItsHead(mlp(), at=10), with_replacement_loader(x, y, 32, 32 * 130))
+    assert len([w for w in caught if "trainable parameters changed" in str(w.message)]) == 1
+    estimate = callback.run_estimate
+    assert estimate.failure is None and estimate.steps >= 110
+    first_layer = mlp()
+    first_layer[2].requires_grad_(False)
+    exact = exact_gns(first_layer, F.cross_entropy, x, y)[0]
+    assert estimate.ci_low <= exact <= estimate.ci_high, (estimate, exact)
