@@ -518,6 +518,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         self._stepping = trainer.global_step
         if self._adapter is not None:
             self._adapter.advance(trainer)
+            self._warn_adapter_notices(trainer)
         sizes, self._sizes = self._sizes, []
         losses, self._losses = self._losses, []
         if self.meter.steps_offered == 0:
@@ -634,10 +635,14 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             return
         event = self._adapter.consider(trainer, rec, self._micro_batch_size, facts.steps_per_epoch(trainer),
                                        self.meter.method)
-        while self._adapter.notices:
-            _warn_rank_zero(trainer, self._adapter.notices.pop(0))
+        self._warn_adapter_notices(trainer)
         if event is not None:
             self._announce_adaptation(trainer, event)
+
+    def _warn_adapter_notices(self, trainer: Any) -> None:
+        """What adapt could not do (:attr:`Adapter.notices`), each warned once."""
+        while self._adapter.notices:
+            _warn_rank_zero(trainer, self._adapter.notices.pop(0))
 
     def _announce_adaptation(self, trainer: Any, event: dict[str, Any]) -> None:
         old, new = event["accumulate_grad_batches"]

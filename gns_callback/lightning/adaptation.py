@@ -34,6 +34,8 @@ class Adapter:
         self.events: list[dict[str, Any]] = []
         self.notices: list[str] = []  # for the callback to warn with (once each kind)
         self._held_for_schedule = False
+        self.stopped: Optional[str] = None  # why adaptation stopped (the LR is set by something else), or None
+        self._left: list[list[float]] = []  # each optimizer's group LRs as the last advance left them
 
     @staticmethod
     def unsupported(trainer: Any) -> Optional[str]:
@@ -58,6 +60,8 @@ class Adapter:
         """Change accumulation now if the policy says so; the event (also kept in :attr:`events`), or None.
 
         ``method``: the one measuring now; ``micro_batch`` on one device keeps at least 2 micro-batches per step."""
+        if self.stopped is not None:
+            return None
         current = trainer.accumulate_grad_batches
         self.policy.min_accumulate = 2 if method == "micro_batch" and trainer.world_size == 1 else 1
         decision = self.policy.decide(current, rec, micro_batch_size=micro_batch_size, num_devices=trainer.world_size)
@@ -104,6 +108,8 @@ class Adapter:
 
     def advance(self, trainer: Any) -> None:
         """One optimizer step along the LR ramp: step k after the change runs at start + (target − start)·k/warmup."""
+        if self.stopped is not None or self._overwritten(trainer):
+            return
         ramp = self.ramp
         if ramp is None:
             return
@@ -113,9 +119,40 @@ class Adapter:
         for optimizer in trainer.optimizers:
             rescale_learning_rates(optimizer, schedulers, wanted / self.lr_multiplier)
         self.lr_multiplier = wanted
+        self._left = _group_lrs(trainer)
         ramp["step"] += 1
         if wanted == ramp["target"]:
             self.ramp = None
+
+    def _overwritten(self, trainer: Any) -> bool:
+        """Whether something other than a torch scheduler set a param group's LR since the last step adapt scaled: a
+        module's ``optimizer_step`` that writes ``param_group["lr"]`` (a warmup or schedule of its own), say. That undoes
+        the factor adapt reports, so adaptation stops, with a notice. Before, on the digits MLP with a cosine written in
+        ``optimizer_step``, adapt reported LR ×5.0 while the LR stayed the module's own (×1.01), with no warning. A
+        group's LR may be what adapt left, or what its optimizer's scheduler last set (``get_last_lr``)."""
+        if self.lr_multiplier == 1.0 and self.ramp is None:
+            return False
+        expected = _scheduled_lrs(trainer)
+        for index, (now, left) in enumerate(zip(_group_lrs(trainer), self._left)):
+            for group, (lr, was) in enumerate(zip(now, left)):
+                if _same(lr, was) or any(_same(lr, lrs[group]) for lrs in expected.get(index, []) if group < len(lrs)):
+                    continue
+                self._stop(f"param group {group}'s learning rate was set to {lr:.4g} (adapt left {was:.4g}) by "
+                           "something other than a torch LR scheduler (a module's optimizer_step that writes "
+                           "param_group['lr'], say), which undoes the LR factor adapt applies")
+                return True
+        return False
+
+    def _stop(self, reason: str) -> None:
+        """No more changes from now on: the LR is left as the run sets it. The multiplier applied so far stays what
+        the recommendation reads (the groups nothing else writes keep it: a head's beside the backbone group
+        ``BackboneFinetuning`` sets; an ``optimizer_step`` that writes every group is found at adapt's first write)."""
+        self.stopped, self.ramp = reason, None
+        self.notices.append(
+            f"GradientNoiseScaleCallback(adapt=True) stops adapting: {reason}. Changes made so far stay "
+            f"(accumulate_grad_batches); the LR is the run's own. Set the LR through a torch LR scheduler, or set "
+            "adapt=False and apply the recommendation (cb.recommendation) yourself."
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -123,6 +160,7 @@ class Adapter:
             "lr_ramp": dict(self.ramp) if self.ramp else None,
             "adaptations": list(self.events),
             "policy": self.policy.state_dict(),
+            "stopped": self.stopped,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -131,6 +169,28 @@ class Adapter:
         self.events = list(state.get("adaptations", []))
         if state.get("policy"):
             self.policy.load_state_dict(state["policy"])
+        self.stopped = state.get("stopped")
+
+
+def _group_lrs(trainer: Any) -> list[list[float]]:
+    """Each optimizer's param groups' LRs."""
+    return [[group["lr"] for group in optimizer.param_groups] for optimizer in trainer.optimizers]
+
+
+def _scheduled_lrs(trainer: Any) -> dict[int, list[list[float]]]:
+    """By optimizer index: the LRs its schedulers last set (``get_last_lr``), one list per scheduler."""
+    found: dict[int, list[list[float]]] = {}
+    for config in trainer.lr_scheduler_configs:
+        last = getattr(config.scheduler, "_last_lr", None)
+        optimizer = getattr(config.scheduler, "optimizer", None)
+        for index, candidate in enumerate(trainer.optimizers):
+            if candidate is optimizer and last is not None:
+                found.setdefault(index, []).append(list(last))
+    return found
+
+
+def _same(a: float, b: float) -> bool:
+    return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=0.0)
 
 
 def optimizer_steps_left(trainer: Any, accumulate: int) -> Optional[int]:

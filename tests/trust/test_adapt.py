@@ -8,6 +8,8 @@
 14. Under ``micro_batch`` on one device it could lower accumulation to 1, and measuring then stopped silently.
 """
 
+import math
+
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -165,3 +167,23 @@ def test_accumulation_is_not_lowered_past_the_steps_a_one_cycle_schedule_has_lef
         trainer = fit(SizedOneCycle(small_noise_mlp()), loader(), (callback,), max_epochs=4, accumulate_grad_batches=16)
     assert trainer.state.finished and trainer.global_step == 4 * 12
     assert trainer.accumulate_grad_batches == 16 and callback.adaptations == []
+
+
+class WritesItsOwnLR(Classifier):
+    """A cosine LR written into the param groups by ``optimizer_step`` after each step (no torch scheduler)."""
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+        optimizer.step(closure=optimizer_closure)
+        for group in optimizer.param_groups:
+            group["lr"] = 0.05 * (1 + math.cos(math.pi * min(self.trainer.global_step / 800, 1.0))) / 2
+
+
+def test_an_lr_written_by_the_module_stops_adaptation_with_a_warning(digits):
+    """Before, adapt reported LR ×5.0 over a 407-step warmup on the digits MLP at batch 8 while every step ran at the
+    module's own LR (×1.01 at most), with no warning, and the recommendation read the LR as 1.39× the module's."""
+    callback = GradientNoiseScaleCallback(adapt=True, adapt_patience=1, verbose=False)
+    with pytest.warns(UserWarning, match=r"stops adapting: param group 0's learning rate was set .*optimizer_step"):
+        trainer = fit(WritesItsOwnLR(mlp(), lr=0.05), shuffled_digits(digits), (callback,), max_epochs=3)
+    assert len(callback.adaptations) == 1 and callback._adapter.lr_multiplier < 1.02  # its first ramp step only
+    written = [0.05 * (1 + math.cos(math.pi * step / 800)) / 2 for step in (trainer.global_step - 1, trainer.global_step)]
+    assert any(trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(lr) for lr in written)  # its own
