@@ -42,7 +42,7 @@ from gns_callback.collectors import BATCH_NORM_COUPLES, COLLECTORS, MIN_COVERAGE
 from gns_callback.critical_batch import CriticalBatchAccumulator, CriticalBatchEstimate
 from gns_callback.deferred import DeferredReads
 from gns_callback.estimate import GNSEstimate
-from gns_callback.grad_watch import CLEARED as GRADIENTS_CLEARED, GradientWatch, StaleGradients, Verdict
+from gns_callback.grad_watch import CLEARED as GRADIENTS_CLEARED, STALE, GradientWatch, StaleGradients, Verdict
 from gns_callback.left_out import LeftOutShare
 from gns_callback.norms import squared_norm_sum
 from gns_callback.own_hooks import remove_inert_hooks
@@ -245,6 +245,7 @@ class GradientNoiseScaleMeter:
         if self._stale is not None:
             self._stale.remove()
         self._stale = StaleGradients(self._watch.params[0]) if self._watch.params else None  # the smallest
+        self._set_hooks()
         self._trainable = _trainable_ids(self.model)
         self._attached = True
         self._arm_sum_check(self.per_example_check is None or self.per_example_check.status == SUMS_CHECKED)
@@ -293,8 +294,11 @@ class GradientNoiseScaleMeter:
         self._set_hooks()
 
     def _set_hooks(self) -> None:
-        """The collector records only when enabled and on a step the meter measures."""
+        """The collector records only when enabled and on a step the meter measures; the check of the steps' passes
+        (:class:`~gns_callback.grad_watch.StaleGradients`) only when enabled."""
         self.collector.enabled = self._enabled and self.measures_next_step
+        if self._stale is not None:
+            self._stale.enabled = self._enabled
 
     @property
     def measures_next_step(self) -> bool:
@@ -418,6 +422,8 @@ class GradientNoiseScaleMeter:
         marks of its backward passes' ends."""
         self.collector.discard()
         self._watch.forget()
+        if self._stale is not None:
+            self._stale.forget()
 
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
@@ -599,15 +605,18 @@ class GradientNoiseScaleMeter:
             self.attach()
 
     def _stale_step(self, reason: str) -> bool:
-        """A step whose first pass found a gradient from before it (:class:`~gns_callback.grad_watch.StaleGradients`):
-        the first is skipped (a gradient left over from before the meter, say); a second means the loop reads more
-        than once per optimizer step, and measuring stops. With ``reduce`` the ranks stop together and no rank skips
-        alone. True if this step is not measured."""
+        """A step whose first pass found a gradient from before it, or whose later pass found the gradients cleared
+        (:class:`~gns_callback.grad_watch.StaleGradients`): the first is skipped (a gradient, or a pass, left over
+        from before the meter, say); a second means the loop reads more than once per optimizer step, and measuring
+        stops. Passes found cleared after the first step stop it at once: ``meter.step()`` was skipped at a step,
+        which a loop may do only now and then (the checks cover the first steps only). With ``reduce`` the ranks
+        stop together and no rank skips alone. True if this step is not measured."""
         self._stale_steps += 1
+        final = self._stale_steps > 1 or (reason != STALE and self.steps_offered > 1)
         if self.reduce is not None:
-            self._problem = self._problem or (reason if self._stale_steps > 1 else None)
+            self._problem = self._problem or (reason if final else None)
             return False
-        if self._stale_steps > 1:
+        if final:
             self.stop(reason)
         else:
             self._skip_step()
