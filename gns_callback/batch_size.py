@@ -27,6 +27,28 @@ def batch_size_of(batch: Any) -> Optional[int]:
     return int(ranked[0][0])
 
 
+#: Elements of each tensor that :func:`batch_fingerprint` weighs one by one (evenly spaced; all of a small tensor).
+FINGERPRINT_SAMPLES = 4096
+
+
+def batch_fingerprint(batch: Any, device: Optional[torch.device] = None) -> torch.Tensor:
+    """Three float64 numbers that two copies of ``batch`` share and two different batches almost never do: the
+    tensors' element count, their sum, and a position-weighted sum of up to :data:`FINGERPRINT_SAMPLES` evenly
+    spaced elements of each (so that reordered rows differ too). On ``device`` (default: the first tensor's); zeros
+    for a batch without tensors."""
+    tensors = [t.detach() for t in _tensors(batch) if t.numel() and not t.is_complex() and t.layout == torch.strided]
+    device = device or (tensors[0].device if tensors else torch.device("cpu"))
+    total = torch.zeros(3, dtype=torch.float64, device=device)
+    for t in tensors:
+        flat = t.reshape(-1)
+        picked = torch.linspace(0, flat.numel() - 1, min(flat.numel(), FINGERPRINT_SAMPLES), device=flat.device).long()
+        weights = 1.0 + torch.arange(picked.numel(), dtype=torch.float64, device=flat.device).remainder(97)
+        parts = torch.stack([torch.tensor(float(flat.numel()), dtype=torch.float64, device=flat.device),
+                             flat.sum(dtype=torch.float64), (flat[picked].to(torch.float64) * weights).sum()])
+        total += parts.to(device)
+    return total
+
+
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         yield value

@@ -395,7 +395,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
 
     def _start_measuring(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._started = True
-        problem = supported.combined_loaders_refusal(trainer)
+        problem = supported.combined_loaders_refusal(trainer) or supported.same_batches_refusal(trainer, batch)
         if problem is not None:
             raise misconfiguration(trainer, problem)
         self._settle_method(trainer, pl_module)

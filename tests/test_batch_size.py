@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gns_callback.batch_size import batch_size_of, first_half_copied
+from gns_callback.batch_size import batch_fingerprint, batch_size_of, first_half_copied
 
 
 @dataclass
@@ -115,3 +115,19 @@ def test_a_batch_that_cannot_be_rebuilt_comes_back_whole_instead_of_raising():
     batch = Spans((torch.arange(6.0), torch.arange(6)))
     copied, changed = first_half_copied(batch, 6)
     assert copied is batch and not changed
+
+
+def test_a_batch_fingerprint_is_shared_by_copies_only():
+    """Copies of a batch share it (the data-parallel ranks' first batches are compared by it); other examples,
+    the same examples in another order, or another label differ; a batch without tensors reads zeros."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
+    batch = {"x": x, "y": y, "ids": [torch.arange(32)]}
+    same = {"x": x.clone(), "y": y.clone(), "ids": [torch.arange(32)]}
+    assert torch.equal(batch_fingerprint(batch), batch_fingerprint(same))
+    rows = torch.randperm(32, generator=g)
+    for other in ({**batch, "x": torch.randn(32, 64, generator=g)}, {**batch, "x": x[rows], "y": y[rows]},
+                  {**batch, "y": torch.where(torch.arange(32) == 5, (y + 1) % 10, y)}):
+        assert not torch.equal(batch_fingerprint(batch), batch_fingerprint(other))
+    assert batch_fingerprint(["raw", "strings"]).tolist() == [0.0, 0.0, 0.0]
+    assert batch_fingerprint(torch.ones(5000, 3)).dtype == torch.float64
