@@ -91,6 +91,22 @@ def test_fp16_with_a_real_grad_scaler_matches_fp32(digits, method):
     assert fp16.run_estimate.b_simple == pytest.approx(fp32.run_estimate.b_simple, rel=0.02)
 
 
+def test_the_critical_batch_reads_the_loss_without_the_grad_scaler_s_scale(digits):
+    """``on_before_backward`` gets the loss times the scale. Before, the critical batch read that: at a scale of
+    2^16 it read "loss 1.5e+05", and where the scaler halves its scale (skipped steps, here from 2^40 down) the
+    scaled loss fell as if training progressed. Now fp16 reads fp32's losses and critical batch."""
+    make = lambda: GradientNoiseScaleCallback(method="per_example", verbose=False)  # noqa: E731
+    fp32, _, _ = fit_with_gns(mlp(), *digits, accumulate=1, batch_size=32, steps=60, callback=make())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)
+    fp16, trainer, _ = fit_with_gns(mlp(), *digits, accumulate=1, batch_size=32, steps=60, callback=make(),
+                                    plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    assert trainer.precision_plugin.scaler.get_scale() < 2.0**40 and fp16.run_estimate.skipped_steps > 0
+    ours, theirs = fp16.meter.critical_batch, fp32.meter.critical_batch
+    assert ours.loss_start == pytest.approx(theirs.loss_start, rel=0.05)  # fp16 measures from the first unskipped step
+    assert ours.loss_end == pytest.approx(theirs.loss_end, rel=0.05)
+    assert ours.method.split(" (")[0] == theirs.method.split(" (")[0]  # "run average": the loss did not fall
+
+
 def test_fp16_with_a_real_grad_scaler_matches_fp32_on_a_measured_subset(digits):
     """A token model at batch 64 measures 16 examples plus their summed gradient (and the unmeasured examples'
     block from each parameter's scaled gradient): unscaled like the norms, the estimate matches fp32."""
