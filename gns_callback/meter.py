@@ -102,6 +102,12 @@ ARGUMENTS: dict[str, args.Rule] = {
 }
 _METHOD = args.Rule(args.one_of(*MEASURING_METHODS), "one of 'per_example', 'micro_batch', e.g. 'per_example'")
 _FALLBACK = args.Rule(args.one_of(None, *MEASURING_METHODS), "None or 'micro_batch'")
+_MODEL = args.Rule(lambda value: isinstance(value, nn.Module),
+                   "a torch.nn.Module: the model whose trainable parameters are measured, e.g. "
+                   "GradientNoiseScaleMeter(model) (under DDP the wrapped model or its .module)")
+_REDUCE = args.Rule(lambda value: value is None or callable(value),
+                    "None (one process), or a function that sums a float64 tensor over the data-parallel ranks, "
+                    "e.g. gns_callback.meter.all_reduce_sum or lambda t: fabric.all_reduce(t, reduce_op='sum')")
 _POPULATION = args.Rule(lambda value: value is None or isinstance(value, DataLoader) or args.int_at_least(2)(value),
                         "None (batches drawn with replacement, or a stream), or, when each epoch's batches are drawn "
                         "without replacement (DataLoader(shuffle=True)), the data set's size, e.g. len(dataset), or "
@@ -189,10 +195,12 @@ class GradientNoiseScaleMeter:
         draws_vary: Optional[bool] = None,
     ) -> None:
         args.check_arguments("GradientNoiseScaleMeter", {
-            "method": method, "ema_decay": ema_decay, "confidence": confidence, "loss_reduction": loss_reduction,
-            "per_example_max_examples": per_example_max_examples, "fallback_method": fallback_method,
-            "measure_every_n_steps": measure_every_n_steps, "population": population, "draws_vary": draws_vary,
-        }, {**ARGUMENTS, "method": _METHOD, "fallback_method": _FALLBACK, "population": _POPULATION})
+            "model": model, "method": method, "ema_decay": ema_decay, "confidence": confidence,
+            "loss_reduction": loss_reduction, "per_example_max_examples": per_example_max_examples, "reduce": reduce,
+            "fallback_method": fallback_method, "measure_every_n_steps": measure_every_n_steps,
+            "population": population, "draws_vary": draws_vary,
+        }, {**ARGUMENTS, "model": _MODEL, "method": _METHOD, "reduce": _REDUCE, "fallback_method": _FALLBACK,
+            "population": _POPULATION})
         self.model = model
         self.method = method
         self.fallback_method = fallback_method if fallback_method != method else None
@@ -508,6 +516,9 @@ class GradientNoiseScaleMeter:
             loss: the step's training loss (any constant factor is fine). With it, :attr:`critical_batch` reads the
                 critical batch off the noise scale as a function of the loss; without it, that is the run average.
         """
+        problem = _step_arguments_problem(micro_batch_size, loss_scale, loss_divisor)
+        if problem is not None:
+            micro_batch_size, loss_scale, loss_divisor = self._refuse_step_arguments(problem)
         if self._step_draws is not None:
             self._watch_step_draws(caller_frames(LOOP_FRAMES))
         measured = self.measures_next_step
@@ -541,6 +552,18 @@ class GradientNoiseScaleMeter:
         elif self._may_say_unmeasurable:
             self._say_unmeasurable(window)
         self._may_say_unmeasurable = False
+
+    def _refuse_step_arguments(self, problem: str) -> tuple[None, None, None]:
+        """A :meth:`step` argument of the wrong type or sign: a ``ValueError`` at the first step, before anything is
+        measured; later (a value that went wrong mid-run) measuring stops with the reason, every rank at once under
+        ``reduce``, and the step goes on without those arguments."""
+        if self.steps_offered == 0:
+            raise ValueError(problem)
+        if self.reduce is None:
+            self.stop(problem)
+        else:
+            self._problem = self._problem or problem
+        return None, None, None
 
     def _read_sum_check(self, window: AccumulationWindow) -> None:
         """The first measured step's own checks (:meth:`_arm_sum_check`), once they could tell; BatchNorm in
@@ -968,6 +991,27 @@ def _on_host(grads: list[torch.Tensor], loss_scale: Union[torch.Tensor, float, N
     """Whether the step's gradients (hence its small-batch norms) and the loss scale are on the CPU."""
     scale_on_cpu = not isinstance(loss_scale, torch.Tensor) or loss_scale.device.type == "cpu"
     return bool(grads) and scale_on_cpu and all(g.device.type == "cpu" for g in grads)
+
+
+def _step_arguments_problem(micro_batch_size: BatchSizes, loss_scale: Union[torch.Tensor, float, None],
+                            loss_divisor: Optional[float]) -> Optional[str]:
+    """What is wrong with :meth:`GradientNoiseScaleMeter.step`'s arguments, naming the argument and a valid value;
+    None if nothing (a tensor ``loss_scale`` is not read: that would cost a device sync). Before, a float size
+    crashed the loop (``TypeError: 'float' object is not iterable``), a string was read as one size per character,
+    and a zero or negative loss scale or divisor was taken as given."""
+    sizes = micro_batch_size if isinstance(micro_batch_size, (list, tuple)) else [micro_batch_size]
+    if not all(size is None or args.int_at_least(1)(size) for size in sizes):
+        return (f"GradientNoiseScaleMeter.step(micro_batch_size={micro_batch_size!r}): must be the examples of one "
+                "backward pass, an int ≥ 1 (e.g. micro_batch_size=8), a list of one per pass, or None")
+    if not (loss_scale is None or isinstance(loss_scale, torch.Tensor)
+            or args.number_in(0, math.inf, low_open=True, high_open=True)(loss_scale)):
+        return (f"GradientNoiseScaleMeter.step(loss_scale={loss_scale!r}): must be the AMP GradScaler's scale, a "
+                "number > 0 or a tensor (e.g. loss_scale=scaler.get_scale()), or None without a scaler")
+    if not (loss_divisor is None or args.number_in(0, math.inf, low_open=True, high_open=True)(loss_divisor)):
+        return (f"GradientNoiseScaleMeter.step(loss_divisor={loss_divisor!r}): must be what each backward pass's loss "
+                "was divided by, a number > 0 (e.g. loss_divisor=4 for (loss / 4).backward()), or None for the "
+                "number of passes")
+    return None
 
 
 def _as_sizes(micro_batch_size: BatchSizes) -> Optional[list[Optional[int]]]:

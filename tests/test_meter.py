@@ -493,11 +493,35 @@ def test_unmeasurable_model_stops_measuring_and_warns_once(digits):
      ({"loss_reduction": "avg"}, "loss_reduction"), ({"per_example_max_examples": 1}, "per_example_max_examples"),
      ({"measure_every_n_steps": 0}, "measure_every_n_steps"),
      ({"measure_every_n_steps": 2.0}, "measure_every_n_steps"),
-     ({"population": 1}, "population"), ({"population": 150.0}, "population")],
+     ({"population": 1}, "population"), ({"population": 150.0}, "population"),
+     ({"reduce": "sum"}, r"reduce='sum'.*all_reduce_sum"), ({"model": None}, r"model=None.*torch.nn.Module")],
 )
 def test_bad_arguments_name_themselves(kwargs, match):
+    """Before, ``model=None`` failed with ``AttributeError: 'NoneType' object has no attribute 'named_modules'``, and
+    ``reduce='sum'`` was accepted, to fail at the first step."""
     with pytest.raises(ValueError, match=match):
-        GradientNoiseScaleMeter(mlp(), **kwargs)
+        GradientNoiseScaleMeter(**{"model": mlp(), **kwargs})
+
+
+@pytest.mark.parametrize("kwargs", [{"micro_batch_size": 32.0}, {"micro_batch_size": "32"}, {"micro_batch_size": 0},
+                                    {"micro_batch_size": [16, -16]}, {"loss_scale": -1.0}, {"loss_scale": "65536"},
+                                    {"loss_divisor": 0}])
+def test_bad_step_arguments_name_themselves_at_the_first_step_and_stop_measuring_later(digits, kwargs):
+    """Before, ``micro_batch_size=32.0`` crashed the loop (``TypeError: 'float' object is not iterable``), ``"32"``
+    was read as sizes 3 and 2, and a negative loss scale or a zero divisor were taken as given, without a word."""
+    x, y = digits
+    net = mlp()
+    name = next(iter(kwargs))
+    with GradientNoiseScaleMeter(net) as meter:
+        F.cross_entropy(net(x[:32]), y[:32]).backward()
+        with pytest.raises(ValueError, match=rf"step\({name}=.*must be"):
+            meter.step(**kwargs)
+        net.zero_grad()
+        _steps(meter, net, x, y, steps=3, seed=0)
+        F.cross_entropy(net(x[:16]), y[:16]).backward()
+        with pytest.warns(UserWarning, match=rf"stopped measuring.*step\({name}="):
+            meter.step(**kwargs)  # mid-run: the loop goes on
+    assert not meter.run_estimate.measured and name in meter.run_estimate.failure
 
 
 def _accumulated_steps(meter, net, x, y, steps, seed, passes=4, batch=8):
