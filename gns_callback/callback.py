@@ -367,6 +367,22 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self._detach()
+        self._write_interrupted_report(trainer, exception)
+
+    def _write_interrupted_report(self, trainer: Any, exception: BaseException) -> None:
+        """The report of the steps measured before the fit stopped on ``exception`` (Ctrl-C, an error in the user's
+        code), from rank zero, with ``run.interrupted`` saying why; no collective (other ranks may be gone), and a
+        failure to write only warns. Before, an interrupted fit wrote no report: its measured steps were lost, and
+        ``python -m gns_callback report`` found nothing to read. A fit refused before its first step writes none."""
+        if self.meter is None or self.meter.steps_offered == 0 or not trainer.is_global_zero:
+            return
+        try:
+            sections = self.report_sections(trainer)
+            sections["run"]["interrupted"] = f"{type(exception).__name__}: {exception}"
+            write_report(self.resolve_report_path(trainer), sections)
+        except Exception as error:  # noqa: BLE001 - the user's own exception is the one to see
+            _warn_rank_zero(trainer, f"GradientNoiseScaleCallback: could not write the report of the interrupted fit "
+                                     f"({type(error).__name__}: {error}).")
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._detach()

@@ -392,3 +392,36 @@ def test_measuring_one_step_in_n_leaves_training_unchanged_and_resumes_in_phase(
     quiet_trainer(max_steps=50, max_epochs=10, accumulate_grad_batches=2, callbacks=[continued]).fit(
         Classifier(mlp(), lr=1e-2, optimizer="adam"), loader, ckpt_path=path)
     assert continued.run_estimate.steps == 17 and continued.meter.steps_offered == 50
+
+
+class FailsAtStep(Classifier):
+    """An error in the user's training_step at optimizer step ``at`` (or Ctrl-C there)."""
+
+    def __init__(self, net, at: int, error: BaseException) -> None:
+        super().__init__(net)
+        self.at, self.error = at, error
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == self.at:
+            raise self.error
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("error", [RuntimeError("the user's bug"), KeyboardInterrupt()])
+def test_an_interrupted_fit_writes_the_report_of_its_measured_steps(digits, exact_gns, tmp_path, error):
+    """Before, a fit stopped by an error or Ctrl-C wrote no report: 60 measured steps were lost, and
+    ``python -m gns_callback report`` found nothing. Now rank zero writes them, with ``run.interrupted``."""
+    from gns_callback.report_cli import main
+
+    x, y = digits
+    report = tmp_path / "report.json"
+    gns = GradientNoiseScaleCallback(method="per_example", report_path=str(report), verbose=False)
+    trainer = quiet_trainer(callbacks=[gns])
+    loader = with_replacement_loader(x, y, 32, 32 * 200, seed=0)
+    with pytest.raises((RuntimeError, SystemExit)):  # Lightning exits on Ctrl-C after shutting down
+        trainer.fit(FailsAtStep(mlp(), at=60, error=error), loader)
+    sections = json.loads(report.read_text())
+    assert type(error).__name__ in sections["run"]["interrupted"] and sections["run"]["global_step"] == 60
+    estimate = load_estimate(report, "run_estimate")
+    assert estimate.steps == 60 and estimate.ci_low <= exact_gns(mlp(), F.cross_entropy, x, y)[0] <= estimate.ci_high
+    assert main([str(report), "--out", str(tmp_path / "pictures")]) == 0
