@@ -37,6 +37,7 @@ from gns_callback.lightning.sharpness import SharpnessMonitor
 from gns_callback.meter import ARGUMENTS as METER_ARGUMENTS
 from gns_callback.meter import GradientNoiseScaleMeter
 from gns_callback.probe import ProbeResult
+from gns_callback.probe.lightning import ddp_static_graph
 from gns_callback.random_streams import RandomDrawWatch, drawn_reason
 from gns_callback.recommendation import Recommendation, recommend
 from gns_callback.recommendation.calibration import CALIBRATED, uncalibrated_reason
@@ -211,6 +212,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         self._losses: list[Any] = []  # and their losses (device tensors)
         self._stepping: Optional[int] = None  # the global step whose first closure evaluation was measured
         self._started = False  # the first training batch has been seen (or a checkpoint restored past it)
+        self._probe_waits = False  # the probe waits for a later batch (_passes_wait)
         self._micro_batch_size: Optional[int] = None  # the first training batch's size (per device; None: unknown)
         self._base_lr: Optional[float] = None
         self._draw_watch: Optional[RandomDrawWatch] = None  # the first step's, where it may show the draws varying
@@ -396,7 +398,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         self._next_micro_batch(batch_size_of(batch))
         if not self._started:
             self._start_measuring(trainer, pl_module, batch, batch_idx)
-        elif self.meter.needs_check:
+        elif self.meter.needs_check or self._probe_waits:
             self._check_again(trainer, pl_module, batch, batch_idx)
         if self.sharpness_monitor is not None:
             self.sharpness_monitor.on_train_batch_start(trainer, pl_module, batch, batch_idx, quiet=self.meter.paused)
@@ -419,17 +421,35 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         self._base_lr = facts.base_lr(trainer)
         if self._micro_batch_size is None:
             return self._say_size_unknown(trainer)
+        if self._passes_wait(trainer):
+            self.meter.needs_check = self.meter.method == "per_example"  # on a later batch (_check_again)
+            self._probe_waits = True
+            return
         check_first_batch(self.meter, trainer, pl_module, batch, batch_idx, self._micro_batch_size)
         if self._probe_wanted(trainer) and self.probe_result is None:
             self._run_probe(trainer, pl_module, batch)
 
+    def _passes_wait(self, trainer: Any) -> bool:
+        """Whether passes of the training step aside from the run (the check, the probe) must wait for a later batch:
+        under DDP with ``static_graph=True`` before this fit's first optimizer step, where they would stop DDP's
+        gradient sync for the rest of the run (:func:`~gns_callback.probe.lightning.ddp_static_graph`). Before, the
+        ranks of a digits MLP trained apart (different weights after one epoch) and each read its own B_simple,
+        27.4 and 29.2 against an exact 68.0. The first measured step checks its own sums meanwhile."""
+        return self._stepping is None and ddp_static_graph(trainer)
+
     def _check_again(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         """The first batch's check on this batch: for parameters the meter measures since its last step (a backbone
         unfrozen for fine-tuning), whose layers may add a gradient part no example carries, or couple the examples;
-        or because the check could not run on the batch before (``training_step`` returned None to skip it)."""
+        or because the check could not run on the batch before (``training_step`` returned None to skip it, or it
+        waited for DDP's first iteration: :meth:`_passes_wait`), with the probe where that waited too."""
+        if self._passes_wait(trainer):
+            return
         self.meter.needs_check = False
         if self._micro_batch_size is not None:
             check_first_batch(self.meter, trainer, pl_module, batch, batch_idx, self._micro_batch_size)
+        if self._probe_waits and self._probe_wanted(trainer) and self.probe_result is None:
+            self._run_probe(trainer, pl_module, batch)
+        self._probe_waits = False
 
     def _settle_method(self, trainer: Any, pl_module: Any) -> None:
         """The method again, with BatchNorm in the mode of the first step (it couples the examples in training

@@ -198,6 +198,18 @@ def ddp_no_sync(trainer: "pl.Trainer") -> Any:
     return model.no_sync() if isinstance(model, DistributedDataParallel) else nullcontext()
 
 
+def ddp_static_graph(trainer: "pl.Trainer") -> bool:
+    """Whether the strategy wraps the model in ``DistributedDataParallel(static_graph=True)``. Backward passes through
+    the model outside DDP's forward, before its first synchronised iteration, make DDP's reducer miss that iteration's
+    record of the graph: from then on it leaves every gradient unreduced, and the ranks train apart without a word
+    (or DDP stops the run, with unused parameters). Passes aside from the run must wait until after the first
+    optimizer step there."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = getattr(trainer.strategy, "model", None)
+    return isinstance(model, DistributedDataParallel) and bool(getattr(model, "static_graph", False))
+
+
 def _check_strategy(trainer: "pl.Trainer") -> None:
     """Single-device and DDP strategies of either Lightning namespace (``pytorch_lightning``, ``lightning.pytorch``)."""
     from gns_callback.lightning.trainer_facts import data_parallel_strategy
