@@ -6,6 +6,16 @@ A batch is any nesting of tuples, lists, dicts and dataclasses around tensors. L
 when it can't be told: no tensor with a dim (e.g. raw strings tokenized inside ``training_step``), or a tie between
 different sizes (``(meta_3vec, x)``; so is ``(tokens (B, T), labels (B·T,))``). A ``None`` is never guessed:
 ``micro_batch`` then stops measuring with the reason, and ``per_example`` reads the size off its layers.
+
+A list or tuple inside the batch holding 3 or more tensors of one dtype and one number of dims may hold one tensor
+per example (``collate_fn=lambda b: tuple(zip(*b))`` over sequences padded in the model): its length is then the
+batch size, and its tensors' dim 0 their lengths, which must not vote. It is read as examples where the rest of the
+batch holds its length, or where its tensors' dim 0 differ (a collated batch's fields share theirs) and the rest does
+not hold their common one; as fields (each tensor a vote, as before) where the rest of the batch holds their dim 0;
+and where its tensors all have one dim 0 other than its length that nothing else holds, the size can't be told.
+Before, 32 token sequences cut to 16 tokens read 16 examples, and every layer's input ``(32, 16, ...)`` was
+measured along dim 1, as if sequence-first: B_simple read 19.2 (95% CI 18.1–20.4) against an exact 44.8. The batch
+itself is read as fields: ``(tokens_flat (N,), offsets (B,), labels (B,))`` holds B examples.
 """
 
 from __future__ import annotations
@@ -20,8 +30,19 @@ import torch
 
 
 def batch_size_of(batch: Any) -> Optional[int]:
-    """The leading dimension more tensors in ``batch`` share than any other, or None (no such tensor, or a tie)."""
-    ranked = Counter(t.shape[0] for t in _tensors(batch) if t.ndim > 0).most_common(2)
+    """The leading dimension more tensors in ``batch`` share than any other, or None (no such tensor, or a tie);
+    a list of one tensor per example counts once, for its length (module docstring)."""
+    votes: Counter = Counter()
+    lists: list[list[torch.Tensor]] = []
+    for item in list(batch) if isinstance(batch, (list, tuple)) else [batch]:  # the batch's own items are fields
+        _collect(item, votes, lists)
+    outside = set(votes)
+    for tensors in lists:
+        read = _read_list(tensors, outside)
+        if read is None:
+            return None
+        votes.update(read)
+    ranked = votes.most_common(2)
     if not ranked or (len(ranked) == 2 and ranked[0][1] == ranked[1][1]):
         return None
     return int(ranked[0][0])
@@ -50,17 +71,58 @@ def batch_fingerprint(batch: Any, device: Optional[torch.device] = None) -> torc
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor ``value`` holds, depth first."""
     if isinstance(value, torch.Tensor):
         yield value
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from _tensors(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item)
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for field in dataclasses.fields(value):
-            yield from _tensors(getattr(value, field.name))
+    for item in _children(value):
+        yield from _tensors(item)
+
+
+def _collect(value: Any, votes: Counter, lists: list[list[torch.Tensor]]) -> None:
+    """Count the dim 0 of every tensor in ``value`` into ``votes``, and keep aside the lists that may hold one tensor
+    per example (:func:`_may_hold_examples`), whose reading depends on the rest of the batch."""
+    if isinstance(value, (list, tuple)) and _may_hold_examples(value):
+        lists.append(list(value))
+        return
+    if isinstance(value, torch.Tensor):
+        votes.update([value.shape[0]] if value.ndim > 0 else [])
+    for item in _children(value):
+        _collect(item, votes, lists)
+
+
+def _children(value: Any) -> list[Any]:
+    """The items a container holds (none for a tensor or anything else)."""
+    if isinstance(value, Mapping):
+        return list(value.values())
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [getattr(value, field.name) for field in dataclasses.fields(value)]
+    return []
+
+
+def _may_hold_examples(items: Any) -> bool:
+    """3 or more tensors, of one dtype and one number of dims: one per example, or fields of the batch."""
+    return (len(items) >= 3 and all(isinstance(t, torch.Tensor) for t in items)
+            and len({(t.dtype, t.ndim) for t in items}) == 1)
+
+
+def _read_list(tensors: list[torch.Tensor], outside: set) -> Optional[list[int]]:
+    """The votes of a list of :func:`_may_hold_examples`: ``[len]`` where it holds the examples, each tensor's dim 0
+    where they are fields, None where it can't be told. ``outside``: the sizes the rest of the batch holds."""
+    if tensors[0].ndim == 0:
+        return [len(tensors)]  # scalars: one per example
+    lengths = [t.shape[0] for t in tensors]
+    common = Counter(lengths).most_common(1)[0][0]
+    if common == len(tensors):
+        return lengths  # either reading gives its length
+    if len(tensors) in outside:
+        return [len(tensors)]
+    if common in outside:
+        return lengths
+    if len(set(lengths)) > 1:
+        return [len(tensors)]  # varying lengths: a collated batch's fields share their dim 0
+    return None
 
 
 def first_half_rows(batch_size: int, device: torch.device) -> torch.Tensor:

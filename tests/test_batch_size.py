@@ -131,3 +131,27 @@ def test_a_batch_fingerprint_is_shared_by_copies_only():
         assert not torch.equal(batch_fingerprint(batch), batch_fingerprint(other))
     assert batch_fingerprint(["raw", "strings"]).tolist() == [0.0, 0.0, 0.0]
     assert batch_fingerprint(torch.ones(5000, 3)).dtype == torch.float64
+
+
+def test_a_list_of_one_tensor_per_example_counts_once_for_its_length():
+    # collate_fn=lambda b: tuple(zip(*b)) over sequences padded in the model: 32 examples of 5-9 tokens
+    tokens = tuple(torch.zeros(5 + i % 5, dtype=torch.long) for i in range(32))
+    assert batch_size_of((tokens, tuple(torch.zeros(len(t), dtype=torch.long) for t in tokens))) == 32
+    assert batch_size_of((tokens, tuple(torch.tensor(i) for i in range(32)))) == 32  # one label each
+    assert batch_size_of({"tokens": list(tokens), "labels": torch.zeros(32, dtype=torch.long)}) == 32
+
+
+def test_a_list_of_equal_tensors_whose_length_nothing_else_holds_is_not_guessed():
+    # 32 sequences all cut to 16 tokens: 16 examples of 32 tokens, or 32 of 16; before, 16 (64 votes against none)
+    tokens = tuple(torch.zeros(16, dtype=torch.long) for _ in range(32))
+    assert batch_size_of((tokens, tokens)) is None
+    assert batch_size_of((tokens, torch.zeros(32, dtype=torch.long))) == 32  # the labels hold the list's length
+
+
+def test_lists_of_fields_still_vote_by_their_dim_0():
+    x, y = torch.zeros(16, 3, 8, 8), torch.zeros(16, dtype=torch.long)
+    crops = [x, x, x[:, :, :4, :4], x[:, :, :4, :4]]  # multi-crop views of one batch
+    assert batch_size_of((crops, y)) == 16
+    flat, offsets = torch.zeros(90, dtype=torch.long), torch.zeros(16, dtype=torch.long)
+    assert batch_size_of((flat, offsets, y)) == 16  # the batch's own items are fields, never examples
+    assert batch_size_of(((flat, offsets, offsets), y)) == 16  # the rest of the batch holds their common dim 0
