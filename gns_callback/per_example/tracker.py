@@ -186,6 +186,9 @@ class PassNorms:
     products: dict = field(default_factory=dict)
     #: The bare parameters whose per-example gradients were read from half-precision tensors (autocast).
     half_inputs: set = field(default_factory=set)
+    #: A layer whose several calls were read as one while the batch's size was unknown (:mod:`.repeated`), or None:
+    #: its rows may be the same examples at each call (a recurrence, a siamese encoder) or chunks of the batch.
+    calls_unsized: str | None = None
 
     def add(self, sq_norms: Tensor) -> None:
         self.sq_norms = sq_norms if self.sq_norms is None else self.sq_norms + sq_norms
@@ -205,6 +208,7 @@ class PassNorms:
             for name, grads in more.items():
                 kept[name] = kept[name].joined(grads) if name in kept else grads
         self.half_inputs |= inner.half_inputs
+        self.calls_unsized = self.calls_unsized or inner.calls_unsized
         self.calls.update(inner.calls)
         if inner.sq_norms is not None:
             self.add(inner.sq_norms)
@@ -788,6 +792,8 @@ class PerExampleNormTracker:
         if is_cell(module):
             record.add(cell_sq_norms(calls, self._covered_modules[module].param_names).float())
             return
+        if len(calls) > 1 and self.expected_batch_size is None:
+            record.calls_unsized = record.calls_unsized or self._covered_modules[module].name
         inp, grad_output = concatenate_calls(module, calls)
         self._measure(record, module, self._covered_modules[module], inp, grad_output)
         if module in self._tied:
