@@ -447,6 +447,7 @@ class PerExampleNormTracker:
         self._saw_tracked_forward = False
         self._sequence_first = False
         self._model_batches: set[Optional[int]] = set()  # examples per model forward since the last pop
+        self._model_forwards = 0  # the model's own forwards since the last pop
         self._layouts = LayoutMemory()  # per layer, the batch dim of its input where its shape told it
         self._captures: dict[nn.Module, ProjectionCalls] = {}  # attention modules inside their forward now
         self._analyse()
@@ -694,6 +695,7 @@ class PerExampleNormTracker:
     def _reset_state(self) -> None:
         self._passes.clear()
         self._model_batches = set()
+        self._model_forwards = 0
         self._owner_inputs.clear()  # a forward that raised never reached its post-hook: its nodes are not held on
         self._forward_costs = []
         self._last_subset = None
@@ -767,6 +769,7 @@ class PerExampleNormTracker:
         told), kept for :meth:`_rows_are_the_models_examples` while the batch's size is not known."""
         if self._listening() and torch.is_grad_enabled() and self.expected_batch_size is None:
             self._model_batches.add(batch_size_of((*args, kwargs)))
+            self._model_forwards += 1
 
     def _rows_are_the_models_examples(self, record: PassNorms, rows: int, source: str) -> bool:
         """With the batch's size unknown, a layer's rows must number the examples its model was called on, where one
@@ -783,6 +786,13 @@ class PerExampleNormTracker:
             "the examples (stacked views or copies of them, or chunks of the batch); tell the meter the batch's size "
             f"with expect_batch_size before the forward pass to check each layer against it, or {MICRO_BATCH_HINT}.")
         return False
+
+    def _one_forward_of_known_size(self) -> bool:
+        """The model's own forward ran once since the last pop, on a number of examples read off its inputs: a layer
+        it called several times then ran on that forward's examples at each call (a layer shared across depth, a
+        recurrence written out), each call's rows checked against them (:meth:`_rows_are_the_models_examples`), and
+        not on chunks of a batch split outside the model."""
+        return self._model_forwards == 1 and None not in self._model_batches
 
     def _pass_record(self) -> PassNorms:
         return self._passes.record(self._passes.current())
@@ -821,7 +831,7 @@ class PerExampleNormTracker:
         if is_cell(module):
             record.add(cell_sq_norms(calls, self._covered_modules[module].param_names).float())
             return
-        if len(calls) > 1 and self.expected_batch_size is None:
+        if len(calls) > 1 and self.expected_batch_size is None and not self._one_forward_of_known_size():
             record.calls_unsized = record.calls_unsized or self._covered_modules[module].name
         inp, grad_output = concatenate_calls(module, calls)
         self._measure(record, module, self._covered_modules[module], inp, grad_output)

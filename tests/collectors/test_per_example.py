@@ -23,9 +23,9 @@ def siamese(model, x):
     return model(x) + model(x.flip(1))  # each example through the model twice
 
 
-def measured(digits, forward, steps: int = 12, expect: bool = False, given: bool = False):
+def measured(digits, forward, steps: int = 12, expect: bool = False, given: bool = False, model=None):
     x, y = digits
-    model, generator = mlp(), torch.Generator().manual_seed(0)
+    model, generator = model or mlp(), torch.Generator().manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with GradientNoiseScaleMeter(model, method="per_example") as meter:
@@ -80,3 +80,28 @@ def test_rows_that_outnumber_the_models_examples_are_refused(digits):
     assert not meter.run_estimate.measured
     assert "64 rows, but the model was called on 32 examples" in meter.run_estimate.failure
     assert measured(digits, lambda m, x: m(x)).measured  # one row per example: as before
+
+
+class SharedDepth(nn.Module):
+    """One hidden layer applied twice in the model's own forward (weights shared across depth)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.hidden, self.head = nn.Linear(64, 32), nn.Linear(32, 32), nn.Linear(32, 10)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        return self.head(torch.tanh(self.hidden(torch.tanh(self.hidden(h)))))
+
+
+def test_a_layer_called_twice_in_the_models_one_forward_needs_no_batch_size(digits):
+    """The model's own forward ran once, on 32 examples, and each call of the shared layer ran on those 32 rows: they
+    are the same examples, and the run reads as with the size given (before: refused, asking for the size)."""
+    runs = []
+    for expect in (False, True):
+        model = SharedDepth()
+        runs.append(measured(digits, lambda _mlp, x, model=model: model(x), expect=expect, model=model))
+    unsized, sized = runs
+    assert unsized.measured and sized.measured
+    assert unsized.b_simple == sized.b_simple
