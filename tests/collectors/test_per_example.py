@@ -67,18 +67,9 @@ class Stacked(nn.Module):
 
 def test_rows_that_outnumber_the_models_examples_are_refused(digits):
     # before: views stacked as rows read B_simple 43.1 (95% CI 39.2-47.8) over 150 steps against an exact 86.4
-    x, y = digits
-    model, generator = Stacked(), torch.Generator().manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with GradientNoiseScaleMeter(model, method="per_example") as meter:
-            for _ in range(4):
-                i = torch.randint(0, len(x), (32,), generator=generator)
-                F.cross_entropy(model(x[i]), y[i]).backward()
-                meter.step()
-                model.zero_grad()
-    assert not meter.run_estimate.measured
-    assert "64 rows, but the model was called on 32 examples" in meter.run_estimate.failure
+    stacked = measured(digits, lambda model, x: model(x), steps=4, model=Stacked())
+    assert not stacked.measured
+    assert "64 rows, but the model was called on 32 examples" in stacked.failure
     assert measured(digits, lambda m, x: m(x)).measured  # one row per example: as before
 
 
@@ -98,10 +89,7 @@ class SharedDepth(nn.Module):
 def test_a_layer_called_twice_in_the_models_one_forward_needs_no_batch_size(digits):
     """The model's own forward ran once, on 32 examples, and each call of the shared layer ran on those 32 rows: they
     are the same examples, and the run reads as with the size given (before: refused, asking for the size)."""
-    runs = []
-    for expect in (False, True):
-        model = SharedDepth()
-        runs.append(measured(digits, lambda _mlp, x, model=model: model(x), expect=expect, model=model))
-    unsized, sized = runs
+    unsized, sized = (measured(digits, lambda model, x: model(x), expect=expect, model=SharedDepth())
+                      for expect in (False, True))
     assert unsized.measured and sized.measured
     assert unsized.b_simple == sized.b_simple
