@@ -45,6 +45,7 @@ from gns_callback.estimate import GNSEstimate
 from gns_callback.grad_watch import CLEARED as GRADIENTS_CLEARED, STALE, GradientWatch, StaleGradients, Verdict
 from gns_callback.left_out import LeftOutShare
 from gns_callback.norms import squared_norm_sum
+from gns_callback.overflows import OverflowCount
 from gns_callback.own_hooks import remove_inert_hooks
 from gns_callback.per_example.checks import SUMS_CHECKED, PerExampleCheck, check_per_example, first_step_check
 from gns_callback.per_example.tracker import MICRO_BATCH_HINT
@@ -442,6 +443,8 @@ class GradientNoiseScaleMeter:
         self.critical = CriticalBatchAccumulator()
         self.blend = PairBlend()  # per_example with a subset measured: weights of its two |G|² estimates
         self.left_out = LeftOutShare(self.ema_decay)  # the parameters left out's share of the step gradient
+        self.overflows = OverflowCount()  # steps skipped for non-finite gradients, once one was finite
+        self._may_say_overflows = True
         self._reads: DeferredReads[Union[_ReducedRow, _LocalRow]] = DeferredReads()  # steps on their way
         self.losses_given = False
         self.steps_seen = 0  # optimizer steps offered for measurement
@@ -463,6 +466,7 @@ class GradientNoiseScaleMeter:
             "critical": self.critical.state_dict(),
             "blend": self.blend.state_dict(),
             "left_out": self.left_out.state_dict(),
+            "overflows": self.overflows.state_dict(),
             "losses_given": self.losses_given,
             "steps_seen": self.steps_seen,
             "steps_offered": self.steps_offered,
@@ -486,6 +490,8 @@ class GradientNoiseScaleMeter:
             self.blend.load_state_dict(state["blend"])
         if state.get("left_out"):  # absent before this key existed: nothing was left out, or it restarts
             self.left_out.load_state_dict(state["left_out"])
+        if state.get("overflows"):  # absent before this key existed: counted afresh
+            self.overflows.load_state_dict(state["overflows"])
         if state.get("critical"):
             self.critical.load_state_dict(state["critical"])
             self.losses_given = bool(state.get("losses_given"))
@@ -778,11 +784,26 @@ class GradientNoiseScaleMeter:
             trace, grad_sq = without_replacement(trace, grad_sq, self.population)
             step = step_values(trace, grad_sq)  # shared by the accumulators; a non-finite step adds nothing
         valid = bool(valid) and not failed
+        self._count_overflow(math.isfinite(step_grad_sq))
         self.ema.update_values(float(trace), float(grad_sq), valid)
         self.run.update_values(step, valid)
         self.critical.update_values(step, loss, valid)
         self.left_out.update(left_out_sq, step_grad_sq, packed[PACKED_FIELDS.index("micro_size_sum")], valid)
         self.losses_given = self.losses_given or loss_given
+
+    def _count_overflow(self, finite: bool) -> None:
+        """Count the step in :attr:`overflows`; warn once when the steps it left out start to bias the estimate
+        (:mod:`gns_callback.overflows`), which is then withheld while they do."""
+        self.overflows.update(finite)
+        problem = self.overflows.problem()
+        if problem is not None and self._may_say_overflows:
+            self._may_say_overflows = False
+            warnings.warn(f"gns_callback withholds the gradient noise scale: {problem}.", RuntimeWarning, stacklevel=4)
+
+    def withheld(self) -> Optional[str]:
+        """Why no estimate is given now: measuring stopped (:attr:`failure`), or too many steps overflowed since the
+        first finite one (:mod:`gns_callback.overflows`); None otherwise."""
+        return self.failure or self.overflows.problem()
 
     def _read_problem(self, packed: list[float], step_grad_sq: float) -> Optional[str]:
         """Why the step's |G_B|² and its small-batch norms can't be of the same gradients, or None: a zero gradient
@@ -881,8 +902,8 @@ class GradientNoiseScaleMeter:
             method=self.method,
             averaging=averaging,
         )
-        if self.failure is not None:
-            return estimate.not_measured(self.failure)
+        if self.withheld() is not None:
+            return estimate.not_measured(self.withheld())
         if estimate.measured:
             estimate = dataclasses.replace(estimate, ci_high=self._upper_end(estimate.ci_high))
         return self.left_out.widened(estimate, self.population)
@@ -900,9 +921,9 @@ class GradientNoiseScaleMeter:
         estimate = self.critical.summary(self.confidence)
         if not self.losses_given:
             estimate = dataclasses.replace(estimate, method="run average (no training loss was passed to step())")
-        if self.failure is not None:
+        if self.withheld() is not None:
             return dataclasses.replace(estimate, b_crit=math.nan, ci_low=math.nan, ci_high=math.nan,
-                                       method=f"not measured ({self.failure})")
+                                       method=f"not measured ({self.withheld()})")
         # The parameters left out, with the run's share: the critical batch's blocks are the run's steps, weighted
         # by the loss windows it draws, so this is the run average's bound applied to them (gns_callback/left_out.py).
         low, high = self.left_out.interval(estimate.ci_low, self._upper_end(estimate.ci_high), self.population)
