@@ -68,7 +68,9 @@ PROBLEM = (
     "B_simple would be wrong. Clip with the Trainer's gradient_clip_val or configure_gradient_clipping, and change "
     "gradients in the LightningModule's on_before_optimizer_step: they run after the callback reads the gradients; "
     "in your own loop, call meter.step() before changing the gradients (a loop that reduces the gradients across "
-    "ranks itself after backward calls meter.backward_done() once they are reduced)"
+    "ranks itself after backward calls meter.backward_done() once they are reduced). An AMP GradScaler's "
+    "scaler.unscale_(optimizer) before meter.step() is such a change unless meter.step(loss_scale=) gets the scale "
+    "the backward pass ran with (scaler.get_scale() read before it)"
 )
 
 STILL_SCALED = (
