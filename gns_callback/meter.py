@@ -902,8 +902,9 @@ class GradientNoiseScaleMeter:
             method=self.method,
             averaging=averaging,
         )
-        if self.withheld() is not None:
-            return estimate.not_measured(self.withheld())
+        withheld = self.withheld()
+        if withheld is not None:
+            return estimate.not_measured(withheld)
         if estimate.measured:
             estimate = dataclasses.replace(estimate, ci_high=self._upper_end(estimate.ci_high))
         return self.left_out.widened(estimate, self.population)
@@ -921,9 +922,10 @@ class GradientNoiseScaleMeter:
         estimate = self.critical.summary(self.confidence)
         if not self.losses_given:
             estimate = dataclasses.replace(estimate, method="run average (no training loss was passed to step())")
-        if self.withheld() is not None:
+        withheld = self.withheld()
+        if withheld is not None:
             return dataclasses.replace(estimate, b_crit=math.nan, ci_low=math.nan, ci_high=math.nan,
-                                       method=f"not measured ({self.withheld()})")
+                                       method=f"not measured ({withheld})")
         # The parameters left out, with the run's share: the critical batch's blocks are the run's steps, weighted
         # by the loss windows it draws, so this is the run average's bound applied to them (gns_callback/left_out.py).
         low, high = self.left_out.interval(estimate.ci_low, self._upper_end(estimate.ci_high), self.population)
