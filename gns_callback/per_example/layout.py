@@ -165,10 +165,20 @@ def batch_dim(shape: Sequence[int], position_dims: int, expected: Optional[int],
         )
     where = "neither dim 0 nor dim 1" if dim1 else "dim 0 does not"
     raise LayoutError(
-        f"its input has shape {shape}: {where} hold{'s' if dim1 else ''} the batch of {expected} examples (the layer "
-        "runs on something other than the examples, e.g. a learned table or positions shared by all examples, or "
-        "the examples are reshaped so that positions become rows)"
+        f"its input has shape {shape}: {where} hold{'s' if dim1 else ''} the batch of {expected} examples "
+        f"({_rows_hint(shape[0], expected)})"
     )
+
+
+def _rows_hint(rows: int, expected: int) -> str:
+    """What a layer's ``rows`` leading rows most likely are, given a micro-batch of ``expected`` examples."""
+    if 0 < rows < expected and expected % rows == 0:
+        return (f"{rows} rows, 1/{expected // rows} of the batch: the forward most likely runs the batch in chunks "
+                "inside one backward pass, and a row can't be matched to its example; run each chunk as its own "
+                f"micro-batch instead (Lightning: the DataLoader's batch_size={rows} and accumulate_grad_batches "
+                f"multiplied by {expected // rows}; a plain loop: one backward pass per chunk), which is the same update")
+    return ("the layer runs on something other than the examples, e.g. a learned table or positions shared by all "
+            "examples, or the examples are reshaped so that positions become rows")
 
 
 class LayoutMemory:

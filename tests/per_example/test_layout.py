@@ -29,7 +29,10 @@ def test_batch_dim(shape, dims, expected, sequence_first, dim):
     [
         ((32, 32, 16), 2, 32, True, "both equal the batch size 32"),
         ((8, 4, 16), 2, 32, False, "neither dim 0 nor dim 1 holds the batch of 32"),
-        ((10, 64), 1, 32, False, "dim 0 does not hold the batch of 32"),  # a learned table
+        ((24, 64), 1, 32, False, "learned table"),  # not a whole share of the batch: no chunk hint
+        ((10, 64), 1, 32, False, "dim 0 does not hold the batch of 32 examples \\(the layer runs on something"),
+        ((16, 64), 1, 32, False, "16 rows, 1/2 of the batch: the forward most likely runs the batch in chunks"),
+        ((8, 4, 16), 2, 32, False, "1/4 of the batch: .* batch_size=8 and accumulate_grad_batches multiplied by 4"),
         ((32 * 8, 16), 1, 32, False, "dim 0 does not hold"),  # positions reshaped into rows
         ((8, 32, 16), 2, None, True, "size is unknown"),
     ],
