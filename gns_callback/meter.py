@@ -66,6 +66,8 @@ SCALES_DIFFER = (
     "are still scaled"
 )
 LOSS_REDUCTIONS = ("mean", "sum")
+_BATCH_NORM_PROBLEM = (f"{BATCH_NORM_COUPLES}: the noise scale read from them would be wrong. Instead, "
+                       f"{MICRO_BATCH_HINT}, or normalise without batch statistics (GroupNorm, LayerNorm)")
 MEASURING_METHODS = tuple(COLLECTORS)
 #: Steps between checks that the model's trainable parameters are still the ones measured (unfreezing a backbone
 #: for fine-tuning changes them); each check walks the parameter list once.
@@ -541,6 +543,7 @@ class GradientNoiseScaleMeter:
             return self._follow_trainable()
         if not window.empty:
             self._read_sum_check(window)
+            self._check_batch_norm_mode()
         verdict = self._gradients_changed(loss_scale)
         if verdict.problem is not None and self.reduce is None:
             return self.stop(verdict.problem)
@@ -580,9 +583,7 @@ class GradientNoiseScaleMeter:
         if sum_check is None:
             return
         if tracker.has_batchnorm_in_training():
-            verdict = PerExampleCheck("coupled", detail=f"{BATCH_NORM_COUPLES}: the noise scale read from them would "
-                                                        f"be wrong. Instead, {MICRO_BATCH_HINT}, or normalise without "
-                                                        "batch statistics (GroupNorm, LayerNorm)")
+            verdict = PerExampleCheck("coupled", detail=_BATCH_NORM_PROBLEM)
         else:
             verdict = first_step_check(sum_check, int(window.micro_size_sum) if window.micro_count == 1 else None)
         self._arm_sum_check(verdict is None and bool(sum_check.rests))  # a step that couldn't tell: the next one
@@ -591,6 +592,16 @@ class GradientNoiseScaleMeter:
         self.per_example_check = verdict
         if verdict.refused:
             self._problem = self._problem or verdict.detail
+
+    def _check_batch_norm_mode(self) -> None:
+        """Every measured step after the first (which :meth:`_read_sum_check` covers): a BatchNorm layer that went
+        into training mode mid-run (one held in eval mode for the first epochs, then released) couples the
+        examples from then on, so per-example norms stop being the examples' gradients. Before, on the digits MLP
+        with a BatchNorm1d in eval mode for the first epoch, the next two epochs were measured with no warning. A
+        problem found at this step: ``fallback_method`` or a stop, every rank at once."""
+        tracker = self._per_example_tracker()
+        if tracker is not None and tracker.sum_check is None and tracker.has_batchnorm_in_training():
+            self._problem = self._problem or f"a BatchNorm layer went into training mode: {_BATCH_NORM_PROBLEM}"
 
     def _trainable_changed(self) -> bool:
         """Every :data:`TRAINABLE_CHECK_EVERY` steps: whether the trainable parameters differ from those measured."""

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import pytorch_lightning as pl
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 
 from gns_callback import GradientNoiseScaleCallback
@@ -79,6 +80,32 @@ def test_auto_prefers_per_example_and_falls_back_for_batchnorm(digits):
     assert auto_bn.resolved_method == "micro_batch"
     with pytest.raises(MisconfigurationException, match="BatchNorm"):
         fit_with_gns(bn_mlp(), *digits, accumulate=1, steps=5, callback=GradientNoiseScaleCallback(verbose=False))
+
+
+class ReleaseBatchNorm(pl.Callback):
+    """Holds the model's BatchNorm layers in eval mode for the first ``steps`` optimizer steps, then trains them."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+
+    def on_train_start(self, trainer, pl_module):
+        self.on_train_batch_start(trainer, pl_module, None, 0)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        for module in pl_module.modules():
+            if isinstance(module, torch.nn.BatchNorm1d):
+                module.train(trainer.global_step >= self.steps)
+
+
+def test_batchnorm_released_mid_run_switches_auto_to_micro_batch(digits):
+    """BatchNorm in eval mode at fit start is measured per example; once released into training mode its batch
+    statistics couple the examples. Before, the rest of the run was measured per example with no word; now ``auto``
+    switches to ``micro_batch`` at that step (here 2 micro-batches per step) and warns once."""
+    cb = GradientNoiseScaleCallback(verbose=False)
+    with pytest.warns(UserWarning, match="switched from method='per_example' to 'micro_batch'.*BatchNorm layer went"):
+        fit_with_gns(bn_mlp(), *digits, accumulate=2, steps=20, callback=cb, callbacks=[ReleaseBatchNorm(5)])
+    assert cb.meter.switched_from == "per_example" and cb.run_estimate.method == "micro_batch"
+    assert cb.run_estimate.steps > 0
 
 
 def test_explicit_per_example_on_batchnorm_is_refused_at_fit_start(digits):

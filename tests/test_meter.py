@@ -1140,6 +1140,27 @@ def test_batchnorm_in_training_mode_is_refused_at_the_first_step_and_measured_in
     assert meter.per_example_check.status == "sums checked" and meter.run_estimate.steps == 3
 
 
+def test_batchnorm_released_into_training_mode_mid_run_stops_measuring(digits):
+    """A BatchNorm held in eval mode for the first steps, then put back in training mode: from then on its batch
+    statistics couple the examples. Before, those steps were measured with no word (on the digits MLP in Lightning,
+    after one epoch in eval mode: B_simple = inf, 95% CI 0 – inf, |G|² < 0). Now the step that finds it stops, with
+    the fix; the steps before it stay in the state."""
+    x, y = digits
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 10))
+    model[1].eval()
+    with GradientNoiseScaleMeter(model) as meter:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _plain_steps(meter, model, _cross_entropy, x, y, steps=5)
+        assert meter.run_estimate.steps == 5
+        model[1].train()
+        with pytest.warns(UserWarning, match="stopped measuring.*BatchNorm layer went into training mode.*micro_batch"):
+            _plain_steps(meter, model, _cross_entropy, x, y, steps=2)
+    assert not meter.run_estimate.measured and "BatchNorm" in meter.failure
+    assert meter.steps_seen == 5
+
+
 def _fp16_run(x, y, growth_interval: int, steps: int = 200):
     """The digits MLP at lr 0 under float16 autocast with a real GradScaler, measured in a plain loop."""
     net = mlp()

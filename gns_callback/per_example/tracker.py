@@ -416,6 +416,7 @@ class PerExampleNormTracker:
 
     def __init__(self, model: nn.Module, max_examples: int | None = None) -> None:
         self.model = model
+        self._batch_norms: Optional[tuple[nn.Module, ...]] = None  # the model's BatchNorm layers, found once
         self.enabled = True
         #: Measure only the first ``max_examples`` examples of each batch, when that is cheaper than measuring
         #: every example (:mod:`.cost`; None: always all). Each such pass also records the unmeasured examples'
@@ -583,17 +584,17 @@ class PerExampleNormTracker:
 
         Such layers couple the examples of a batch, so per-example gradients are not independent.
         """
-        return any(
-            isinstance(module, nn.modules.batchnorm._BatchNorm)
-            and (module.training or not module.track_running_stats)
-            for module in self.model.modules()
-        )
+        if self._batch_norms is None:
+            self._batch_norms = tuple(module for module in self.model.modules()
+                                      if isinstance(module, nn.modules.batchnorm._BatchNorm))
+        return any(module.training or not module.track_running_stats for module in self._batch_norms)
 
     # ------------------------------------------------------------------ lifecycle
 
     def attach(self) -> PerExampleNormTracker:
         """(Re-)decide coverage and register the hooks. Returns ``self``."""
         self.detach()
+        self._batch_norms = None  # found again at the next mode check: the model may have changed
         self._analyse()
         hooked: set[int] = set()
         for module, covered in self._covered_modules.items():
