@@ -19,7 +19,7 @@ from gns_callback.exact import exact_noise_scale, per_example_gradients
 from gns_callback.meter import TRAINABLE_CHECK_EVERY, GradientNoiseScaleMeter
 from gns_callback.own_hooks import inert_hook
 from gns_callback.smoothing import RatioAccumulator
-from tests.helpers import mlp, module_hooks, package_objects_reachable
+from tests.helpers import assert_matches_exact, mlp, module_hooks, package_objects_reachable
 from tests.trust.models import ScaledLogits
 
 PLAIN_LOOP = textwrap.dedent(
@@ -1138,6 +1138,25 @@ def test_batchnorm_in_training_mode_is_refused_at_the_first_step_and_measured_in
             warnings.simplefilter("error")
             _plain_steps(meter, model, _cross_entropy, x, y, steps=3)
     assert meter.per_example_check.status == "sums checked" and meter.run_estimate.steps == 3
+
+
+def test_batchnorm_in_eval_mode_is_measured_whole_against_the_exact_value(digits, exact_gns):
+    """Frozen BatchNorm statistics (fine-tuning): its affine parameters are measured too (before, they were left
+    out), and the interval holds the exact B_simple of the whole model."""
+    x, y = digits
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 10))
+    with torch.no_grad():
+        for start in range(0, 640, 64):
+            model(x[start:start + 64])  # running statistics away from their initial values
+    model.eval()
+    exact = exact_gns(model, F.cross_entropy, x, y)[0]
+    with GradientNoiseScaleMeter(model) as meter:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _plain_steps(meter, model, _cross_entropy, x, y, steps=150)
+    assert meter.coverage["fraction"] == 1.0
+    assert_matches_exact(meter.run_estimate, exact)
 
 
 def test_batchnorm_released_into_training_mode_mid_run_stops_measuring(digits):

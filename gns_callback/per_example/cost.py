@@ -107,6 +107,9 @@ COSTS: dict[type, CostFunction] = {
     nn.InstanceNorm1d: elementwise_costs,
     nn.InstanceNorm2d: elementwise_costs,
     nn.InstanceNorm3d: elementwise_costs,
+    nn.BatchNorm1d: elementwise_costs,
+    nn.BatchNorm2d: elementwise_costs,
+    nn.BatchNorm3d: elementwise_costs,
     nn.PReLU: elementwise_costs,
     nn.RMSNorm: elementwise_costs,
 }

@@ -1,5 +1,6 @@
-"""Per-example squared gradient norms for ``nn.LayerNorm``, ``nn.GroupNorm``, ``nn.RMSNorm`` and the affine
-``nn.InstanceNorm1d/2d/3d`` (nnU-Net's, style transfer's).
+"""Per-example squared gradient norms for ``nn.LayerNorm``, ``nn.GroupNorm``, ``nn.RMSNorm``, the affine
+``nn.InstanceNorm1d/2d/3d`` (nnU-Net's, style transfer's) and ``nn.BatchNorm1d/2d/3d`` in eval mode (frozen
+statistics, as when fine-tuning; in training mode a BatchNorm couples the examples and is refused elsewhere).
 
 The affine parameters act elementwise on the normalised input ``x̂``: example ``i`` contributes
 ``Σ_positions x̂_i ⊙ δ_i`` to the weight gradient and ``Σ_positions δ_i`` to the bias gradient
@@ -19,13 +20,15 @@ from torch import Tensor, nn
 
 from .linear import includes_param, upcast
 
-__all__ = ["INSTANCE_NORMS", "group_norm_sq_norms", "group_norm_summed_grads", "instance_norm_sq_norms",
+__all__ = ["BATCH_NORMS", "INSTANCE_NORMS", "batch_norm_sq_norms", "batch_norm_summed_grads", "group_norm_sq_norms", "group_norm_summed_grads", "instance_norm_sq_norms",
            "instance_norm_summed_grads", "layer_norm_sq_norms", "layer_norm_summed_grads", "rms_norm_sq_norms",
            "rms_norm_summed_grads"]
 
 
 #: The instance norms measured (their affine parameters; without ``affine`` they have none).
 INSTANCE_NORMS = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+#: The batch norms measured, in eval mode with running statistics (their affine parameters).
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 
 @dataclass(frozen=True)
@@ -139,6 +142,35 @@ def instance_norm_summed_grads(module: nn.Module, inp: Tensor, grad_output: Tens
                                param_names: Collection[str] | None = None) -> dict[str, Tensor]:
     """Per-channel weight ``Σ_{i,pos} x̂_i ⊙ δ_i`` and bias ``Σ_{i,pos} δ_i`` over the rows given."""
     return _summed(module, _instance_norm_terms(module, inp, grad_output, param_names))
+
+
+def _batch_norm_terms(module: nn.modules.batchnorm._BatchNorm, inp: Tensor, grad_output: Tensor,
+                      param_names: Collection[str] | None) -> _AffineTerms:
+    """``x̂ = (x - running_mean) / sqrt(running_var + eps)`` per channel, as the module's eval-mode forward makes it.
+    In training mode ``x̂`` is the batch's, as its forward made it, and these are not the examples' gradients (the
+    batch statistics couple them): the meter refuses such a step on its own (``has_batchnorm_in_training``)."""
+    _check_batched(module, inp, 1)
+    inp, grads = upcast(inp, grad_output)
+    normalized = None
+    if includes_param(module, "weight", param_names):
+        frozen = not module.training and module.track_running_stats
+        mean, var = (module.running_mean, module.running_var) if frozen else (None, None)
+        normalized = F.batch_norm(inp, mean, var, training=not frozen, eps=module.eps)
+    return _AffineTerms(normalized, grads, module.num_features, includes_param(module, "bias", param_names), True)
+
+
+def batch_norm_sq_norms(module: nn.Module, inp: Tensor, grad_output: Tensor, *,
+                        param_names: Collection[str] | None = None) -> Tensor:
+    """Per-example squared gradient norm of a ``nn.BatchNorm1d/2d/3d`` in eval mode: weight ``|Σ_pos x̂_i ⊙ δ_i|²``,
+    bias ``|Σ_pos δ_i|²``, per channel (an elementwise affine map of ``x̂``, which its frozen statistics make each
+    example's own)."""
+    return _sq_norms(_batch_norm_terms(module, inp, grad_output, param_names))
+
+
+def batch_norm_summed_grads(module: nn.Module, inp: Tensor, grad_output: Tensor, *,
+                            param_names: Collection[str] | None = None) -> dict[str, Tensor]:
+    """Per-channel weight ``Σ_{i,pos} x̂_i ⊙ δ_i`` and bias ``Σ_{i,pos} δ_i`` over the rows given."""
+    return _summed(module, _batch_norm_terms(module, inp, grad_output, param_names))
 
 
 def layer_norm_sq_norms(

@@ -74,7 +74,10 @@ from .transposed_linear import TransposedLinear, layer_kind, transposed_linear_s
 from .subclass import runs_as
 from .weight_norm import weight_normed, weight_normed_owner, weight_normed_sq_norms, weight_normed_summed_grads
 from .normalization import (
+    BATCH_NORMS,
     INSTANCE_NORMS,
+    batch_norm_sq_norms,
+    batch_norm_summed_grads,
     group_norm_sq_norms,
     group_norm_summed_grads,
     instance_norm_sq_norms,
@@ -106,6 +109,7 @@ SUPPORTED_MODULES: dict[type, SqNormFunction] = {
     nn.LayerNorm: layer_norm_sq_norms,
     nn.GroupNorm: group_norm_sq_norms,
     **dict.fromkeys(INSTANCE_NORMS, instance_norm_sq_norms),
+    **dict.fromkeys(BATCH_NORMS, batch_norm_sq_norms),
     nn.PReLU: prelu_sq_norms,
     nn.RMSNorm: rms_norm_sq_norms,
 }
@@ -125,6 +129,7 @@ SUMMED_GRADIENTS: dict[type, SummedGradFunction] = {
     nn.LayerNorm: layer_norm_summed_grads,
     nn.GroupNorm: group_norm_summed_grads,
     **dict.fromkeys(INSTANCE_NORMS, instance_norm_summed_grads),
+    **dict.fromkeys(BATCH_NORMS, batch_norm_summed_grads),
     nn.PReLU: prelu_summed_grads,
     nn.RMSNorm: rms_norm_summed_grads,
 }

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from gns_callback.per_example import group_norm_sq_norms, layer_norm_sq_norms, rms_norm_sq_norms
-from gns_callback.per_example.normalization import instance_norm_sq_norms
+from gns_callback.per_example.normalization import batch_norm_sq_norms, batch_norm_summed_grads, instance_norm_sq_norms
 
 
 def _check(fn, module: nn.Module, x: torch.Tensor, reference_sq_norms) -> None:
@@ -91,3 +91,34 @@ def test_instance_norm_tracking_statistics_leaves_them_to_the_forward() -> None:
     before = module.running_mean.clone(), module.running_var.clone()
     instance_norm_sq_norms(module, x, torch.randn_like(out))
     assert torch.equal(module.running_mean, before[0]) and torch.equal(module.running_var, before[1])
+
+
+BATCH_NORMS = {1: (nn.BatchNorm1d, (3, 4)), 11: (nn.BatchNorm1d, (3, 4, 5)), 2: (nn.BatchNorm2d, (3, 4, 3, 2)),
+               3: (nn.BatchNorm3d, (3, 4, 2, 3, 2))}
+
+
+def _frozen_batch_norm(kind: int) -> tuple[nn.Module, tuple[int, ...]]:
+    layer, shape = BATCH_NORMS[kind]
+    module = _non_trivial_affine(layer(4, eps=1e-3).double()).eval()
+    module.running_mean.normal_()
+    module.running_var.uniform_(0.5, 2.0)
+    return module, shape
+
+
+@pytest.mark.parametrize("kind", sorted(BATCH_NORMS))
+@pytest.mark.parametrize("frozen_weight", [False, True])
+def test_batch_norm_in_eval_mode(kind: int, frozen_weight: bool, reference_sq_norms) -> None:
+    """Frozen statistics (fine-tuning): each example's affine gradient is its own, against torch.func."""
+    module, shape = _frozen_batch_norm(kind)
+    module.weight.requires_grad_(not frozen_weight)
+    _check(batch_norm_sq_norms, module, torch.randn(shape, dtype=torch.float64), reference_sq_norms)
+
+
+def test_batch_norm_summed_grads_are_autograds() -> None:
+    module, shape = _frozen_batch_norm(2)
+    x = torch.randn(shape, dtype=torch.float64)
+    weights = torch.randn_like(module(x))
+    (module(x) * weights).sum().backward()
+    got = batch_norm_summed_grads(module, x, weights)
+    torch.testing.assert_close(got["weight"], module.weight.grad)
+    torch.testing.assert_close(got["bias"], module.bias.grad)
