@@ -34,7 +34,8 @@ from .linear import linear_part_sq_norms
 from .param_path import is_parameter
 
 __all__ = ["ADDMM_BIAS_INDEX", "MATRIX_PRODUCTS", "MAX_ROWS_ELEMENTS", "Factors", "bias_example_grads", "is_bias",
-           "product_shape", "row_shape", "rows_are_parameter", "rows_batch_dim", "weight_factors"]
+           "computed_from_parameters", "product_shape", "row_shape", "rows_are_parameter", "rows_batch_dim",
+           "weight_factors"]
 
 #: Matrix-product nodes, their saved left factor, and the input index of their right factor (the weight).
 MATRIX_PRODUCTS: dict[str, tuple[str, int]] = {"MmBackward0": ("_saved_self", 1),
@@ -70,9 +71,63 @@ def row_shape(node: Any, grad: Tensor) -> tuple[int, ...]:
 
 
 def rows_are_parameter(node: Any) -> bool:
-    """Whether the product ``node``'s rows are a parameter's (``self.prototypes @ W``), not the examples', whose
-    count they may match by chance."""
-    return is_parameter(_left(node))
+    """Whether the product ``node``'s rows are a parameter's (``self.prototypes @ W``, or computed from parameters
+    alone: ``2 * self.B @ self.A``, a low-rank adapter merged into a weight), not the examples', whose count they
+    may match by chance."""
+    left = _left(node)
+    return is_parameter(left) or computed_from_parameters(left)
+
+
+#: Nodes through which the examples may reach a tensor computed from parameters: a lookup's indices (an operand
+#: autograd does not list) or a batch dim put on a parameter's values (``latents.expand(B, ...)``).
+EXAMPLES_MAY_ENTER = frozenset({"EmbeddingBackward0", "EmbeddingBagBackward0", "IndexBackward0",
+                                "IndexSelectBackward0", "GatherBackward0", "ExpandBackward0", "RepeatBackward0"})
+
+#: The most autograd nodes :func:`computed_from_parameters` visits before it answers "not known" (False).
+MAX_NODES = 32
+
+
+def computed_from_parameters(tensor: Tensor) -> bool:
+    """Whether ``tensor`` was computed from parameters and scalars alone, so that its rows can't be examples: every
+    path of its autograd graph ends at an ``nn.Parameter``, none passes a node of :data:`EXAMPLES_MAY_ENTER`, and an
+    operand outside the graph is a saved scalar (``2 * B``; a tensor operand, such as the data, is saved with its
+    rows). False where that can't be shown within :data:`MAX_NODES` nodes."""
+    if tensor.grad_fn is None:
+        return False
+    stack, seen = [tensor.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        name = type(node).__name__
+        if len(seen) > MAX_NODES or name in EXAMPLES_MAY_ENTER:
+            return False
+        if name == "AccumulateGrad":
+            if not isinstance(node.variable, torch.nn.Parameter):
+                return False
+            continue
+        inputs = [next_node for next_node, _ in node.next_functions]
+        if None in inputs and not _other_operands_scalar(node):
+            return False
+        stack.extend(next_node for next_node in inputs if next_node is not None)
+    return True
+
+
+def _other_operands_scalar(node: Any) -> bool:
+    """Whether the operands ``node`` saved that are outside the graph (no gradient) are scalars; False where it saved
+    none, as an addition does (``x + B`` could add the data)."""
+    saved = []
+    for name in dir(node):
+        if name.startswith("_saved_") and not name.endswith("sym_sizes"):
+            try:
+                value = getattr(node, name)
+            except RuntimeError:  # freed after a backward pass
+                return False
+            if isinstance(value, Tensor):
+                saved.append(value)
+    outside = [value for value in saved if not value.requires_grad]
+    return bool(outside) and all(value.numel() <= 1 for value in outside)
 
 
 def rows_batch_dim(shape: tuple[int, ...], expected: Optional[int], sequence_first: bool) -> Optional[int]:
