@@ -83,8 +83,11 @@ def rows_are_parameter(node: Any) -> bool:
 EXAMPLES_MAY_ENTER = frozenset({"EmbeddingBackward0", "EmbeddingBagBackward0", "IndexBackward0",
                                 "IndexSelectBackward0", "GatherBackward0", "ExpandBackward0", "RepeatBackward0"})
 
+#: Nodes whose operand outside the graph may be a scalar they saved: :func:`computed_from_parameters` follows them.
+SCALAR_OPERAND_NODES = frozenset({"MulBackward0", "DivBackward0"})
+
 #: The most autograd nodes :func:`computed_from_parameters` visits before it answers "not known" (False).
-MAX_NODES = 32
+MAX_NODES = 8
 
 
 def computed_from_parameters(tensor: Tensor) -> bool:
@@ -115,18 +118,12 @@ def computed_from_parameters(tensor: Tensor) -> bool:
 
 
 def _other_operands_scalar(node: Any) -> bool:
-    """Whether the operands ``node`` saved that are outside the graph (no gradient) are scalars; False where it saved
-    none, as an addition does (``x + B`` could add the data)."""
-    saved = []
-    for name in dir(node):
-        if name.startswith("_saved_") and not name.endswith("sym_sizes"):
-            try:
-                value = getattr(node, name)
-            except RuntimeError:  # freed after a backward pass
-                return False
-            if isinstance(value, Tensor):
-                saved.append(value)
-    outside = [value for value in saved if not value.requires_grad]
+    """Whether ``node`` multiplies or divides by a scalar outside the graph (``2 * B``, ``B / 4``); any other node
+    with an operand outside it may have taken the data (``x + B``, ``F.linear(x, B)``), and reads False."""
+    if type(node).__name__ not in SCALAR_OPERAND_NODES:
+        return False
+    outside = [getattr(node, name, None) for name in ("_saved_self", "_saved_other")]
+    outside = [value for value in outside if isinstance(value, Tensor) and not value.requires_grad]
     return bool(outside) and all(value.numel() <= 1 for value in outside)
 
 

@@ -48,7 +48,7 @@ from .activation import prelu_sq_norms, prelu_summed_grads
 from .bare_lookup import LookupGrads, TiedGrads
 from .broadcast import (Consumer, ExampleGrads, Rows, adds_up_to, caller_reads, example_grads, examples_dim,
                         find_consumers, rows_per_example)
-from .matmul import MAX_ROWS_ELEMENTS, Factors
+from .matmul import MAX_ROWS_ELEMENTS, Factors, computed_from_parameters
 from .param_path import is_parameter
 from .conv import conv_sq_norms, conv_summed_grads
 from .conv_transpose import conv_transpose_sq_norms, conv_transpose_summed_grads
@@ -137,6 +137,10 @@ SUMMED_GRADIENTS: dict[type, SummedGradFunction] = {
 #: Modules measured by hooks of their own rather than a layer function (:mod:`.embedding_bag`, :mod:`.attention`,
 #: :mod:`.recurrent`, :mod:`.cells`); matched exactly, as :data:`SUPPORTED_MODULES`. None of them assembles a
 #: subset's summed gradient, so with any of them every example is measured.
+#: Pops at whose forwards a layer's input is checked for being computed from parameters alone (a table, not the
+#: examples: :func:`~.matmul.computed_from_parameters`); a walk of the autograd graph, left off after them for its cost.
+TABLE_CHECK_POPS = 8
+
 HANDLED_APART: tuple[type, ...] = (nn.EmbeddingBag, nn.MultiheadAttention, *RECURRENT_MODULES, *CELL_MODULES)
 
 
@@ -446,6 +450,9 @@ class PerExampleNormTracker:
         self._handles: list[RemovableHandle] = []
         self._attached = False
         self._passes: PassLedger[PassNorms] = PassLedger(new=PassNorms, merge=PassNorms.merged)
+        # ``proj(2 * self.prototypes)``: an input computed from parameters alone is looked for at the first
+        # TABLE_CHECK_POPS pops' forwards (a walk of its graph; the model's structure, not its data)
+        self._table_checks_left = TABLE_CHECK_POPS
         self._forward_costs: list[tuple[float, float, int]] = []  # per covered layer run since the last decision
         self._last_subset: Optional[bool] = None  # that decision (:meth:`_measures_subset`)
         self._forward_launch_cost = 0.0  # what a kernel launch costs on the device those layers ran on
@@ -671,6 +678,7 @@ class PerExampleNormTracker:
         ``torch.autograd.grad`` are dropped). Raises ``RuntimeError`` with the reason if a hook found the model
         unmeasurable (hooks never raise inside ``backward``). Does not sync the device."""
         committed = self._passes.pop()
+        self._table_checks_left = max(0, self._table_checks_left - 1)
         failure = self.failure or next((p.failure for p in committed if p.failure is not None), None)
         if failure is None and any(p.calls for p in committed):
             failure = ("a measured layer's output received a gradient but its parameters none in the same backward "
@@ -748,7 +756,7 @@ class PerExampleNormTracker:
         if not isinstance(inp, Tensor) or self._left_out(module, inp):
             return
         self._saw_tracked_forward = True
-        if is_parameter(inp):
+        if is_parameter(inp) or (self._table_checks_left > 0 and computed_from_parameters(inp)):
             output.register_hook(partial(self._on_table_call, module))
             return
         saved = inp.detach()

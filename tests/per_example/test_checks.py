@@ -234,8 +234,9 @@ def test_a_model_held_in_another_precision_sums_to_its_gradient(digits, dtype):
 
 class ComputedTable(nn.Module):
     """One Linear on the examples and on a table computed from a parameter (``table * 2``, not a parameter itself)
-    that happens to have as many rows as the batch: the hooks read its rows as examples. The table's rows gather
-    gradient from every example, so replacing half of them moves the rest."""
+    that happens to have as many rows as the batch. Its rows gather gradient from every example, so replacing half
+    of them moves the rest (the check read it as coupled); the hooks now tell it from the examples themselves, as a
+    table computed from parameters and scalars alone, and refuse it for what it is."""
 
     def __init__(self, table_first: bool) -> None:
         super().__init__()
@@ -256,4 +257,5 @@ class ComputedTable(nn.Module):
 def test_a_computed_table_with_as_many_rows_as_the_batch_is_found(digits, table_first):
     x, y = digits[0][:BATCH], digits[1][:BATCH]
     model = ComputedTable(table_first)
-    assert check_per_example(model, lambda: F.cross_entropy(model(x), y).backward(), BATCH).status == "coupled"
+    check = check_per_example(model, lambda: F.cross_entropy(model(x), y).backward(), BATCH)
+    assert check.status == "unmeasurable" and "ran on a learned parameter" in check.detail, check
