@@ -213,11 +213,13 @@ def _with_view_above(consumer: Consumer, parents: Mapping[int, list[Any]]) -> Co
 
 
 def examples_dim(consumer: Consumer, grad_output: Tensor, batch_size: Optional[int],
-                 sequence_first: bool = False) -> Optional[int]:
+                 sequence_first: bool = False, computed_tables: bool = True) -> Optional[int]:
     """The dim of ``grad_output`` (the hooked node's output gradient) that holds the examples: for a broadcast,
-    :func:`batch_dim`; for a matrix product, that of the shape its rows are folded from. None where no dim fits."""
+    :func:`batch_dim`; for a matrix product, that of the shape its rows are folded from. None where no dim fits,
+    or where a product's rows are a parameter's (``computed_tables``: also rows computed from parameters alone,
+    :func:`~.matmul.computed_from_parameters`, a walk of their graph)."""
     if consumer.is_product:
-        if rows_are_parameter(consumer.node):
+        if rows_are_parameter(consumer.node, computed_tables):
             return None
         return rows_batch_dim(row_shape(consumer.node, grad_output), batch_size, sequence_first)
     if consumer.is_lookup:

@@ -70,12 +70,12 @@ def row_shape(node: Any, grad: Tensor) -> tuple[int, ...]:
     return (rows,)
 
 
-def rows_are_parameter(node: Any) -> bool:
-    """Whether the product ``node``'s rows are a parameter's (``self.prototypes @ W``, or computed from parameters
-    alone: ``2 * self.B @ self.A``, a low-rank adapter merged into a weight), not the examples', whose count they
-    may match by chance."""
+def rows_are_parameter(node: Any, computed: bool = True) -> bool:
+    """Whether the product ``node``'s rows are a parameter's (``self.prototypes @ W``, or, where ``computed``, computed
+    from parameters alone: ``2 * self.B @ self.A``, a low-rank adapter merged into a weight), not the examples',
+    whose count they may match by chance."""
     left = _left(node)
-    return is_parameter(left) or computed_from_parameters(left)
+    return is_parameter(left) or (computed and computed_from_parameters(left))
 
 
 #: Nodes through which the examples may reach a tensor computed from parameters: a lookup's indices (an operand

@@ -450,8 +450,9 @@ class PerExampleNormTracker:
         self._handles: list[RemovableHandle] = []
         self._attached = False
         self._passes: PassLedger[PassNorms] = PassLedger(new=PassNorms, merge=PassNorms.merged)
-        # ``proj(2 * self.prototypes)``: an input computed from parameters alone is looked for at the first
-        # TABLE_CHECK_POPS pops' forwards (a walk of its graph; the model's structure, not its data)
+        # ``proj(2 * self.prototypes)``, ``2 * B @ A``: a layer's input or a product's rows computed from parameters
+        # alone are looked for at the first TABLE_CHECK_POPS pops only (a walk of their graph; the model's
+        # structure, not its data)
         self._table_checks_left = TABLE_CHECK_POPS
         self._forward_costs: list[tuple[float, float, int]] = []  # per covered layer run since the last decision
         self._last_subset: Optional[bool] = None  # that decision (:meth:`_measures_subset`)
@@ -1328,7 +1329,8 @@ class PerExampleNormTracker:
         record = self._pass_record()
         if record.failure is not None:
             return
-        dim = examples_dim(consumer, grad_output, self.expected_batch_size, self._sequence_first)
+        dim = examples_dim(consumer, grad_output, self.expected_batch_size, self._sequence_first,
+                           computed_tables=self._table_checks_left > 0)
         if dim is None and consumer.dual:
             return  # read by its other reading, or by neither (then refused when its gradient comes)
         rows_each = 1 if dim is not None else rows_per_example(consumer, grad_output, self.expected_batch_size,
