@@ -32,8 +32,15 @@ def _digits_loaders(batch_size: int, seed: int):
     )
 
 
+def _lightning():
+    """The installed Lightning namespace (``pytorch_lightning``, else ``lightning.pytorch``)."""
+    from gns_callback.lightning.compat import MODULES
+
+    return MODULES[0]
+
+
 def _module(lr: float):
-    import pytorch_lightning as pl
+    pl = _lightning()
 
     class DigitsMLP(pl.LightningModule):
         def __init__(self) -> None:
@@ -57,8 +64,6 @@ def _module(lr: float):
 
 
 def main(argv: list[str] | None = None) -> None:
-    import pytorch_lightning as pl
-
     from gns_callback import GradientNoiseScaleCallback
 
     parser = argparse.ArgumentParser(prog="python -m gns_callback demo", description=__doc__.splitlines()[0])
@@ -72,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None, help="log dir (default: a temporary directory)")
     args = parser.parse_args(argv)
 
+    pl = _lightning()
     pl.seed_everything(args.seed, verbose=False)
     train, val = _digits_loaders(args.batch_size, args.seed)
     out = args.out or tempfile.mkdtemp(prefix="gns_demo_")

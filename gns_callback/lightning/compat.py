@@ -53,6 +53,13 @@ def misconfiguration(trainer: Any, message: str) -> Exception:
     return exceptions.MisconfigurationException(message)
 
 
+def utility(submodule: str, name: str, trainer: Any = None) -> Any:
+    """``<namespace>.<submodule>.<name>`` (e.g. ``("utilities.rank_zero", "rank_zero_info")``) of the trainer's
+    namespace, or of the first installed one without a trainer: never a namespace that is not installed."""
+    module = namespace_of(trainer) if trainer is not None else MODULES[0]
+    return getattr(importlib.import_module(f"{module.__name__}.{submodule}"), name)
+
+
 def _classes(submodule: str, name: str) -> tuple[type, ...]:
     found = []
     for module in MODULES:

@@ -1,6 +1,7 @@
 """The Lightning adapter, the only probe module that knows Lightning: :func:`probe_trainer` (from inside a fit),
 ``training_step`` as a step function, ``self.log`` silenced, the strategy's reduce as the ranks' agreement,
-and ``batch_split_factor`` read from an attribute or ``hparams``.
+and ``batch_split_factor`` read from an attribute or ``hparams``. Either Lightning namespace will do
+(:mod:`gns_callback.lightning.compat`): it never imports ``pytorch_lightning`` by name.
 """
 
 from __future__ import annotations
@@ -9,13 +10,12 @@ import functools
 import warnings
 from collections.abc import Mapping, MutableMapping
 from contextlib import contextmanager, nullcontext
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
-import pytorch_lightning as pl
 import torch
-from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from pytorch_lightning.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor
+
+from gns_callback.lightning import compat
 
 from gns_callback.probe.agreement import Agree, ProbeFailedOnOtherRank, single_process
 from gns_callback.probe.batches import batch_size_of, move_batch
@@ -28,6 +28,9 @@ from gns_callback.probe.split import per_device_batch
 from gns_callback.probe.state import local_batch_norm, preserved_state
 from gns_callback.probe.loss import loss_from
 from gns_callback.probe.trial import StepFn
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
 
 SPLIT_ATTRIBUTE = "batch_split_factor"
 _MISSING = object()
@@ -43,7 +46,8 @@ def lightning_step(
     a batch) raises ``TypeError``: there is nothing to measure."""
     context = trainer.precision_plugin.train_step_context if trainer is not None else nullcontext
     # as Lightning's loop does: pass batch_idx only where the signature takes it
-    extra = (batch_idx,) if is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2) else ()
+    takes = compat.utility("utilities.signature_utils", "is_param_in_hook_signature")
+    extra = (batch_idx,) if takes(pl_module.training_step, "batch_idx", min_args=2) else ()
 
     def step(batch: Any) -> Optional[Tensor]:
         with context():
@@ -57,9 +61,9 @@ def lightning_step(
 
 @functools.lru_cache(maxsize=1)
 def module_internals() -> frozenset[str]:
-    """A bare LightningModule's own ``__dict__`` names (the Trainer reference, flags, caches): the state
-    snapshot leaves them alone (:mod:`gns_callback.probe.attributes`)."""
-    return frozenset(vars(pl.LightningModule()))
+    """A bare LightningModule's own ``__dict__`` names (the Trainer reference, flags, caches), of every installed
+    namespace: the state snapshot leaves them alone (:mod:`gns_callback.probe.attributes`)."""
+    return frozenset().union(*(vars(module.LightningModule()) for module in compat.MODULES))
 
 
 def _no_log(*args: Any, **kwargs: Any) -> None:
@@ -238,7 +242,8 @@ def _stepped_aside(error: Exception, trainer: "pl.Trainer", config: ProbeConfig)
     message = (f"the micro-batch probe stepped aside ({reason}); training continues unchanged and the probe "
                "result is 'not measured'.")
     if isinstance(error, ProbeFailedOnOtherRank):
-        rank_zero_warn(message, category=RuntimeWarning)
+        if trainer.is_global_zero:
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
     else:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
     return ProbeResult.not_measured(reason, device=str(trainer.strategy.root_device), headroom=config.headroom,
@@ -298,7 +303,7 @@ def probe_trainer(
     except Exception as exc:  # noqa: BLE001 - the probe must not end the user's run
         return _stepped_aside(exc, trainer, config)
     if config.verbose:
-        rank_zero_info(result.summary())
+        compat.utility("utilities.rank_zero", "rank_zero_info", trainer)(result.summary())
     return result
 
 
