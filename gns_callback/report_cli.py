@@ -57,7 +57,8 @@ how the flags depend on each other:
       pass --dataset-size to get warmup steps.
   --price-per-device-hour needs the probe's throughput (callback probe=True) and an epoch length.
   --out and --no-plots exclude each other.
-exit status: 0 done, 1 no readable report, 2 wrong or missing flags.
+exit status: 0 done, 1 no readable report, 2 wrong or missing flags (or no matplotlib for the PNGs:
+  pip install 'gns_callback[plots]', or --no-plots).
 """
 
 
@@ -404,7 +405,11 @@ def _render(report: Mapping[str, Any], path: Path, args: argparse.Namespace, rec
     from gns_callback.plots import render_report
 
     out = Path(args.out) if args.out else path.parent
-    written = render_report(report, out, recommendation=rec)
+    try:
+        written = render_report(report, out, recommendation=rec)
+    except OSError as err:
+        _fail(f"could not write the pictures to {out} ({err.strerror or err}): pass --out with a folder you can "
+              "write to, or --no-plots", 2)
     for name, png in written.items():
         print(f"wrote {name}: {png}")
     if not written:
@@ -416,6 +421,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.out is not None and args.no_plots:
         parser.error("--out has no effect with --no-plots: drop one of them")
+    if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
+        parser.error(f"--out {args.out} is a file: pass a folder for the PNGs")
+    if not args.no_plots:
+        from gns_callback.plots.axes import require_matplotlib
+
+        try:
+            require_matplotlib()
+        except ImportError as err:
+            _fail(f"{err}; or pass --no-plots to print the recommendation alone", 2)
     try:
         path = find_report(args.path)
         report = load_report(path)

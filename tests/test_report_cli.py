@@ -7,6 +7,7 @@ Expected tables come from :func:`recommend` called directly with the inputs the 
 import json
 import os
 import re
+import sys
 
 import pytest
 
@@ -214,6 +215,24 @@ def test_out_and_no_plots(report_path, tmp_path, capsys):
     assert not (tmp_path / PNGS[0]).exists()
     code, err = fails(capsys, report_path, "--out", out, "--no-plots")
     assert code == 2 and "--out has no effect with --no-plots" in err
+
+
+def test_out_that_is_a_file_is_refused(report_path, tmp_path, capsys):
+    """Before, ``--out`` naming a file (or a folder under one) ended in a FileExistsError traceback."""
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("")
+    code, err = fails(capsys, report_path, "--out", a_file)
+    assert code == 2 and f"--out {a_file} is a file: pass a folder for the PNGs" in err
+    code, err = fails(capsys, report_path, "--out", a_file / "pictures")
+    assert code == 2 and "could not write the pictures" in err and "--no-plots" in err
+
+
+def test_without_matplotlib_the_command_names_the_extra(report_path, monkeypatch, capsys):
+    """The core install has no matplotlib: before, the command ended in ``ModuleNotFoundError: matplotlib``."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed: any import of it fails
+    code, err = fails(capsys, report_path)
+    assert code == 2 and "pip install 'gns_callback[plots]'" in err and "--no-plots" in err
+    assert "Status:" in run(capsys, report_path, "--no-plots")  # the recommendation needs no matplotlib
 
 
 def test_help_documents_how_the_flags_depend_on_each_other(capsys):

@@ -21,8 +21,21 @@ BLUE, ORANGE, GREEN, GREY, RED = "#1f77b4", "#ff7f0e", "#2ca02c", "#7f7f7f", "#d
 _MANTISSAS = ((1,), (1, 2, 5), (1, 1.5, 2, 3, 5, 7), (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 7, 8, 9))
 
 
+#: What to install for the pictures (the ``plots`` extra of setup.cfg).
+PLOTS_EXTRA = "pip install 'gns_callback[plots]'"
+
+
+def require_matplotlib() -> None:
+    """``ImportError`` naming the extra to install where matplotlib is missing (the core install has no plots)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as err:
+        raise ImportError(f"the pictures need matplotlib, which is not installed: {PLOTS_EXTRA}") from err
+
+
 def figure(width: float, height: float) -> "Figure":
     """A standalone :class:`~matplotlib.figure.Figure` with constrained layout (room for outside legends)."""
+    require_matplotlib()
     from matplotlib.figure import Figure
 
     return Figure(figsize=(width, height), layout="constrained")

@@ -1,3 +1,5 @@
+import sys
+
 import pytest
 
 pytest.importorskip("matplotlib")
@@ -48,3 +50,10 @@ def test_status_line_wraps_and_needs_a_status():
     assert axes.status_line(None, "why") is None
     text = axes.status_line("too_wide", "word " * 60, width=80)
     assert text.startswith("Status: too_wide — word") and all(len(line) <= 80 for line in text.splitlines())
+
+
+def test_a_figure_without_matplotlib_names_the_extra(monkeypatch):
+    """Before: ``ModuleNotFoundError: No module named 'matplotlib'``, with no word on the ``plots`` extra."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed: any import of it fails
+    with pytest.raises(ImportError, match=r"pip install 'gns_callback\[plots\]'"):
+        axes.figure(4, 3)
