@@ -527,6 +527,7 @@ class GradientNoiseScaleMeter:
         problem = _step_arguments_problem(micro_batch_size, loss_scale, loss_divisor)
         if problem is not None:
             micro_batch_size, loss_scale, loss_divisor = self._refuse_step_arguments(problem)
+        self.overflows.scaled = self.overflows.scaled or loss_scale is not None
         if self._step_draws is not None:
             self._watch_step_draws(caller_frames(LOOP_FRAMES))
         measured = self.measures_next_step

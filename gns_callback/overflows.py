@@ -31,10 +31,12 @@ MIN_OVERFLOWS = 3
 @dataclass
 class OverflowCount:
     """``settled``: steps from the first one with a finite gradient on; ``overflowed``: those of them whose gradient
-    was not finite."""
+    was not finite; ``scaled``: a loss scale was given (an AMP GradScaler is in use). Without one, non-finite
+    gradients are no scaler's skipped steps but a run that diverged, and the reason says so."""
 
     settled: int = 0
     overflowed: int = 0
+    scaled: bool = False
 
     def update(self, finite: bool) -> None:
         """Count one optimizer step, ``finite`` where its gradient was."""
@@ -46,6 +48,15 @@ class OverflowCount:
         """Why the estimate can't be trusted now, or None."""
         if self.overflowed < MIN_OVERFLOWS or self.overflowed <= MAX_SHARE * self.settled:
             return None
+        if not self.scaled:
+            return (
+                f"{self.overflowed} of the {self.settled} steps since the first finite gradient had non-finite "
+                "gradients (inf or NaN) with no AMP loss scale in use, so no GradScaler skipped them: the run diverged "
+                "or a batch gave NaN (a learning rate too high, a NaN in the data or the loss). Leaving out more than "
+                f"{MAX_SHARE:.1%} of the steps reads B_simple too high. Lower the learning rate or clip the gradients "
+                "(with a GradScaler of your own, pass its scale: meter.step(loss_scale=...)); the estimate returns "
+                "once the share falls"
+            )
         return (
             f"{self.overflowed} of the {self.settled} steps since the first finite gradient overflowed (non-finite "
             f"gradients, skipped by the AMP GradScaler): those are the batches with the largest gradients, and "
@@ -59,3 +70,4 @@ class OverflowCount:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.settled, self.overflowed = int(state["settled"]), int(state["overflowed"])
+        self.scaled = bool(state.get("scaled", True))  # absent before this key existed: counted under a scaler

@@ -1217,3 +1217,25 @@ def test_steps_a_grad_scaler_skips_once_settled_withhold_the_estimate(digits, ex
     default, said = _fp16_run(x, y, growth_interval=2000)
     assert default.overflows.overflowed == 0 and not said
     assert default.run_estimate.ci_low <= exact <= default.run_estimate.ci_high
+
+
+def test_a_run_that_diverges_without_a_grad_scaler_is_not_told_about_one(digits):
+    """No AMP: the weights turn NaN after 20 steps (a learning rate of NaN, as ``demo --lr nan``). Before, the
+    estimate was withheld with the GradScaler's reason and fix (``GradScaler(growth_interval=2000)``)."""
+    x, y = digits
+    net = mlp()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught, GradientNoiseScaleMeter(net) as meter:
+        warnings.simplefilter("always")
+        for step in range(40):
+            if step == 20:
+                optimizer.param_groups[0]["lr"] = math.nan
+            i = torch.randint(0, len(x), (16,), generator=g)
+            F.cross_entropy(net(x[i]), y[i]).backward()
+            meter.step()
+            optimizer.step()
+            optimizer.zero_grad()
+    said = [str(w.message) for w in caught if "withholds" in str(w.message)]
+    assert len(said) == 1 and "diverged" in said[0] and "growth_interval" not in said[0]
+    assert not meter.run_estimate.measured and "Lower the learning rate" in meter.run_estimate.failure

@@ -6,9 +6,9 @@ import pytest
 from gns_callback.overflows import MAX_SHARE, MIN_OVERFLOWS, OverflowCount
 
 
-def counted(steps: str) -> OverflowCount:
-    """``steps``: one character a step, ``x`` overflowed, ``.`` finite."""
-    count = OverflowCount()
+def counted(steps: str, scaled: bool = True) -> OverflowCount:
+    """``steps``: one character a step, ``x`` overflowed, ``.`` finite; ``scaled``: under a GradScaler."""
+    count = OverflowCount(scaled=scaled)
     for step in steps:
         count.update(step == ".")
     return count
@@ -39,3 +39,17 @@ def test_the_count_survives_a_checkpoint():
 @pytest.mark.parametrize("steps", ["x", "xx.", "...."])
 def test_without_overflows_after_settling_there_is_no_problem(steps):
     assert counted(steps).problem() is None
+
+
+def test_without_a_loss_scale_non_finite_gradients_read_as_a_diverged_run_not_a_scaler():
+    """Before, a run without AMP whose gradients turned NaN (a learning rate too high) was told to change its
+    GradScaler's growth_interval."""
+    problem = counted("." * 97 + "x" * MIN_OVERFLOWS, scaled=False).problem()
+    assert "3 of the 100 steps" in problem and "diverged" in problem and "Lower the learning rate" in problem
+    assert "growth_interval" not in problem
+
+
+def test_a_checkpoint_from_before_the_scaled_flag_reads_as_scaled():
+    count = OverflowCount()
+    count.load_state_dict({"settled": 100, "overflowed": 3})
+    assert count.scaled and "growth_interval" in count.problem()
