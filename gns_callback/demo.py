@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 
 import torch
@@ -66,16 +67,22 @@ def _module(lr: float):
 def main(argv: list[str] | None = None) -> None:
     from gns_callback import GradientNoiseScaleCallback
 
-    parser = argparse.ArgumentParser(prog="python -m gns_callback demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--method", default="auto", choices=["auto", "micro_batch", "per_example"])
-    parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-probe", action="store_true", help="skip the memory/throughput probe")
-    parser.add_argument("--out", default=None, help="log dir (default: a temporary directory)")
+    from gns_callback.report_cli import _positive_float, _positive_int
+
+    parser = argparse.ArgumentParser(prog="python -m gns_callback demo", description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--epochs", type=_positive_int, default=5, help="training epochs")
+    parser.add_argument("--batch-size", type=_positive_int, default=32, help="examples per backward pass")
+    parser.add_argument("--lr", type=_positive_float, default=0.05, help="SGD learning rate (momentum 0.9)")
+    parser.add_argument("--method", default="auto", choices=["auto", "micro_batch", "per_example"],
+                        help="how the small-batch norms are measured (README, Methods)")
+    parser.add_argument("--accumulate", type=_positive_int, default=1, help="accumulate_grad_batches")
+    parser.add_argument("--seed", type=int, default=0, help="data split, order and initial weights")
+    parser.add_argument("--no-probe", action="store_true", help="skip the memory/throughput probe (about 2 s)")
+    parser.add_argument("--out", default=None, help="log dir; None: a temporary directory")
     args = parser.parse_args(argv)
+    if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
+        parser.error(f"--out {args.out} is a file: pass a folder for the logs and the report")
 
     pl = _lightning()
     pl.seed_everything(args.seed, verbose=False)
