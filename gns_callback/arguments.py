@@ -98,6 +98,14 @@ def report_path_problem(path: Any) -> Optional[str]:
     return None
 
 
+def builtin(value: Any) -> Any:
+    """``value`` as Python's own ``int`` or ``float`` where it is another type of number (``numpy.int64(2)`` → 2),
+    so that the checks, arithmetic and JSON report downstream see one type; anything else unchanged."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return value
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
+
+
 def check_arguments(owner: str, values: Mapping[str, Any], rules: Mapping[str, Rule]) -> None:
     """Raise ``ValueError`` for the first of ``values`` that its rule in ``rules`` refuses."""
     for name, value in values.items():
@@ -106,4 +114,4 @@ def check_arguments(owner: str, values: Mapping[str, Any], rules: Mapping[str, R
             raise ValueError(rule.message(owner, name, value))
 
 
-__all__ = ["Rule", "check_arguments", "report_path_problem"]
+__all__ = ["Rule", "builtin", "check_arguments", "report_path_problem"]

@@ -165,6 +165,13 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         draws_vary: Optional[bool] = None,
     ) -> None:
         _check_arguments({name: value for name, value in locals().items() if name != "self"})
+        # numpy numbers pass the checks; downstream (recommend(), the report's JSON) takes Python's own
+        (log_every_n_steps, per_example_max_examples, headroom, min_batch_size, max_batch_size, batch_multiple_of,
+         price_per_device_hour, summary_every_n_epochs, adapt_factor, adapt_patience, max_devices,
+         measure_every_n_steps) = map(args.builtin, (
+            log_every_n_steps, per_example_max_examples, headroom, min_batch_size, max_batch_size, batch_multiple_of,
+            price_per_device_hour, summary_every_n_epochs, adapt_factor, adapt_patience, max_devices,
+            measure_every_n_steps))
         self.method = method
         self.ema_decay = float(ema_decay)
         self.confidence = float(confidence)

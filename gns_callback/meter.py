@@ -211,10 +211,10 @@ class GradientNoiseScaleMeter:
         self.ema_decay = float(ema_decay)
         self.confidence = float(confidence)
         self.loss_reduction: LossReduction = loss_reduction
-        self.per_example_max_examples = per_example_max_examples
+        self.per_example_max_examples = args.builtin(per_example_max_examples)
         self.reduce = reduce
         self.measure_every_n_steps = int(measure_every_n_steps)
-        self.population = population_from(population)  # examples each epoch's batches are drawn from
+        self.population = population_from(args.builtin(population))  # examples each epoch's batches are drawn from
         #: Whether an example's gradient may differ between draws (see ``draws_vary``): widens the upper ends.
         self.draws_vary = False
         self.draws_vary_reason: Optional[str] = None  # why they may (None: shown fixed, so far)

@@ -103,3 +103,23 @@ def test_a_report_that_cannot_be_written_at_fit_end_warns_and_keeps_the_result(d
         trainer = fit(Classifier(mlp()), with_replacement_loader(x, y, 8, 8 * 2 * 10), (callback,),
                       accumulate_grad_batches=2)
     assert trainer.state.finished and callback.run_estimate.steps == 10
+
+
+def test_numpy_numbers_are_taken_as_python_numbers_through_the_fit(digits, tmp_path):
+    """``max_devices=np.int64(2)`` passed the constructor's check, then ``recommend()`` raised "max_devices must be a
+    positive int" at the first logging step, ending the user's run. Every numeric argument is now Python's own."""
+    import json
+
+    import numpy as np
+
+    x, y = digits
+    numbers = dict(log_every_n_steps=np.int64(5), per_example_max_examples=np.int64(8), headroom=np.float64(0.8),
+                   min_batch_size=np.int64(8), max_batch_size=np.int64(256), batch_multiple_of=np.int64(8),
+                   price_per_device_hour=np.float32(2.0), summary_every_n_epochs=np.int64(1),
+                   adapt_factor=np.float64(2.0), adapt_patience=np.int64(2), max_devices=np.int64(2),
+                   measure_every_n_steps=np.int64(2))
+    callback = GradientNoiseScaleCallback(**numbers, verbose=False, report_path=str(tmp_path / "r.json"))
+    trainer = fit(Classifier(mlp()), with_replacement_loader(x, y, 16, 16 * 20), (callback,))
+    assert trainer.state.finished and callback.run_estimate.steps == 10
+    config = json.loads((tmp_path / "r.json").read_text())["config"]
+    assert config["recommend_options"]["max_devices"] == 2 and config["per_example_max_examples"] == 8
