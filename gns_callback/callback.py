@@ -721,13 +721,14 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             self._print_summary(trainer, est)
 
     def _write_final_report(self, trainer: Any) -> None:
-        """The report at fit end; a failure to write it (disk full, ...) warns instead of failing the finished run."""
+        """The report at fit end; a failure to write it (disk full, a value JSON can't hold, ...) warns instead of
+        failing the finished run."""
         try:
             self.write_report(trainer)
-        except OSError as error:
+        except Exception as error:  # noqa: BLE001 - the finished run must not fail for its report
             _warn_rank_zero(trainer, f"GradientNoiseScaleCallback: could not write the report to "
-                                     f"{self._fit_report_path!r} ({error}); the estimates are in cb.estimate and "
-                                     "cb.run_estimate.")
+                                     f"{self._fit_report_path!r} ({type(error).__name__}: {error}); the estimates are "
+                                     "in cb.estimate and cb.run_estimate.")
 
     def _calibration(self, trainer: Any) -> str:
         """How far the critical batch is calibrated for this run's optimizer (:mod:`~gns_callback.recommendation.

@@ -1,19 +1,28 @@
 """JSON-safe values: non-finite floats become ``None`` (``null``), recursively through dicts, lists and tuples.
 
 Every report section goes through this: ``inf`` means "unbounded" and ``nan`` "not measured", neither of which
-strict JSON can hold.
+strict JSON can hold. Numbers of other types that the constructor's checks accept (numpy's ``int64``, ``float32``:
+any ``numbers.Integral`` or ``numbers.Real``) become Python's ``int`` and ``float``, which ``json`` can write.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 
 def json_safe(value: Any) -> Any:
-    """``value`` with every non-finite float replaced by ``None`` (tuples become lists)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
+    """``value`` with every non-finite float replaced by ``None``, other numbers as ``int``/``float`` (tuples become
+    lists). Before, a numpy ``max_batch_size=np.int64(512)``, accepted as an integer, reached the report as is, and
+    ``json`` raised ``TypeError`` at fit end: the finished fit failed."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        value = float(value)
+        return value if math.isfinite(value) else None
     if isinstance(value, dict):
         return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

@@ -12,16 +12,18 @@ from pathlib import Path
 from typing import Any
 
 from gns_callback.estimate import GNSEstimate
+from gns_callback.json_values import json_safe
 
 REPORT_VERSION = 1
 DEFAULT_REPORT_NAME = "gns_report.json"
 
 
 def write_report(path: str | os.PathLike, sections: dict[str, Any]) -> Path:
-    """Write ``sections`` atomically (temp file + rename) so a crash never leaves half a report."""
+    """Write ``sections`` atomically (temp file + rename) so a crash never leaves half a report; as strict JSON
+    (:func:`~gns_callback.json_values.json_safe`: non-finite numbers as ``null``, numpy numbers as Python's)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"report_version": REPORT_VERSION, **sections}
+    payload = json_safe({"report_version": REPORT_VERSION, **sections})
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(payload, indent=2, allow_nan=False) + "\n")
     os.replace(tmp, path)

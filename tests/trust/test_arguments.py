@@ -123,3 +123,18 @@ def test_numpy_numbers_are_taken_as_python_numbers_through_the_fit(digits, tmp_p
     assert trainer.state.finished and callback.run_estimate.steps == 10
     config = json.loads((tmp_path / "r.json").read_text())["config"]
     assert config["recommend_options"]["max_devices"] == 2 and config["per_example_max_examples"] == 8
+
+
+def test_a_report_that_cannot_be_serialised_warns_and_keeps_the_result(digits, tmp_path, monkeypatch):
+    """Any failure to write the report at fit end warns, not only a full disk (``OSError``): the run has finished."""
+    x, y = digits
+
+    def unserialisable(path, sections):
+        raise TypeError("Object of type Thing is not JSON serializable")
+
+    monkeypatch.setattr("gns_callback.callback.write_report", unserialisable)
+    callback = GradientNoiseScaleCallback(method="micro_batch", verbose=False, report_path=str(tmp_path / "r.json"))
+    with pytest.warns(UserWarning, match="could not write the report.*TypeError.*cb.estimate"):
+        trainer = fit(Classifier(mlp()), with_replacement_loader(x, y, 8, 8 * 2 * 10), (callback,),
+                      accumulate_grad_batches=2)
+    assert trainer.state.finished and callback.run_estimate.steps == 10
