@@ -57,8 +57,10 @@ how the flags depend on each other:
       pass --dataset-size to get warmup steps.
   --price-per-device-hour needs the probe's throughput (callback probe=True) and an epoch length.
   --out and --no-plots exclude each other.
-exit status: 0 done, 1 no readable report, 2 wrong or missing flags (or no matplotlib for the PNGs:
-  pip install 'gns_callback[plots]', or --no-plots).
+  Without matplotlib (pip install 'gns_callback[plots]') there are no pictures: a warning says so and
+      the recommendation is printed.
+exit status: 0 done, 1 no readable report, 2 wrong or missing flags, or a folder for the PNGs that can't be
+  written.
 """
 
 
@@ -401,7 +403,21 @@ def _choose_recommendation(report: Mapping[str, Any], args: argparse.Namespace) 
     return rec
 
 
+NO_MATPLOTLIB = ("no plots: matplotlib is not installed (pip install matplotlib, or 'gns_callback[plots]'); the "
+                 "recommendation follows. Pass --no-plots to skip the pictures")
+
+
 def _render(report: Mapping[str, Any], path: Path, args: argparse.Namespace, rec: Any) -> None:
+    """The report's PNGs; without matplotlib (an optional dependency) a line on stderr says so, and the command goes
+    on to print the recommendation. Before, it stopped with matplotlib's ``ModuleNotFoundError`` traceback and
+    printed no recommendation."""
+    from gns_callback.plots.axes import require_matplotlib
+
+    try:
+        require_matplotlib()
+    except ImportError:
+        print(f"warning: {NO_MATPLOTLIB}", file=sys.stderr)
+        return
     from gns_callback.plots import render_report
 
     out = Path(args.out) if args.out else path.parent
@@ -423,13 +439,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("--out has no effect with --no-plots: drop one of them")
     if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
         parser.error(f"--out {args.out} is a file: pass a folder for the PNGs")
-    if not args.no_plots:
-        from gns_callback.plots.axes import require_matplotlib
-
-        try:
-            require_matplotlib()
-        except ImportError as err:
-            _fail(f"{err}; or pass --no-plots to print the recommendation alone", 2)
     try:
         path = find_report(args.path)
         report = load_report(path)
