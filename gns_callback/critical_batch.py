@@ -112,6 +112,9 @@ class CriticalBatchEstimate:
         return json_safe({**asdict(self), "trust_low": self.trust_low, "trust_high": self.trust_high})
 
     def __str__(self) -> str:
+        if math.isnan(self.b_crit):  # before: "B_crit ≈ nan (95% CI nan – nan; ..."
+            why = "no optimizer step measured" if not self.steps else self.method
+            return f"B_crit {why if why.startswith('not measured') else f'not measured ({why})'}, {self.steps} steps"
         level = round(100 * self.confidence)
         return (f"B_crit ≈ {self.b_crit:.4g} ({level}% CI {self.ci_low:.4g} – {self.ci_high:.4g}; with the model "
                 f"error ×{MODEL_FACTOR:g}: {self.trust_low:.4g} – {self.trust_high:.4g}; {self.method}, loss "

@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Optional
 
-from gns_callback.json_values import json_safe
+from gns_callback.json_values import json_safe, unmeasured
 from gns_callback.smoothing import RatioSummary
 
 
@@ -73,22 +73,27 @@ class GNSEstimate:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "GNSEstimate":
-        """Inverse of :meth:`to_dict` (``null`` → ``inf`` for ``ci_high``/``b_simple``, ``nan`` otherwise)."""
-        failed = data.get("failure") is not None  # absent in reports before "failure" existed
+        """Inverse of :meth:`to_dict`: ``null`` → ``inf`` (unbounded) for ``b_simple`` of a measured estimate
+        (:func:`unmeasured`) and for ``ci_high`` above a lower end, ``nan`` otherwise."""
+        missing = {"b_simple": math.nan if unmeasured(data) else math.inf,
+                   "ci_high": math.inf if data.get("ci_low") is not None else math.nan}
         values = {}
         for f in fields(cls):
-            v = data.get("failure") if f.name == "failure" else data[f.name]
+            v = data.get("failure") if f.name == "failure" else data[f.name]  # absent in reports before "failure"
             if v is None and f.name != "failure":
-                v = math.inf if f.name in ("b_simple", "ci_high") and not failed else math.nan
+                v = missing.get(f.name, math.nan)
             values[f.name] = v
         return cls(**values)
 
     def __str__(self) -> str:
         if self.failure is not None:
             return f"B_simple not measured ({self.failure})"
+        if math.isnan(self.b_simple):
+            return f"B_simple not measured ({'no optimizer step measured' if not self.steps else 'no value'}; {self.method})"
         level = round(100 * self.confidence)
         return (
             f"B_simple = {self.b_simple:.4g} ({level}% CI {self.ci_low:.4g} – {self.ci_high:.4g}; "
             f"|G|² = {self.grad_sq_norm:.4g}, tr(Σ) = {self.trace_sigma:.4g}; "
             f"{self.steps} steps, {self.skipped_steps} skipped; {self.method}, {self.averaging})"
         )
+

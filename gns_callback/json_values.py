@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from typing import Any, Mapping
 
 
 def json_safe(value: Any) -> Any:
@@ -28,3 +28,14 @@ def json_safe(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [json_safe(v) for v in value]
     return value
+
+
+def unmeasured(data: Mapping[str, Any]) -> bool:
+    """Whether a JSON estimate (a report's ``estimate``, ``run_estimate``, ``batch_target`` or a ``history`` row) holds
+    no measured value, where JSON writes "not measured" and "unbounded" alike as ``null``: a ``failure`` given, no
+    step measured, or ``b_simple`` and ``ci_low`` both ``null`` (an unbounded interval has a lower end). Before, a
+    fit that measured no step, or one that stopped measuring, read back as ``b_simple = inf``: unbounded."""
+    get = data.get
+    if get("failure") is not None or get("steps") == 0:
+        return True
+    return get("b_simple") is None and get("ci_low") is None

@@ -292,3 +292,15 @@ def test_early_noise_scale_low_lies_below_the_true_value_at_the_nominal_rate():
     lows = [critical_batch_size(*_noisy_early_phase(rng)[:3], smoothing=0).early_noise_scale_low for _ in range(400)]
     below = np.mean([low <= 6.0 for low in lows])
     assert 0.95 <= below <= 0.995, below  # binomial sd at 0.975 over 400 runs: 0.008
+
+
+def test_a_critical_batch_not_measured_says_so():
+    """Before: "B_crit ≈ nan (95% CI nan – nan; with the model error ×2: nan – nan; not measured (...)"."""
+    from gns_callback.critical_batch import CriticalBatchEstimate
+
+    nan = math.nan
+    stopped = CriticalBatchEstimate(nan, nan, nan, 0.95, (), 2.3, 2.2, 20, "not measured (hooks stopped)")
+    assert str(stopped) == "B_crit not measured (hooks stopped), 20 steps"
+    no_step = CriticalBatchEstimate(nan, 0.0, math.inf, 0.95, (), nan, nan, 0, "run average (no training loss was "
+                                    "passed to step())")
+    assert str(no_step) == "B_crit not measured (no optimizer step measured), 0 steps"

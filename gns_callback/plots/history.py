@@ -1,8 +1,10 @@
 """B_simple over training: the recent value with its interval, the run average, the batch sizes, fit end.
 
 Reads the report's ``"history"`` section: ``[{"step", "b_simple", "ci_low", "ci_high", "b_simple_run"?,
-"final"?}, ...]``. JSON ``null`` in ``b_simple``/``ci_high`` means unbounded (|G|² not resolved from the noise).
-An entry with ``"final": true`` is the value at the end of the fit and is marked "fit end".
+"final"?}, ...]``. JSON ``null`` in ``b_simple``/``ci_high`` means unbounded (|G|² not resolved from the noise),
+except where ``ci_low`` is ``null`` too: then the entry was not measured (measuring stopped, or the estimate was
+withheld; :func:`~gns_callback.json_values.unmeasured`), drawn as a grey span without an interval. An entry with
+``"final": true`` is the value at the end of the fit and is marked "fit end".
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
+from gns_callback.json_values import unmeasured
 from gns_callback.plots.axes import (
     BLUE,
     GREEN,
@@ -40,6 +43,7 @@ class HistorySeries:
     ci_high: list[float]
     run: list[float]
     final_index: Optional[int]
+    measured: list[bool]
 
     @classmethod
     def from_rows(cls, history: Sequence[Mapping[str, Any]]) -> "HistorySeries":
@@ -49,9 +53,10 @@ class HistorySeries:
             steps=[int(r["step"]) for r in rows],
             b_simple=[as_float(r.get("b_simple")) for r in rows],
             ci_low=[as_float(r.get("ci_low")) for r in rows],
-            ci_high=[as_float(r.get("ci_high"), math.inf) for r in rows],
+            ci_high=[as_float(r.get("ci_high"), math.nan if unmeasured(r) else math.inf) for r in rows],
             run=[as_float(r.get("b_simple_run")) for r in rows],
             final_index=finals[-1] if finals else None,
+            measured=[not unmeasured(r) for r in rows],
         )
 
     def drawable(self) -> list[float]:
@@ -84,6 +89,7 @@ def plot_history(
     _draw_band(ax, series, y_min, y_max, round(100 * confidence))
     _draw_lines(ax, series)
     _draw_fit_end(ax, series)
+    _draw_not_measured(ax, series)
     _draw_batches(ax, current_batch_size, recommended_batch_size, status)
     ax.set_yscale("log")
     ax.set_ylim(y_min, y_max)
@@ -105,8 +111,8 @@ def _draw_band(ax: "Axes", s: HistorySeries, y_min: float, y_max: float, level: 
 
     unbounded = any(math.isinf(v) for v in s.ci_high)
     label = f"{level}% interval (recent)" + ("; cut at the top where unbounded" if unbounded else "")
-    ax.fill_between(s.steps, [clip(v) for v in s.ci_low], [clip(v) for v in s.ci_high], color=BLUE, alpha=0.2,
-                    linewidth=0, label=label)
+    ax.fill_between(s.steps, [clip(v) for v in s.ci_low], [clip(v) for v in s.ci_high], where=s.measured,
+                    color=BLUE, alpha=0.2, linewidth=0, label=label)
 
 
 def _draw_lines(ax: "Axes", s: HistorySeries) -> None:
@@ -128,6 +134,22 @@ def _draw_fit_end(ax: "Axes", s: HistorySeries) -> None:
     for value, color in ((s.b_simple[i], BLUE), (s.run[i], ORANGE)):
         if positive(value):
             ax.plot([step], [value], marker="s", ms=7, mfc="white", mec=color, mew=2, ls="none")
+
+
+def _draw_not_measured(ax: "Axes", s: HistorySeries) -> None:
+    """A grey span over each run of entries that were not measured, from the last measured entry before it. Before,
+    their ``null`` upper ends read as unbounded: a run that stopped measuring showed an interval from the bottom of
+    the plot to its top, labelled "cut at the top where unbounded"."""
+    label = "not measured (the report's estimate.failure says why)"
+    for i, measured in enumerate(s.measured):
+        if measured or (i > 0 and not s.measured[i - 1]):
+            continue
+        end = i
+        while end + 1 < len(s.measured) and not s.measured[end + 1]:
+            end += 1
+        start = s.steps[i - 1] if i > 0 else s.steps[i]
+        ax.axvspan(start, s.steps[end], color=GREY, alpha=0.25, lw=0, label=label)
+        label = None
 
 
 def _draw_batches(

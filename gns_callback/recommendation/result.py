@@ -225,7 +225,8 @@ class Recommendation:
         head = (
             f"Gradient noise scale: B_simple = {_num(self.b_noise, 4)} ({level}% CI {_num(self.ci_low, 4)} – "
             f"{_num(self.ci_high, 4)}; {self.estimate_averaging}, {self.estimate_steps} steps)"
-        )
+        ) if not math.isnan(self.b_noise) else (  # before: "B_simple = – (95% CI – – –; ..."
+            f"Gradient noise scale: B_simple not measured ({self.estimate_averaging}, {self.estimate_steps} steps)")
         rows: list[tuple[str, str, str]] = [
             ("global batch size", str(cur.batch_size), str(rec.batch_size)),
             ("micro × accumulate × devices", _split(cur), _split(rec)),

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
+from gns_callback.json_values import unmeasured
 from gns_callback.recommendation import result as R
 
 DEFAULT_MAX_CI_RATIO = 4.0
@@ -48,7 +49,9 @@ def read_estimate(estimate: Any) -> EstimateView:
     """A :class:`EstimateView` from a ``GNSEstimate``, its ``to_dict()``, a duck with the same names, or ``None``.
 
     ``None`` (JSON ``null``) reads as in ``GNSEstimate.from_dict``: unbounded (``inf``) for ``b_simple`` and
-    ``ci_high`` once steps were measured, unknown (``nan``) otherwise.
+    ``ci_high`` of a measured estimate, unknown (``nan``) where :func:`~gns_callback.json_values.unmeasured` (a
+    ``failure``, no step, or ``b_simple`` and ``ci_low`` both ``null``: a report of a run that stopped measuring read
+    "unbounded" before).
     """
     if estimate is None:
         return NO_ESTIMATE
@@ -58,8 +61,9 @@ def read_estimate(estimate: Any) -> EstimateView:
 
     steps = get("steps")
     steps = None if steps is None else int(steps)
-    unbounded = math.inf if steps != 0 else math.nan
     b, lo, hi = get("b_simple"), get("ci_low"), get("ci_high")
+    fields = {"failure": get("failure"), "steps": steps, "b_simple": b, "ci_low": lo}
+    unbounded = math.nan if unmeasured(fields) else math.inf
     b = unbounded if b is None else float(b)
     return EstimateView(
         b_simple=b,

@@ -105,3 +105,17 @@ def test_nothing_drawable_gives_no_figure():
     assert plot_history([]) is None
     assert plot_history([{"step": 1, "b_simple": None, "ci_low": None, "ci_high": None}]) is None
     assert plot_history([{"step": 1, "b_simple": None, "ci_low": None, "ci_high": None}], current_batch_size=8) is None
+
+
+def test_entries_not_measured_are_a_grey_span_not_an_unbounded_interval():
+    """A run that stopped measuring at step 35 logs null values from step 40 on. Before, their null upper ends read
+    as unbounded: the band ran from the bottom of the plot to its top, "cut at the top where unbounded"."""
+    measured = [{"step": s, "b_simple": 100.0, "ci_low": 80.0, "ci_high": 130.0, "b_simple_run": 100.0} for s in (10, 20, 30)]
+    stopped = [{"step": s, "b_simple": None, "ci_low": None, "ci_high": None, "b_simple_run": None} for s in (40, 50, 114)]
+    (ax,) = plot_history(measured + stopped).axes
+    band = ax.collections[0]
+    assert "unbounded" not in band.get_label()
+    xs_at_top = [v[0] for p in band.get_paths() for v in p.vertices if math.isclose(v[1], ax.get_ylim()[1])]
+    assert not xs_at_top and max(v[0] for p in band.get_paths() for v in p.vertices) <= 30
+    (span,) = [p for p in ax.patches if p.get_label().startswith("not measured")]
+    assert span.get_x() == 30 and span.get_x() + span.get_width() == 114

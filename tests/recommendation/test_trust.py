@@ -45,3 +45,15 @@ def test_verdict_keeps_a_batch_inside_a_trusted_interval():
     assert verdict(view, 64, keep_within_interval=False)[0] == "ok"
     assert verdict(view, 32)[0] == "ok"
     assert verdict(EstimateView(70.0, 55.0, math.inf, 400), 64)[0] == "unbounded"
+
+
+def test_an_estimate_that_stopped_measuring_reads_not_measured_from_json_not_unbounded():
+    """JSON writes "not measured" and "unbounded" alike as null. Before, the report command recomputing from a run
+    that stopped measuring (null b_simple after 20 steps) read B_simple = ∞ and said "unbounded: |G|² not resolved
+    from the noise"."""
+    stopped = {"b_simple": None, "ci_low": None, "ci_high": None, "steps": 20, "failure": "hooks stopped"}
+    target = {"b_simple": None, "ci_low": None, "ci_high": None, "steps": 20}  # the report's batch_target
+    for data in (stopped, target):
+        view = read_estimate(data)
+        assert math.isnan(view.b_simple) and math.isnan(view.ci_high)
+        assert assess(view.b_simple, view.ci_low, view.ci_high, view.steps)[0] == "no_estimate"
