@@ -386,12 +386,23 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         if self.meter is None or self.meter.steps_offered == 0 or not trainer.is_global_zero:
             return
         try:
+            self._close_interrupted(trainer)
             sections = self.report_sections(trainer)
             sections["run"]["interrupted"] = f"{type(exception).__name__}: {exception}"
             write_report(self.resolve_report_path(trainer), sections)
         except Exception as error:  # noqa: BLE001 - the user's own exception is the one to see
             _warn_rank_zero(trainer, f"GradientNoiseScaleCallback: could not write the report of the interrupted fit "
                                      f"({type(error).__name__}: {error}).")
+
+    def _close_interrupted(self, trainer: Any) -> None:
+        """What fit end adds, for an interrupted fit's report: the history's final point (not logged: the loggers
+        may be gone) and the recommendation from the steps measured. Before, such a report held neither, and the
+        report command drew no history and said only "no recommendation in the report"."""
+        est, run = self.meter.read()
+        if est.steps or est.failure is not None:
+            self._history.append(_history_entry(trainer.global_step, est, run, final=True))
+        if self.recommend_enabled:
+            self.recommendation = self._recommend(trainer, self._batch_target())
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._detach()

@@ -425,3 +425,7 @@ def test_an_interrupted_fit_writes_the_report_of_its_measured_steps(digits, exac
     estimate = load_estimate(report, "run_estimate")
     assert estimate.steps == 60 and estimate.ci_low <= exact_gns(mlp(), F.cross_entropy, x, y)[0] <= estimate.ci_high
     assert main([str(report), "--out", str(tmp_path / "pictures")]) == 0
+    # What fit end adds, from the measured steps (before, neither: the command drew no history and printed no table).
+    assert sections["history"][-1] == {**sections["history"][-1], "step": 60, "final": True}
+    assert sections["recommendation"] == gns.recommendation.to_dict() and gns.recommendation.estimate_steps == 60
+    assert (tmp_path / "pictures" / "gns_history.png").exists()
