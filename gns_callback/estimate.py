@@ -89,7 +89,8 @@ class GNSEstimate:
         if self.failure is not None:
             return f"B_simple not measured ({self.failure})"
         if math.isnan(self.b_simple):
-            return f"B_simple not measured ({'no optimizer step measured' if not self.steps else 'no value'}; {self.method})"
+            why = "no optimizer step measured" if not self.steps else "no value"
+            return f"B_simple not measured ({why}; {self.method})"
         level = round(100 * self.confidence)
         return (
             f"B_simple = {self.b_simple:.4g} ({level}% CI {self.ci_low:.4g} – {self.ci_high:.4g}; "

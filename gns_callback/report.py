@@ -35,5 +35,23 @@ def read_report(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def load_estimate(path: str | os.PathLike, section: str = "estimate") -> GNSEstimate:
-    """The ``GNSEstimate`` stored in a report (``section="run_estimate"`` for the run average)."""
-    return GNSEstimate.from_dict(read_report(path)[section])
+    """The ``GNSEstimate`` stored in a report (``section="run_estimate"`` for the run average).
+
+    Raises:
+        ValueError: ``path`` holds no such section, or one without an estimate's fields (another file, or a report
+            of another version), naming the file, the section and what it holds. Before, a bare ``KeyError``
+            (``'estimate'``, ``'grad_sq_norm'``) or ``TypeError``.
+    """
+    report = read_report(path)
+    hint = f"pass a {DEFAULT_REPORT_NAME} that GradientNoiseScaleCallback wrote"
+    data = report.get(section) if isinstance(report, dict) else None
+    if not isinstance(data, dict):
+        held = [k for k, v in (report.items() if isinstance(report, dict) else ()) if isinstance(v, dict) and
+                "b_simple" in v]
+        raise ValueError(f"load_estimate({str(path)!r}, section={section!r}): the file has no such estimate section "
+                         f"(estimate sections: {', '.join(held) or 'none'}); {hint}")
+    try:
+        return GNSEstimate.from_dict(data)
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"load_estimate({str(path)!r}, section={section!r}): the section lacks an estimate's fields "
+                         f"({err!r}): a report of another version, or not a report; {hint}") from None

@@ -110,8 +110,10 @@ def test_nothing_drawable_gives_no_figure():
 def test_entries_not_measured_are_a_grey_span_not_an_unbounded_interval():
     """A run that stopped measuring at step 35 logs null values from step 40 on. Before, their null upper ends read
     as unbounded: the band ran from the bottom of the plot to its top, "cut at the top where unbounded"."""
-    measured = [{"step": s, "b_simple": 100.0, "ci_low": 80.0, "ci_high": 130.0, "b_simple_run": 100.0} for s in (10, 20, 30)]
-    stopped = [{"step": s, "b_simple": None, "ci_low": None, "ci_high": None, "b_simple_run": None} for s in (40, 50, 114)]
+    measured = [{"step": s, "b_simple": 100.0, "ci_low": 80.0, "ci_high": 130.0, "b_simple_run": 100.0}
+                for s in (10, 20, 30)]
+    stopped = [{"step": s, "b_simple": None, "ci_low": None, "ci_high": None, "b_simple_run": None}
+               for s in (40, 50, 114)]
     (ax,) = plot_history(measured + stopped).axes
     band = ax.collections[0]
     assert "unbounded" not in band.get_label()
