@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
+from gns_callback.estimate import GNSEstimate
+from gns_callback.json_values import unmeasured
 from gns_callback.report import DEFAULT_REPORT_NAME
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -389,7 +391,10 @@ def _choose_recommendation(report: Mapping[str, Any], args: argparse.Namespace) 
     """The saved recommendation, or a recomputed one (printing its inputs and the flags' effects)."""
     saved = _saved_recommendation(report)
     if not any(getattr(args, name) is not None for name in RECOMPUTE_FLAGS):
-        if saved is None and (report.get("run_estimate") or report.get("estimate")):
+        estimate = report.get("run_estimate") or report.get("estimate")
+        if saved is None and isinstance(estimate, Mapping) and unmeasured(estimate):
+            print("no recommendation in the report, and no measured estimate to compute one from")
+        elif saved is None and estimate:
             print("no recommendation in the report: pass --batch-size (and --lr) to compute one")
         return saved
     try:
@@ -405,6 +410,24 @@ def _choose_recommendation(report: Mapping[str, Any], args: argparse.Namespace) 
 
 NO_MATPLOTLIB = ("no plots: matplotlib is not installed (pip install matplotlib, or 'gns_callback[plots]'); the "
                  "recommendation follows. Pass --no-plots to skip the pictures")
+
+
+def measured_lines(report: Mapping[str, Any]) -> list[str]:
+    """What the report measured, before any recommendation: whether the fit was interrupted, and its estimates
+    (the run average and the recent value, "not measured" with the reason). Before, the command printed neither: on
+    the report of a fit stopped by Ctrl-C it said only "no recommendation in the report"."""
+    lines = []
+    interrupted = (report.get("run") or {}).get("interrupted")
+    if interrupted:
+        lines.append(f"the fit was interrupted ({interrupted}); the report holds the steps measured before that")
+    for name, label in (("run_estimate", "run average"), ("estimate", "recent")):
+        section = report.get(name)
+        if isinstance(section, Mapping):
+            try:
+                lines.append(f"{label}: {GNSEstimate.from_dict(dict(section))}")
+            except (KeyError, TypeError, ValueError) as err:
+                lines.append(f"{label}: unreadable ({err!r}; a report from another version)")
+    return lines
 
 
 def _render(report: Mapping[str, Any], path: Path, args: argparse.Namespace, rec: Any) -> None:
@@ -445,6 +468,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (FileNotFoundError, ReportError) as err:
         _fail(str(err), 1)
     print(f"report: {path}")
+    for line in measured_lines(report):
+        print(line)
     rec = _choose_recommendation(report, args)
     if not args.no_plots:
         _render(report, path, args, rec)

@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("matplotlib")
 
 from gns_callback import report_cli  # noqa: E402
+from gns_callback.estimate import GNSEstimate  # noqa: E402
 from gns_callback.recommendation import Recommendation, recommend  # noqa: E402
 from tests import report_sections  # noqa: E402
 from tests.report_sections import CALLBACK_INPUTS, estimate  # noqa: E402
@@ -347,3 +348,18 @@ def test_without_matplotlib_the_recommendation_is_still_printed(report, report_p
     assert Recommendation.from_dict(report["recommendation"]).summary_table() in captured.out
     assert "no plots: matplotlib is not installed (pip install matplotlib, or 'gns_callback[plots]')" in captured.err
     assert "Status:" in run(capsys, report_path, "--no-plots")  # the recommendation alone: no warning needed
+
+
+def test_the_command_says_what_was_measured_and_that_the_fit_was_interrupted(tmp_path, capsys):
+    """Before, the report of a fit stopped by Ctrl-C (no recommendation section: it is computed at fit end) gave only
+    "no recommendation in the report: pass --batch-size (and --lr) to compute one", and one of a fit that measured no
+    step said the same, though nothing could be computed from it."""
+    interrupted = {"estimate": estimate(), "run_estimate": estimate(), "run": {"interrupted": "KeyboardInterrupt: "}}
+    text = run(capsys, write(tmp_path / "a" / "gns_report.json", interrupted), "--no-plots")
+    assert "the fit was interrupted (KeyboardInterrupt: ); the report holds the steps measured before that" in text
+    assert f"run average: {GNSEstimate.from_dict(estimate())}" in text
+    no_step = {**estimate(), "b_simple": None, "grad_sq_norm": None, "trace_sigma": None, "ci_low": 0.0,
+               "ci_high": None, "steps": 0}
+    text = run(capsys, write(tmp_path / "b" / "gns_report.json", {"run_estimate": no_step}), "--no-plots")
+    assert "run average: B_simple not measured (no optimizer step measured" in text
+    assert "no measured estimate to compute one from" in text and "pass --batch-size" not in text
