@@ -88,7 +88,9 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         memory_budget_bytes, headroom: the probe's budget (``None``: the device's memory) and the fraction of
             it a micro-batch may use.
         recommend: compute a batch size / learning rate :class:`~gns_callback.recommendation.Recommendation`
-            from the run-average estimate (logged at each logging point, printed and reported at fit end).
+            from the run-average estimate (logged at each logging point, printed and reported at fit end). With
+            ``False``, the arguments that only shape it (batch bounds and grid, price, objective, max_devices) must
+            stay at their defaults (a ``ValueError`` otherwise).
         min_batch_size, max_batch_size, batch_multiple_of, power_of_two, lr_rule, price_per_device_hour:
             passed to :func:`~gns_callback.recommendation.recommend` (bounds, rounding, ``"linear"``/``"sqrt"``
             override, cost per device-hour).
@@ -880,6 +882,22 @@ def _check_arguments(values: dict[str, Any]) -> None:
     if values["adapt"] and not values["recommend"]:
         raise ValueError(f"{_OWNER}(adapt=True, recommend=False): adapt applies the recommendation; "
                          "set recommend=True or adapt=False.")
+    _check_recommend_options_used(values)
+
+
+#: The arguments that shape the recommendation alone, with their defaults: with ``recommend=False`` they do nothing.
+_RECOMMENDATION_ONLY = {"min_batch_size": None, "max_batch_size": None, "batch_multiple_of": 8, "power_of_two": False,
+                        "price_per_device_hour": None, "objective": BALANCED, "max_devices": None}
+
+
+def _check_recommend_options_used(values: dict[str, Any]) -> None:
+    """``recommend=False`` with an argument that only shapes the recommendation set to another value than its
+    default: a ``ValueError`` naming them. Before, they did nothing, without a word (``objective='time'`` still ran a
+    probe for a plan no one would see)."""
+    unused = [f"{name}={values[name]!r}" for name, default in _RECOMMENDATION_ONLY.items() if values[name] != default]
+    if not values["recommend"] and unused:
+        raise ValueError(f"{_OWNER}(recommend=False, {', '.join(unused)}): these shape the recommended batch, which "
+                         "recommend=False turns off; set recommend=True, or drop them.")
 
 
 _EMPTY_MODEL = torch.nn.Module()  # what a meter reads from before fit (or after a restore, before fit start)

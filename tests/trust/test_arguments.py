@@ -61,6 +61,16 @@ def test_arguments_that_must_agree():
         GradientNoiseScaleCallback(adapt=True, recommend=False)
 
 
+@pytest.mark.parametrize("option", [dict(objective="time"), dict(max_batch_size=512), dict(power_of_two=True),
+                                    dict(batch_multiple_of=16), dict(price_per_device_hour=2.0), dict(max_devices=4)])
+def test_recommendation_options_with_recommend_false_are_refused(option):
+    """Before, they did nothing, without a word (``objective='time'`` still ran a probe for a plan no one saw)."""
+    (name, value), = option.items()
+    with pytest.raises(ValueError, match=rf"recommend=False, {name}={value!r}\): .*set recommend=True, or drop"):
+        GradientNoiseScaleCallback(recommend=False, **option)
+    GradientNoiseScaleCallback(recommend=False, max_batch_size=None, objective="balanced")  # defaults: fine
+
+
 def test_report_paths_that_cannot_take_the_report(tmp_path, a_file):
     with pytest.raises(ValueError, match="not an existing directory"):
         GradientNoiseScaleCallback(report_path=str(tmp_path))
