@@ -390,7 +390,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         try:
             self._close_interrupted(trainer)
             sections = self.report_sections(trainer)
-            sections["run"]["interrupted"] = f"{type(exception).__name__}: {exception}"
+            sections["run"]["interrupted"] = f"{type(exception).__name__}: {exception}".removesuffix(": ")
             write_report(self.resolve_report_path(trainer), sections)
         except Exception as error:  # noqa: BLE001 - the user's own exception is the one to see
             _warn_rank_zero(trainer, f"GradientNoiseScaleCallback: could not write the report of the interrupted fit "
