@@ -1,5 +1,6 @@
 """Command line: ``python -m gns_callback demo [...]`` and ``python -m gns_callback report <report.json or run dir>``."""
 
+import os
 import sys
 
 COMMANDS = {"demo": "gns_callback.demo", "report": "gns_callback.report_cli"}
@@ -13,7 +14,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
     import importlib
 
-    importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
+    try:
+        importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
+    except BrokenPipeError:  # the reader went away (``... | head``): the rest of the output is not wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

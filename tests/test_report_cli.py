@@ -363,3 +363,14 @@ def test_the_command_says_what_was_measured_and_that_the_fit_was_interrupted(tmp
     text = run(capsys, write(tmp_path / "b" / "gns_report.json", {"run_estimate": no_step}), "--no-plots")
     assert "run average: B_simple not measured (no optimizer step measured" in text
     assert "no measured estimate to compute one from" in text and "pass --batch-size" not in text
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(report_path):
+    """``python -m gns_callback report ... | head -1``: before, a ``BrokenPipeError`` traceback on stderr."""
+    import subprocess
+
+    reader = subprocess.Popen([sys.executable, "-m", "gns_callback", "report", "--no-plots", str(report_path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    reader.stdout.close()  # the reader is gone before the first line
+    _, err = reader.communicate(timeout=120)
+    assert b"Traceback" not in err and reader.returncode == 1, err.decode()
