@@ -126,6 +126,14 @@ def _first_split(
     return None
 
 
+def _off_grid_note(target: float, lo: int, hi: float, asked: tuple[int, bool, str], label: str) -> str:
+    """Why the batch is off the grid asked for: the bounds hold no size on it, or none of those splits."""
+    step, pow2, what = asked
+    if next(candidates(target, lo, hi, step, pow2), None) is None:
+        return f"no size in [{lo}, {hi:g}] (the batch-size bounds) is {what}: using {label}"
+    return f"no size in range that is {what} splits over the devices: using {label}"
+
+
 def nearest_splitting(
     target: float, lo: int, hi: float, num_devices: int, micro_cap: Optional[int], grid: Grid
 ) -> tuple[int, tuple[int, int], tuple[str, ...]]:
@@ -144,7 +152,7 @@ def nearest_splitting(
         size, (micro, accum) = found
         notes = []
         if i > 0:
-            notes.append(f"no size in range that is {grids[0][2]} splits over the devices: using {label}")
+            notes.append(_off_grid_note(target, lo, hi, grids[0], label))
         if size != nearest:
             notes.append(
                 f"global batch adjusted from {nearest} to {size} so that micro × accumulate × devices = "

@@ -35,3 +35,12 @@ def test_nearest_splitting_falls_back_to_coarser_grids_with_a_note():
     size, (micro, accum), notes = nearest_splitting(203.0, 1, 1000.0, 3, None, Grid(8, power_of_two=True))
     assert size % 24 == 0 and micro * accum * 3 == size and "power of two" in notes[0]
     assert nearest_splitting(5.0, 1, 2.0, 4, None, Grid(1))[:2] == (4, (1, 1))
+
+
+def test_bounds_with_no_size_on_the_grid_say_so():
+    """``min_batch_size=13, max_batch_size=15, power_of_two=True``: before, the note blamed the devices ("no size in
+    range that is a power of two splits over the devices"), on one device."""
+    size, _, notes = nearest_splitting(100.0, 13, 15, 1, None, Grid(8, True))
+    assert size == 15 and notes == ("no size in [13, 15] (the batch-size bounds) is a power of two: using any size",)
+    size, _, notes = nearest_splitting(24.0, 1, 64, 3, 4, Grid(8))
+    assert all("bounds" not in note for note in notes)
