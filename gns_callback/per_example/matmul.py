@@ -79,7 +79,8 @@ def rows_are_parameter(node: Any, computed: bool = True) -> bool:
 
 
 #: Nodes through which the examples may reach a tensor computed from parameters: a lookup's indices (an operand
-#: autograd does not list) or a batch dim put on a parameter's values (``latents.expand(B, ...)``).
+#: autograd does not list) or a batch dim put on a parameter's values (``latents.expand(B, ...)``; an expand that
+#: only widens dims that can't hold the examples is followed: :func:`_expand_keeps_rows`).
 EXAMPLES_MAY_ENTER = frozenset({"EmbeddingBackward0", "EmbeddingBagBackward0", "IndexBackward0",
                                 "IndexSelectBackward0", "GatherBackward0", "ExpandBackward0", "RepeatBackward0"})
 
@@ -92,9 +93,10 @@ MAX_NODES = 8
 
 def computed_from_parameters(tensor: Tensor) -> bool:
     """Whether ``tensor`` was computed from parameters and scalars alone, so that its rows can't be examples: every
-    path of its autograd graph ends at an ``nn.Parameter``, none passes a node of :data:`EXAMPLES_MAY_ENTER`, and an
-    operand outside the graph is a saved scalar (``2 * B``; a tensor operand, such as the data, is saved with its
-    rows). False where that can't be shown within :data:`MAX_NODES` nodes."""
+    path of its autograd graph ends at an ``nn.Parameter``, none passes a node of :data:`EXAMPLES_MAY_ENTER` (but an
+    expand that makes no rows, as in ``F.normalize(self.prototypes, dim=-1)``), and an operand outside the graph is
+    a saved scalar (``2 * B``; a tensor operand, such as the data, is saved with its rows). False where that can't
+    be shown within :data:`MAX_NODES` nodes."""
     if tensor.grad_fn is None:
         return False
     stack, seen = [tensor.grad_fn], set()
@@ -104,7 +106,7 @@ def computed_from_parameters(tensor: Tensor) -> bool:
             continue
         seen.add(id(node))
         name = type(node).__name__
-        if len(seen) > MAX_NODES or name in EXAMPLES_MAY_ENTER:
+        if len(seen) > MAX_NODES or (name in EXAMPLES_MAY_ENTER and not _expand_keeps_rows(node)):
             return False
         if name == "AccumulateGrad":
             if not isinstance(node.variable, torch.nn.Parameter):
@@ -115,6 +117,21 @@ def computed_from_parameters(tensor: Tensor) -> bool:
             return False
         stack.extend(next_node for next_node in inputs if next_node is not None)
     return True
+
+
+def _expand_keeps_rows(node: Any) -> bool:
+    """Whether ``node`` is an expand that leaves the dims that may hold the examples as they were (0, and 1 of a
+    3-D or wider tensor, where a sequence-first layout holds them): ``F.normalize``'s norm, ``(N, 1)`` widened back
+    to ``(N, D)``, makes no rows, where ``latents.expand(B, L, D)`` makes one per example. Its output's size is the
+    gradient it takes in (``_input_metadata``); False where it can't be read or the expand adds dims."""
+    if type(node).__name__ != "ExpandBackward0":
+        return False
+    try:
+        before, after = tuple(node._saved_self_sym_sizes), tuple(node._input_metadata[0].shape)
+    except (AttributeError, IndexError, RuntimeError):
+        return False
+    kept = min(2, len(after) - 1)  # dims 0 .. kept-1 may hold the examples; the last dim never does
+    return len(before) == len(after) and len(after) >= 2 and before[:kept] == after[:kept]
 
 
 def _other_operands_scalar(node: Any) -> bool:

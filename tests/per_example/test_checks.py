@@ -238,24 +238,30 @@ class ComputedTable(nn.Module):
     of them moves the rest (the check read it as coupled); the hooks now tell it from the examples themselves, as a
     table computed from parameters and scalars alone, and refuse it for what it is."""
 
-    def __init__(self, table_first: bool) -> None:
+    def __init__(self, table_first: bool, normalized: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.project, self.head = nn.Linear(64, 16), nn.Linear(BATCH, 10)
         self.table = nn.Parameter(torch.randn(BATCH, 64) * 0.1)
-        self.table_first = table_first
+        self.table_first, self.normalized = table_first, normalized
+
+    def computed(self):
+        """``table * 2``, or the table normalised per row (``F.normalize``, whose norm is expanded back)."""
+        return F.normalize(self.table, dim=-1) if self.normalized else self.table * 2.0
 
     def forward(self, x):
         if self.table_first:
-            table = self.project(self.table * 2.0)
+            table = self.project(self.computed())
             return self.head(torch.tanh(self.project(x) @ table.T))
         h = self.project(x)
-        return self.head(torch.tanh(h @ self.project(self.table * 2.0).T))
+        return self.head(torch.tanh(h @ self.project(self.computed()).T))
 
 
+@pytest.mark.parametrize("normalized", [False, True], ids=["2 * table", "normalized table"])
 @pytest.mark.parametrize("table_first", [True, False])
-def test_a_computed_table_with_as_many_rows_as_the_batch_is_found(digits, table_first):
+def test_a_computed_table_with_as_many_rows_as_the_batch_is_found(digits, table_first, normalized):
+    """The normalised table was read as coupled (the wrong reason) before the walk went through F.normalize."""
     x, y = digits[0][:BATCH], digits[1][:BATCH]
-    model = ComputedTable(table_first)
+    model = ComputedTable(table_first, normalized)
     check = check_per_example(model, lambda: F.cross_entropy(model(x), y).backward(), BATCH)
     assert check.status == "unmeasurable" and "ran on a learned parameter" in check.detail, check

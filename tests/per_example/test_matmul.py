@@ -284,6 +284,27 @@ def test_a_weight_multiplying_a_table_computed_from_parameters_is_left_out(scale
     assert "0.A" in tracker.excluded_reasons and "0.B" in tracker.excluded_reasons
 
 
+@pytest.mark.parametrize("table", [lambda p: F.normalize(p, dim=-1), lambda p: 2 * F.normalize(p, dim=1),
+                                   lambda p: F.normalize(p.view(6, 2, 4), dim=-1)],
+                         ids=["normalized", "2 * normalized", "normalized 3-D"])
+def test_a_normalized_table_is_computed_from_parameters(table):
+    """``F.normalize(self.prototypes, dim=-1)`` expands each row's norm, ``(N, 1)`` to ``(N, D)``: an expand that
+    makes no rows, walked through. Before, the walk stopped at it, and a plain loop at its defaults read the table's
+    rows as examples (tests/trust/test_hand_written_layers.py)."""
+    assert matmul_module.computed_from_parameters(table(nn.Parameter(torch.randn(6, 8))))
+
+
+@pytest.mark.parametrize("rows", [lambda p: p.expand(6, -1, -1), lambda p: p[None].expand(6, -1, -1),
+                                  lambda p: p[:, None].expand(-1, 6, -1), lambda p: p[:1].expand(6, -1),
+                                  lambda p: F.normalize(p[None].expand(6, -1, -1), dim=-1)],
+                         ids=["latents.expand(B, L, D)", "latents[None].expand", "sequence first", "one row to B",
+                              "normalized after the expand"])
+def test_an_expand_that_makes_rows_still_stops_the_walk(rows):
+    """Learned queries expanded to the batch (a Perceiver's ``latents.expand(B, L, D)``, here with as many latents
+    as the batch) have one copy per example: not a table, read as examples, as before."""
+    assert not matmul_module.computed_from_parameters(rows(nn.Parameter(torch.randn(6, 8))))
+
+
 @pytest.mark.parametrize("rows", [lambda x, p: x * 2, lambda x, p: torch.randn(x.shape[0], 1) * p,
                                   lambda x, p: p.expand(x.shape[0], -1) * 2], ids=["data * 2", "data-scaled table",
                                                                                    "expanded table"])
