@@ -252,6 +252,24 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             "sharpness": self.sharpness_monitor.state_dict() if self.sharpness_monitor is not None else None,
         }
 
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        """Say so where the checkpoint holds this callback's state under another ``state_key`` (a resume with another
+        ``method=`` or ``ema_decay=``): Lightning then skips it, and the estimate restarts at the resumed step. Before,
+        only Lightning's generic "add the following callbacks" warning told: a run resumed at step 15 of 40 with
+        ``ema_decay`` changed read 26.3 over 25 steps where the run of 40 read 30.5, with no word of the 15 left out."""
+        states = checkpoint.get("callbacks") or {}
+        prefix = type(self).__qualname__ + "{"
+        others = [key for key in states if isinstance(key, str) and key.startswith(prefix) and key != self.state_key]
+        if not others or self.state_key in states:
+            return
+        meter = (states[others[0]] or {}).get("meter") or {}
+        _warn_rank_zero(trainer,
+            f"GradientNoiseScaleCallback: the checkpoint's noise-scale sums ({meter.get('steps_seen', 0)} measured "
+            f"steps) were measured with {others[0][len(prefix) - 1:]}, this run has "
+            f"{self.state_key[len(prefix) - 1:]}: they are not restored, and the estimate restarts from this step. "
+            f"To continue them, resume with the checkpoint's arguments."
+        )
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Restored before on_fit_start builds the meter: kept until then.
         self._restored = state_dict["meter"]

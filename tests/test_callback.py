@@ -304,6 +304,23 @@ def test_checkpoint_resume_restores_the_running_state_exactly(digits, tmp_path):
     assert continued.run_estimate.steps == 50
 
 
+def test_resume_with_other_arguments_says_the_estimate_restarts(digits, tmp_path):
+    """Lightning skips state saved under another state_key (method=, ema_decay=): the user is told, with the fix."""
+    x, y = digits
+    loader = with_replacement_loader(x, y, 8, 8 * 2 * 200, seed=0)
+    trainer = quiet_trainer(max_steps=10, accumulate_grad_batches=2, callbacks=[micro()])
+    trainer.fit(Classifier(mlp()), loader)
+    path = tmp_path / "gns.ckpt"
+    trainer.save_checkpoint(path)
+
+    resumed = GradientNoiseScaleCallback(method="micro_batch", ema_decay=0.9, verbose=False)
+    with pytest.warns(UserWarning, match=r"10 measured steps\) were measured with \{'method': 'micro_batch', "
+                                         r"'ema_decay': 0.99\}.*restarts from this step.*checkpoint's arguments"):
+        quiet_trainer(max_steps=15, max_epochs=10, accumulate_grad_batches=2, callbacks=[resumed]).fit(
+            Classifier(mlp()), loader, ckpt_path=path)
+    assert resumed.run_estimate.steps == 5
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
