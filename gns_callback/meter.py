@@ -485,6 +485,11 @@ class GradientNoiseScaleMeter:
         if int(state.get("version", 1)) >= 3:
             self.ema.load_state_dict(state["ema"])
             self.recent_from = int(state.get("recent_from", 0))
+            if self.ema.decay != self.ema_decay:
+                warnings.warn(
+                    f"gns_callback: the state's recent estimate was tracked with ema_decay={self.ema.decay}; it "
+                    f"continues with that, not this meter's ema_decay={self.ema_decay}. Build the meter with "
+                    f"ema_decay={self.ema.decay} to resume it, or start without the state.", stacklevel=2)
         else:
             self.ema = LocalLinearRatio(self.ema_decay)
             self.recent_from = round(float(self.run.sums[0]))

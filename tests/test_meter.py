@@ -322,6 +322,17 @@ def test_state_dict_resumes_exactly(digits):
     assert resumed.estimate == whole.estimate and resumed.run_estimate == whole.run_estimate
 
 
+def test_a_state_tracked_with_another_ema_decay_says_which_one_it_continues_with(digits):
+    """Before, a meter built with ema_decay=0.9 loading a 0.99 state tracked the recent estimate with 0.99, silently."""
+    net = mlp()
+    with GradientNoiseScaleMeter(net) as first:
+        _steps(first, net, *digits, steps=5, seed=0)
+    with GradientNoiseScaleMeter(net, ema_decay=0.9) as resumed:
+        with pytest.warns(UserWarning, match=r"tracked with ema_decay=0.99; it continues with that, not .*0.9\b"):
+            resumed.load_state_dict(first.state_dict())
+        assert resumed.ema.decay == 0.99
+
+
 def _version_2_state(state: dict) -> dict:
     """A checkpoint as version 2 wrote it: the recent estimate was an EMA of the parts (``RatioAccumulator``)."""
     old = {k: v for k, v in state.items() if k != "recent_from"}
