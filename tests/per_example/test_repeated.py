@@ -86,10 +86,9 @@ def test_a_subset_of_examples_reads_the_calls_summed_gradient() -> None:
     assert record.subset and record.unmeasured_sq.item() == pytest.approx(sum(g.square().sum() for g in grads).item())
 
 
-@pytest.mark.parametrize("rows", [BATCH, 10])
-def test_a_layer_run_on_a_learned_table_stops_measuring_even_with_as_many_rows_as_examples(rows: int) -> None:
-    """``logits = project(x) @ project(prototypes).T``: the second call's rows are prototypes, not examples. With
-    as many prototypes as examples its shape can't tell them apart; it is refused for running on a parameter."""
+def _assert_refused_as_a_table(rows: int, table) -> None:
+    """``logits = project(x) @ project(table(prototypes)).T`` with ``rows`` prototypes: the second call's rows are
+    prototypes, not examples, and the tracker refuses it for running on a parameter."""
 
     class Prototypes(nn.Module):
         def __init__(self) -> None:
@@ -97,7 +96,7 @@ def test_a_layer_run_on_a_learned_table_stops_measuring_even_with_as_many_rows_a
             self.project, self.prototypes = nn.Linear(4, 6), nn.Parameter(torch.randn(rows, 4))
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.project(x) @ self.project(self.prototypes).T
+            return self.project(x) @ self.project(table(self.prototypes)).T
 
     model = Prototypes()
     with PerExampleNormTracker(model) as tracker:
@@ -105,6 +104,13 @@ def test_a_layer_run_on_a_learned_table_stops_measuring_even_with_as_many_rows_a
         model(torch.randn(BATCH, 4)).sum().backward()
         with pytest.raises(RuntimeError, match="ran on a learned parameter"):
             tracker.pop()
+
+
+@pytest.mark.parametrize("rows", [BATCH, 10])
+def test_a_layer_run_on_a_learned_table_stops_measuring_even_with_as_many_rows_as_examples(rows: int) -> None:
+    """With as many prototypes as examples the shape can't tell them apart; it is refused for running on a
+    parameter."""
+    _assert_refused_as_a_table(rows, lambda p: p)
 
 
 def test_a_learned_table_broadcast_over_the_batch_is_measured(reference_sq_norms) -> None:
@@ -137,17 +143,4 @@ def test_a_layer_run_on_a_table_computed_from_a_parameter_stops_measuring(table)
     parameter itself was told from the examples, and a plain loop at its defaults read these rows as examples:
     B_simple = 11.1 (95% CI 10.9-11.4) on the digits against an exact 5.5, whole or of the parameters it measured."""
 
-    class Prototypes(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.project, self.prototypes = nn.Linear(4, 6), nn.Parameter(torch.randn(BATCH, 4))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.project(x) @ self.project(table(self.prototypes)).T
-
-    model = Prototypes()
-    with PerExampleNormTracker(model) as tracker:
-        tracker.expected_batch_size = BATCH
-        model(torch.randn(BATCH, 4)).sum().backward()
-        with pytest.raises(RuntimeError, match="ran on a learned parameter"):
-            tracker.pop()
+    _assert_refused_as_a_table(BATCH, table)
