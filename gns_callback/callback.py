@@ -14,6 +14,7 @@ strategy's all-reduce. Where the gradients are read (Lightning 2.x):
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import os
 import warnings
@@ -903,16 +904,17 @@ def _check_arguments(values: dict[str, Any]) -> None:
     _check_recommend_options_used(values)
 
 
-#: The arguments that shape the recommendation alone, with their defaults: with ``recommend=False`` they do nothing.
-_RECOMMENDATION_ONLY = {"min_batch_size": None, "max_batch_size": None, "batch_multiple_of": 8, "power_of_two": False,
-                        "price_per_device_hour": None, "objective": BALANCED, "max_devices": None}
+#: The arguments that shape the recommendation alone: with ``recommend=False`` they do nothing.
+_RECOMMENDATION_ONLY = ("min_batch_size", "max_batch_size", "batch_multiple_of", "power_of_two", "price_per_device_hour",
+                        "objective", "max_devices")
 
 
 def _check_recommend_options_used(values: dict[str, Any]) -> None:
     """``recommend=False`` with an argument that only shapes the recommendation set to another value than its
     default: a ``ValueError`` naming them. Before, they did nothing, without a word (``objective='time'`` still ran a
     probe for a plan no one would see)."""
-    unused = [f"{name}={values[name]!r}" for name, default in _RECOMMENDATION_ONLY.items() if values[name] != default]
+    defaults = inspect.signature(GradientNoiseScaleCallback.__init__).parameters
+    unused = [f"{name}={values[name]!r}" for name in _RECOMMENDATION_ONLY if values[name] != defaults[name].default]
     if not values["recommend"] and unused:
         raise ValueError(f"{_OWNER}(recommend=False, {', '.join(unused)}): these shape the recommended batch, which "
                          "recommend=False turns off; set recommend=True, or drop them.")

@@ -97,4 +97,3 @@ class GNSEstimate:
             f"|G|² = {self.grad_sq_norm:.4g}, tr(Σ) = {self.trace_sigma:.4g}; "
             f"{self.steps} steps, {self.skipped_steps} skipped; {self.method}, {self.averaging})"
         )
-

@@ -20,8 +20,8 @@ from torch import Tensor, nn
 
 from .linear import includes_param, upcast
 
-__all__ = ["BATCH_NORMS", "INSTANCE_NORMS", "batch_norm_sq_norms", "batch_norm_summed_grads", "group_norm_sq_norms", "group_norm_summed_grads", "instance_norm_sq_norms",
-           "instance_norm_summed_grads", "layer_norm_sq_norms", "layer_norm_summed_grads", "rms_norm_sq_norms",
+__all__ = ["BATCH_NORMS", "INSTANCE_NORMS", "batch_norm_sq_norms", "batch_norm_summed_grads", "group_norm_sq_norms",
+           "group_norm_summed_grads", "instance_norm_sq_norms", "instance_norm_summed_grads", "layer_norm_sq_norms", "layer_norm_summed_grads", "rms_norm_sq_norms",
            "rms_norm_summed_grads"]
 
 

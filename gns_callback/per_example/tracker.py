@@ -137,11 +137,11 @@ SUMMED_GRADIENTS: dict[type, SummedGradFunction] = {
 #: Modules measured by hooks of their own rather than a layer function (:mod:`.embedding_bag`, :mod:`.attention`,
 #: :mod:`.recurrent`, :mod:`.cells`); matched exactly, as :data:`SUPPORTED_MODULES`. None of them assembles a
 #: subset's summed gradient, so with any of them every example is measured.
+HANDLED_APART: tuple[type, ...] = (nn.EmbeddingBag, nn.MultiheadAttention, *RECURRENT_MODULES, *CELL_MODULES)
+
 #: Pops at whose forwards a layer's input is checked for being computed from parameters alone (a table, not the
 #: examples: :func:`~.matmul.computed_from_parameters`); a walk of the autograd graph, left off after them for its cost.
 TABLE_CHECK_POPS = 8
-
-HANDLED_APART: tuple[type, ...] = (nn.EmbeddingBag, nn.MultiheadAttention, *RECURRENT_MODULES, *CELL_MODULES)
 
 
 def supported_layer_names() -> str:

@@ -16,7 +16,6 @@ import torch
 from torch import Tensor
 
 from gns_callback.lightning import compat
-
 from gns_callback.probe.agreement import Agree, ProbeFailedOnOtherRank, single_process
 from gns_callback.probe.batches import batch_size_of, move_batch
 from gns_callback.probe.config import ProbeConfig, make_config
@@ -241,10 +240,7 @@ def _stepped_aside(error: Exception, trainer: "pl.Trainer", config: ProbeConfig)
     reason = short_message(error)
     message = (f"the micro-batch probe stepped aside ({reason}); training continues unchanged and the probe "
                "result is 'not measured'.")
-    if isinstance(error, ProbeFailedOnOtherRank):
-        if trainer.is_global_zero:
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
-    else:
+    if not isinstance(error, ProbeFailedOnOtherRank) or trainer.is_global_zero:  # another rank's failure: said once
         warnings.warn(message, RuntimeWarning, stacklevel=3)
     return ProbeResult.not_measured(reason, device=str(trainer.strategy.root_device), headroom=config.headroom,
                                     world_size=trainer.world_size)
