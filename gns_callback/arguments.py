@@ -8,6 +8,7 @@ valid example (``GradientNoiseScaleCallback(headroom='0.8'): must be a number in
 
 from __future__ import annotations
 
+import argparse
 import math
 import numbers
 import os
@@ -114,4 +115,27 @@ def check_arguments(owner: str, values: Mapping[str, Any], rules: Mapping[str, R
             raise ValueError(rule.message(owner, name, value))
 
 
-__all__ = ["Rule", "builtin", "check_arguments", "report_path_problem"]
+def positive_int_option(text: str) -> int:
+    """A command-line option's positive integer (an ``argparse`` ``type=``: its error names the option)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def positive_float_option(text: str) -> float:
+    """A command-line option's positive, finite number (an ``argparse`` ``type=``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
+__all__ = ["Rule", "builtin", "check_arguments", "positive_float_option", "positive_int_option",
+           "report_path_problem"]

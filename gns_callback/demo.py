@@ -67,16 +67,16 @@ def _module(lr: float):
 def main(argv: list[str] | None = None) -> None:
     from gns_callback import GradientNoiseScaleCallback
 
-    from gns_callback.report_cli import _positive_float, _positive_int
+    from gns_callback.arguments import positive_float_option, positive_int_option
 
     parser = argparse.ArgumentParser(prog="python -m gns_callback demo", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--epochs", type=_positive_int, default=5, help="training epochs")
-    parser.add_argument("--batch-size", type=_positive_int, default=32, help="examples per backward pass")
-    parser.add_argument("--lr", type=_positive_float, default=0.05, help="SGD learning rate (momentum 0.9)")
+    parser.add_argument("--epochs", type=positive_int_option, default=5, help="training epochs")
+    parser.add_argument("--batch-size", type=positive_int_option, default=32, help="examples per backward pass")
+    parser.add_argument("--lr", type=positive_float_option, default=0.05, help="SGD learning rate (momentum 0.9)")
     parser.add_argument("--method", default="auto", choices=["auto", "micro_batch", "per_example"],
                         help="how the small-batch norms are measured (README, Methods)")
-    parser.add_argument("--accumulate", type=_positive_int, default=1, help="accumulate_grad_batches")
+    parser.add_argument("--accumulate", type=positive_int_option, default=1, help="accumulate_grad_batches")
     parser.add_argument("--seed", type=int, default=0, help="data split, order and initial weights")
     parser.add_argument("--no-probe", action="store_true", help="skip the memory/throughput probe (about 2 s)")
     parser.add_argument("--out", default=None, help="log dir; None: a temporary directory")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
+from gns_callback.arguments import positive_float_option, positive_int_option
 from gns_callback.estimate import GNSEstimate
 from gns_callback.json_values import unmeasured
 from gns_callback.report import DEFAULT_REPORT_NAME
@@ -101,26 +102,6 @@ def load_report(path: Path) -> dict[str, Any]:
     return report
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m gns_callback report",
@@ -132,22 +113,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="directory for the PNGs (default: the report's directory); not with --no-plots")
     p.add_argument("--no-plots", action="store_true", help="only print the recommendation")
     g = p.add_argument_group("recompute the recommendation (any of these; unset values come from the report)")
-    g.add_argument("--batch-size", type=_positive_int, help="current global batch (default: the report's)")
-    g.add_argument("--lr", type=_positive_float,
+    g.add_argument("--batch-size", type=positive_int_option, help="current global batch (default: the report's)")
+    g.add_argument("--lr", type=positive_float_option,
                    help="current base learning rate (default: the report's, if --batch-size is the report's)")
     g.add_argument("--optimizer", help="optimizer class name, e.g. SGD, AdamW (default: the report's); picks the "
                                        "LR rule")
     g.add_argument("--lr-rule", help="LR scaling rule, overriding the optimizer's (e.g. linear, sqrt, none)")
-    g.add_argument("--devices", type=_positive_int, help="data-parallel devices (default: run.world_size)")
-    g.add_argument("--accumulate", type=_positive_int,
+    g.add_argument("--devices", type=positive_int_option, help="data-parallel devices (default: run.world_size)")
+    g.add_argument("--accumulate", type=positive_int_option,
                    help="current accumulate_grad_batches (default: run.accumulate_grad_batches)")
-    g.add_argument("--dataset-size", type=_positive_int,
+    g.add_argument("--dataset-size", type=positive_int_option,
                    help="training examples per epoch: steps per epoch, warmup steps, time per epoch")
-    g.add_argument("--max-batch-size", type=_positive_int,
+    g.add_argument("--max-batch-size", type=positive_int_option,
                    help="upper bound on the recommended global batch (acts only when the batch moves: status ok or toward_interval)")
     g.add_argument("--power-of-two", action=argparse.BooleanOptionalAction, default=None,
                    help="round the recommended batch to a power of two (acts only when the batch moves: status ok or toward_interval)")
-    g.add_argument("--price-per-device-hour", type=_positive_float,
+    g.add_argument("--price-per-device-hour", type=positive_float_option,
                    help="for cost per epoch (needs the probe's throughput and an epoch length)")
     g.add_argument("--estimate", help="report section to recommend from (default: batch_target, the critical batch the callback "
                         "recommended from; in older reports run_estimate, the run average)")
