@@ -371,26 +371,15 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             raise misconfiguration(trainer, f"GradientNoiseScaleCallback: {error}") from None
         if choice.note and self.verbose:
             facts.say(trainer, f"GradientNoiseScaleCallback: {choice.note}")
-        method, fallback = choice.method, choice.fallback
-        if self._restored and self._restored.get("method") == fallback:  # the checkpoint's run had switched
-            method, fallback = fallback, None
-        self.resolved_method = method
         meter = GradientNoiseScaleMeter(
-            pl_module, method, self.ema_decay, self.confidence, self.loss_reduction,
-            self.per_example_max_examples, reduce=facts.sum_across_ranks(trainer), fallback_method=fallback,
+            pl_module, choice.method, self.ema_decay, self.confidence, self.loss_reduction,
+            self.per_example_max_examples, reduce=facts.sum_across_ranks(trainer), fallback_method=choice.fallback,
             measure_every_n_steps=self.measure_every_n_steps,
         )
         if self._restored:
-            self._restore_meter(trainer, meter)
+            meter.load_state_dict(self._restored)  # resumes the checkpoint's switch, or says it measured otherwise
+        self.resolved_method = meter.method
         return meter
-
-    def _restore_meter(self, trainer: Any, meter: GradientNoiseScaleMeter) -> None:
-        if self._restored.get("method") not in (None, meter.method):
-            _warn_rank_zero(trainer,
-                f"GradientNoiseScaleCallback: the checkpoint's running sums were measured with "
-                f"method={self._restored['method']!r}, this run uses {meter.method!r}; they are combined."
-            )
-        meter.load_state_dict(self._restored)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._read_sampling(trainer, pl_module)  # on a resumed fit too: the sampler is not part of the checkpoint

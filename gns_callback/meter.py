@@ -481,6 +481,7 @@ class GradientNoiseScaleMeter:
         the run average and the critical batch exactly; the recent estimate starts afresh, because the tracker's
         sums (normalised steps, their trend moments) can't be rebuilt from the EMA's."""
         self._reads.clear()
+        self._resume_method(state.get("method", self.method), state.get("switched_from"))
         self.run.load_state_dict(state["run"])
         if int(state.get("version", 1)) >= 3:
             self.ema.load_state_dict(state["ema"])
@@ -507,7 +508,24 @@ class GradientNoiseScaleMeter:
         reseed_probes(self.steps_offered)
         self._set_hooks()  # the duty cycle's phase at the resumed step
         self.failure = state.get("failure")
-        self.switched_from = state.get("switched_from")
+
+    def _resume_method(self, method: str, switched_from: Optional[str]) -> None:
+        """Measure with the state's method where the state's meter switched to this one's fallback (its hooks were
+        found unreliable on this model: before, the resumed meter went back to them). A state measured with
+        another method is continued with this meter's, with a warning: both methods' sums are unbiased for the
+        same ``|G|²`` and ``tr(Σ)``, so the run average goes on from them."""
+        if method == self.method:
+            self.switched_from = switched_from
+        elif method == self.fallback_method and switched_from == self.method:
+            self._use_collector(method)
+            self.switched_from, self.method, self.fallback_method = switched_from, method, None
+            self.needs_check = False
+        else:
+            warnings.warn(
+                f"gns_callback: the state was measured with method={method!r}; this meter measures with "
+                f"method={self.method!r} from here on, and its run average goes on from the state's sums (both "
+                f"methods estimate the same |G|² and tr(Σ)). Build the meter with method={method!r} to resume it "
+                "as it was, or start without the state.", stacklevel=3)
 
     # ------------------------------------------------------------------ per optimizer step
     def step(

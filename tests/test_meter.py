@@ -561,6 +561,40 @@ def test_fallback_switches_once_and_measures_the_whole_model(digits, exact_gns):
     assert not net.body._forward_hooks and not net.head._forward_hooks  # the per-example hooks came off
 
 
+def test_a_state_that_switched_to_the_fallback_resumes_with_it(digits):
+    """Before, the resumed meter went back to the per-example hooks the state's run had found unreliable: it warned of
+    the switch again and restarted the estimate, so the resumed run lost the steps before the checkpoint."""
+    net = Twice()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with GradientNoiseScaleMeter(net, fallback_method="micro_batch") as whole:
+            _accumulated_steps(whole, net, *digits, steps=31, seed=0)
+            _accumulated_steps(whole, net, *digits, steps=20, seed=1)
+        with GradientNoiseScaleMeter(net, fallback_method="micro_batch") as first:
+            _accumulated_steps(first, net, *digits, steps=31, seed=0)
+    state = json.loads(json.dumps(first.state_dict()))
+    with GradientNoiseScaleMeter(net, fallback_method="micro_batch") as resumed, \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed.load_state_dict(state)
+        _accumulated_steps(resumed, net, *digits, steps=20, seed=1)
+    assert [str(w.message) for w in caught if "gns_callback" in str(w.message)] == []
+    assert resumed.method == "micro_batch" and resumed.switched_from == "per_example"
+    assert resumed.run_estimate == whole.run_estimate and resumed.run_estimate.steps == 50
+
+
+def test_a_state_measured_with_another_method_says_the_sums_go_on(digits):
+    """Before, a ``micro_batch`` meter loading a ``per_example`` state went on from its sums without a word."""
+    net = mlp()
+    with GradientNoiseScaleMeter(net) as first:
+        _steps(first, net, *digits, steps=5, seed=0)
+    with GradientNoiseScaleMeter(net, method="micro_batch") as resumed:
+        with pytest.warns(UserWarning, match=r"measured with method='per_example'; this meter measures with "
+                                             r"method='micro_batch'.*Build the meter with method='per_example'"):
+            resumed.load_state_dict(first.state_dict())
+        assert resumed.method == "micro_batch" and resumed.run_estimate.steps == 5
+
+
 class SometimesTwice(Twice):
     """Applies ``body`` twice only once ``twice`` is set (a data- or step-dependent branch)."""
 
