@@ -54,13 +54,24 @@ def small_cnn(classes: int = 10, seed: int = 0) -> nn.Module:
     )
 
 
+#: The optimizers :func:`optimizer_for` builds by name (PyTorch defaults but for the ones named).
+OPTIMIZERS = {
+    "sgd": lambda params, lr: torch.optim.SGD(params, lr=lr),
+    "momentum": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9),
+    "nesterov": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9, nesterov=True),
+    "adam": lambda params, lr: torch.optim.Adam(params, lr=lr),
+    "adamw": lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=0.01),
+    "rmsprop": lambda params, lr: torch.optim.RMSprop(params, lr=lr),
+    "adagrad": lambda params, lr: torch.optim.Adagrad(params, lr=lr),
+}
+
+
 def optimizer_for(name: str, params, lr: float) -> torch.optim.Optimizer:
-    """An optimizer by its name: ``"sgd"``, ``"momentum"`` (SGD, momentum 0.9) or ``"adam"``."""
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr)
-    if name not in ("sgd", "momentum"):
-        raise ValueError(f"optimizer must be 'sgd', 'momentum' (SGD, momentum 0.9) or 'adam', got {name!r}")
-    return torch.optim.SGD(params, lr=lr, momentum=0.9 if name == "momentum" else 0.0)
+    """An optimizer by its name (:data:`OPTIMIZERS`): ``"sgd"``, ``"momentum"`` (SGD, momentum 0.9), ``"nesterov"``
+    (SGD, Nesterov momentum 0.9), ``"adam"``, ``"adamw"`` (weight decay 0.01), ``"rmsprop"`` or ``"adagrad"``."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {name!r}")
+    return OPTIMIZERS[name](params, lr)
 
 
 class LearnedSlope(nn.Module):

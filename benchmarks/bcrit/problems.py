@@ -112,10 +112,12 @@ def lr_grid(low: float, high: float) -> tuple[float, ...]:
 
 def _held_out(key: str, network: str, make_net: Callable[[], nn.Module],
               data: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Problem]:
-    """A held-out classification problem (target full-data cross-entropy 0.02) under SGD, Adam and SGD with
-    momentum 0.9: keys ``key``, ``key_adam``, ``key_momentum``, each with its optimizer's LR grid."""
+    """A held-out classification problem (target full-data cross-entropy 0.02) under SGD, Adam, SGD with
+    momentum 0.9, RMSprop and Adagrad: keys ``key``, ``key_adam``, ``key_momentum``, ``key_rmsprop``, ``key_adagrad``,
+    each with its optimizer's LR grid."""
     runs = (("", "SGD", "sgd", lr_grid(0.2, 9.1)), ("_adam", "Adam", "adam", lr_grid(0.002, 0.2)),
-            ("_momentum", "SGD momentum 0.9", "momentum", lr_grid(0.02, 1.6)))
+            ("_momentum", "SGD momentum 0.9", "momentum", lr_grid(0.02, 1.6)),
+            ("_rmsprop", "RMSprop", "rmsprop", lr_grid(0.001, 0.1)), ("_adagrad", "Adagrad", "adagrad", lr_grid(0.01, 1.0)))
     return {key + suffix: Problem(key + suffix, f"{network}, {label}, target full-data cross-entropy 0.02", make_net,
                                   data, 0.02, lrs, optimizer=optimizer)
             for suffix, label, optimizer, lrs in runs}
@@ -129,6 +131,13 @@ PROBLEMS = {
                    partial(mlp, 64), digits, 0.05, lr_grid(0.1, 2.3)),
     "mlp_adam": Problem("mlp_adam", "digits MLP 64-64-10 (tanh), Adam, target full-data cross-entropy 0.05",
                         partial(mlp, 64), digits, 0.05, lr_grid(0.002, 0.2), optimizer="adam"),
+    # optimizers the calibration never saw (the digits MLP; bc_mlp_* below: a held-out data set too)
+    **{f"mlp_{key}": Problem(f"mlp_{key}", f"digits MLP 64-64-10 (tanh), {label}, target full-data cross-entropy 0.05",
+                             partial(mlp, 64), digits, 0.05, lrs, optimizer=key)
+       for key, label, lrs in (("nesterov", "SGD Nesterov momentum 0.9", lr_grid(0.02, 1.6)),
+                               ("adamw", "AdamW weight decay 0.01", lr_grid(0.002, 0.2)),
+                               ("rmsprop", "RMSprop", lr_grid(0.0005, 0.05)),
+                               ("adagrad", "Adagrad", lr_grid(0.005, 0.5)))},
     "cnn_adam": Problem("cnn_adam",
                         "digits CNN (2 conv + GroupNorm + linear, ReLU), Adam, target full-data cross-entropy 0.03",
                         cnn, digits, 0.03, lr_grid(0.001, 0.1), optimizer="adam"),

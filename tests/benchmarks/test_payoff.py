@@ -86,4 +86,4 @@ def test_the_measuring_fit_trains_with_the_problems_optimizer(name, momentum):
     optimizer = Classifier(mlp(), lr=0.1, optimizer=name).configure_optimizers()
     assert isinstance(optimizer, torch.optim.SGD) and optimizer.param_groups[0]["momentum"] == momentum
     with pytest.raises(ValueError, match="optimizer must be"):
-        Classifier(mlp(), optimizer="rmsprop").configure_optimizers()
+        Classifier(mlp(), optimizer="lion").configure_optimizers()
