@@ -2,7 +2,9 @@
 
 The rule comes from ``lr_rule=`` when given (a user override), else from the optimizer's family
 (:func:`~gns_callback.recommendation.rules.lr_rule_for`): noise-aware by default, McCandlish et al.'s
-``ε(B) = ε_max/(1 + B_noise/B)`` (its square root for the Adam family).
+``ε(B) = ε_max/(1 + B_noise/B)`` (its square root for the Adam family; for adaptive optimizers without a first
+moment, RMSprop and Adagrad at PyTorch's defaults, ``ε(B) ∝ √(1 + B_noise/B)``, which lowers the LR as the batch
+rises: see :mod:`.rules`).
 
 Which ``B_noise``. A constant LR has to survive the whole run, and an SGD LR is limited by the early phase, where
 ``|G|²`` is large and the noise scale small; so an SGD *increase* uses the *early* noise scale when the run
@@ -62,7 +64,8 @@ USER_OVERRIDE = "user override"
 #: cost is lopsided: a bit too low costs a few percent of the steps, too high diverges. 0.85 ≈ one such step.
 INCREASE_MARGIN = 0.85
 _MARGIN_NOTE = f"an SGD LR increase aims ×{INCREASE_MARGIN:g} below the rule's optimum (a tuned LR sits near divergence)"
-_FAMILIES = {"noise_linear": "SGD family", "noise_sqrt": "adaptive (Adam) family", "none": "no rule"}
+_FAMILIES = {"noise_linear": "SGD family", "noise_sqrt": "adaptive (Adam) family",
+             "noise_inverse_sqrt": "adaptive family without a first moment (RMSprop, Adagrad)", "none": "no rule"}
 _MALLADI_NOTE = (
     "Malladi et al.'s square-root rule also scales 1−β₁, 1−β₂ by κ = B_new/B_old and ε by 1/√κ; only the LR is "
     "changed here"

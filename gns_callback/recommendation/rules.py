@@ -7,11 +7,25 @@ When the global batch moves from ``B0`` to ``B1`` (``κ = B1/B0``), the LR is mu
   Training" (arXiv:1812.06162), eq. 2.7: the optimal SGD step is ``ε_opt(B) = ε_max/(1 + B_noise/B)``, linear
   in ``B`` while ``B ≪ B_noise`` and flat above it. Its small-batch limit ``B0, B1 ≪ B_noise`` is the linear
   rule; well above ``B_noise`` the LR barely changes.
-* **noise_sqrt** (default for adaptive methods: Adam, AdamW, RMSprop, Adagrad, LAMB, Adafactor, ...):
+* **noise_sqrt** (default for adaptive methods with a first moment: Adam, AdamW, RMSprop with momentum, LAMB, ...):
   ``√((1 + B_noise/B0) / (1 + B_noise/B1))``, from ``ε(B) = ε_max/√(1 + B_noise/B)``: the same saturation
   applied to the square-root rule, which is its small-batch limit.
+* **noise_inverse_sqrt** (default for adaptive methods whose update does not average the gradient over steps:
+  RMSprop without momentum, Adagrad, Adam with ``β₁ = 0``): ``√((1 + B_noise/B1) / (1 + B_noise/B0))``, the
+  inverse of noise_sqrt. Their step is ``lr·g/√v`` with ``v ≈ E[g²] = G² + σ²/B`` per coordinate, so its mean
+  along the gradient, ``lr/√(1 + B_noise/B)``, *grows* with the batch; keeping it (the largest stable step) gives
+  ``ε(B) ∝ √(1 + B_noise/B)``: a larger batch needs a smaller LR. Adam's first moment averages the noise out of
+  the numerator instead, and its tuned LR rises with the batch. Measured on digits (MLP 64-64-10,
+  ``benchmarks/payoff.py``): RMSprop tuned at batch 8 (LR 0.0134) and moved to 32, the square-root rule's LR
+  0.0214 diverged on 8 of 8 fresh seeds, the kept LR on 5 of 8, this rule's 0.0084 on none (at 0.41× the steps
+  of batch 8); Adagrad 8 → 24 (LR 0.16): kept, 7 of 8 diverged; this rule's 0.112, none. Followed from the
+  callback's reading (digits, RMSprop 8 → 40 and 32 → 56, Adagrad 8 → 32 and 32 → 72): 1.08–1.13× the steps of the
+  LR tuned at the new batch, none of 40 fresh runs diverged (noise_sqrt: 3 of 4 quick runs). Its cost: on breast
+  cancer (RMSprop 8 → 112), where the reading (396) was 5× the slow-way B_crit, the LR fell to 0.30× and took 3.1×
+  the steps of the LR tuned at 112 (still 0.35× the steps of batch 8); noise_sqrt diverged on 1 of 8 seeds there.
 * **linear** (``lr·κ``): Goyal et al. 2017, "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour"
   (arXiv:1706.02677). The small-batch limit of noise_linear; an explicit choice.
+* **inverse_sqrt** (``lr/√κ``): the small-batch limit of noise_inverse_sqrt; an explicit choice.
 * **sqrt** (``lr·√κ``): Malladi, Lyu, Panigrahi, Arora 2022, "On the SDEs and Scaling Rules for Adaptive
   Gradient Algorithms" (NeurIPS 2022, arXiv:2205.10287). Their full rule also sets ``1−β → κ(1−β)`` and
   ``ε → ε/√κ``; only the LR is changed here. The small-batch limit of noise_sqrt; an explicit choice.
@@ -45,17 +59,19 @@ import torch
 
 NOISE_LINEAR = "noise_linear"
 NOISE_SQRT = "noise_sqrt"
+NOISE_INVERSE_SQRT = "noise_inverse_sqrt"
+INVERSE_SQRT = "inverse_sqrt"
 LINEAR = "linear"
 SQRT = "sqrt"
 NONE = "none"
-LR_RULES = (NOISE_LINEAR, NOISE_SQRT, LINEAR, SQRT, NONE)
+LR_RULES = (NOISE_LINEAR, NOISE_SQRT, NOISE_INVERSE_SQRT, LINEAR, SQRT, INVERSE_SQRT, NONE)
 #: Rules that need ``B_noise``.
-NOISE_RULES = (NOISE_LINEAR, NOISE_SQRT)
+NOISE_RULES = (NOISE_LINEAR, NOISE_SQRT, NOISE_INVERSE_SQRT)
 #: The SGD-family rules (those a curvature stability limit applies to), and the adaptive-family ones.
 SGD_RULES = (NOISE_LINEAR, LINEAR)
 SQRT_RULES = (NOISE_SQRT, SQRT)
 #: The rule each noise-aware rule tends to when ``B ≪ B_noise``.
-SMALL_BATCH_LIMIT = {NOISE_LINEAR: LINEAR, NOISE_SQRT: SQRT}
+SMALL_BATCH_LIMIT = {NOISE_LINEAR: LINEAR, NOISE_SQRT: SQRT, NOISE_INVERSE_SQRT: INVERSE_SQRT}
 
 _GOYAL = "Goyal et al. 2017, Accurate, Large Minibatch SGD (arXiv:1706.02677)"
 _MALLADI = "Malladi et al. 2022, On the SDEs and Scaling Rules for Adaptive Gradient Algorithms (arXiv:2205.10287)"
@@ -67,6 +83,9 @@ CITATIONS = {
     f"({_MALLADI}), which is its small-batch limit B ≪ B_noise",
     LINEAR: f"{_GOYAL}; the small-batch limit B ≪ B_noise of the noise-aware rule",
     SQRT: f"{_MALLADI}; the small-batch limit B ≪ B_noise of the noise-aware rule",
+    NOISE_INVERSE_SQRT: "ε(B) = ε₀·√(1 + B_noise/B): the mean step lr·|G|/√E[g²] of an adaptive optimizer without a "
+    "first moment (its √v holds the batch's noise) kept as the batch moves; measured on digits, benchmarks/RESULTS.md",
+    INVERSE_SQRT: "lr/√κ: the small-batch limit B ≪ B_noise of noise_inverse_sqrt",
     NONE: "learning rate kept",
 }
 
@@ -84,6 +103,8 @@ _SQRT_TOKENS = (
     "shampoo",
     "sophia",
 )
+#: Adaptive optimizers whose update has no first moment at PyTorch's defaults (an instance's own settings decide).
+_UNAVERAGED_TOKENS = ("rmsprop", "adagrad")
 _LINEAR_TOKENS = ("sgd", "lars", "larc", "momentum", "nesterov")  # SGD, ASGD, SGDW, FusedSGD, LARS, ...
 
 #: Goyal et al.'s warmup: 5 epochs for a 32× increase (batch 256 → 8192).
@@ -131,18 +152,39 @@ def _names(optimizer: OptimizerLike) -> list[str]:
     return [c.__name__.lower() for c in cls.__mro__ if c.__name__ not in ("object", "Optimizer")]
 
 
+def first_moment(optimizer: OptimizerLike) -> Optional[float]:
+    """The weight an optimizer *instance*'s update gives past gradients, read off its first param group: Adam's
+    ``β₁`` (``betas[0]``), else RMSprop's or SGD's ``momentum``; ``None`` for a class, a name, or a group with
+    neither (Adagrad)."""
+    groups = getattr(unwrap_optimizer(optimizer), "param_groups", None)
+    if isinstance(optimizer, (str, type)) or not groups:
+        return None
+    group = groups[0]
+    if isinstance(group.get("betas"), (tuple, list)) and group["betas"]:
+        return float(group["betas"][0])
+    return float(group["momentum"]) if isinstance(group.get("momentum"), (int, float)) else None
+
+
+def averages_gradients(optimizer: OptimizerLike, name: str) -> bool:
+    """Whether an adaptive optimizer's update averages the gradient over steps (a first moment above 0): an
+    instance's own setting where it has one (:func:`first_moment`), else by class ``name`` (RMSprop at PyTorch's
+    default momentum 0 and Adagrad do not)."""
+    beta = first_moment(optimizer)
+    return beta > 0.0 if beta is not None else not any(t in name for t in _UNAVERAGED_TOKENS)
+
+
 def lr_rule_for(optimizer: OptimizerLike) -> tuple[str, Optional[str]]:
     """``(rule, note)`` for an optimizer class, instance or name; ``note`` is set when the family is unknown.
 
     >>> import torch
     >>> lr_rule_for(torch.optim.SGD)[0], lr_rule_for("AdamW")[0], lr_rule_for(torch.optim.RMSprop)[0]
-    ('noise_linear', 'noise_sqrt', 'noise_sqrt')
+    ('noise_linear', 'noise_sqrt', 'noise_inverse_sqrt')
     """
     for name in _names(optimizer):
         if any(t in name for t in _NONE_TOKENS):
             return NONE, f"{optimizer_name(optimizer)}: no batch-size scaling rule; learning rate kept"
         if any(t in name for t in _SQRT_TOKENS):
-            return NOISE_SQRT, None
+            return (NOISE_SQRT if averages_gradients(optimizer, name) else NOISE_INVERSE_SQRT), None
         if any(t in name for t in _LINEAR_TOKENS):
             return NOISE_LINEAR, None
     if optimizer is None:
@@ -161,9 +203,11 @@ def check_rule(rule: str) -> str:
 
 
 def lr_exponent(rule: str) -> float:
-    """``p`` in ``ε(B) ∝ (1 + B_noise/B)^(−p)``: 1 for the linear forms, ½ for the square-root ones, 0 for none."""
+    """``p`` in ``ε(B) ∝ (1 + B_noise/B)^(−p)``: 1 for the linear forms, ½ for the square-root ones, −½ for the
+    inverse square-root ones, 0 for none."""
     check_rule(rule)
-    return {NOISE_LINEAR: 1.0, LINEAR: 1.0, NOISE_SQRT: 0.5, SQRT: 0.5, NONE: 0.0}[rule]
+    return {NOISE_LINEAR: 1.0, LINEAR: 1.0, NOISE_SQRT: 0.5, SQRT: 0.5, NOISE_INVERSE_SQRT: -0.5, INVERSE_SQRT: -0.5,
+            NONE: 0.0}[rule]
 
 
 def lr_factor(old_batch_size: float, new_batch_size: float, rule: str, b_noise: Optional[float] = None) -> float:

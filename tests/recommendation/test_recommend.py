@@ -253,8 +253,8 @@ def test_lr_rules_by_optimizer_and_override():
     r = rec_for(256.0, current_batch_size=64, current_lr=1e-3, optimizer=torch.optim.AdamW)
     assert r.lr_rule == "noise_sqrt" and r.learning_rate == pytest.approx(1e-3 * math.sqrt(2.5))
     assert "Malladi" in r.citation and any("β" in n for n in r.notes)
-    r = rec_for(256.0, current_batch_size=64, current_lr=1e-3, optimizer="RMSprop")
-    assert r.lr_rule == "noise_sqrt"
+    r = rec_for(256.0, current_batch_size=64, current_lr=1e-3, optimizer="RMSprop")  # no first moment: LR lowered
+    assert r.lr_rule == "noise_inverse_sqrt" and r.learning_rate == pytest.approx(1e-3 / math.sqrt(2.5))
     r = rec_for(256.0, current_batch_size=64, current_lr=1e-3, optimizer=torch.optim.AdamW, lr_rule="linear")
     assert r.learning_rate == pytest.approx(4e-3) and r.lr_rule_source == "user override"
     r = rec_for(256.0, current_batch_size=64, current_lr=1e-3, optimizer=torch.optim.SGD, lr_rule="sqrt")

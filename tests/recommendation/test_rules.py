@@ -27,13 +27,36 @@ def test_sgd_with_momentum_and_nesterov_is_noise_linear():
 
 
 @pytest.mark.parametrize(
-    "cls", [torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adamax,
-            torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta]
+    "cls", [torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+            torch.optim.Adadelta]
 )
 def test_adaptive_family_noise_sqrt_by_class_instance_and_name(cls):
     assert lr_rule_for(cls) == ("noise_sqrt", None)
     assert lr_rule_for(cls(_params(), lr=1e-3)) == ("noise_sqrt", None)
     assert lr_rule_for(cls.__name__.lower()) == ("noise_sqrt", None)
+
+
+@pytest.mark.parametrize("cls", [torch.optim.RMSprop, torch.optim.Adagrad])
+def test_adaptive_without_a_first_moment_noise_inverse_sqrt(cls):
+    """RMSprop (at its default momentum 0) and Adagrad step lr·g/√v: the LR falls as the batch rises."""
+    assert lr_rule_for(cls) == ("noise_inverse_sqrt", None)
+    assert lr_rule_for(cls(_params(), lr=1e-3)) == ("noise_inverse_sqrt", None)
+    assert lr_rule_for(cls.__name__.lower()) == ("noise_inverse_sqrt", None)
+
+
+def test_the_instance_first_moment_decides():
+    assert lr_rule_for(torch.optim.RMSprop(_params(), lr=1e-3, momentum=0.9))[0] == "noise_sqrt"
+    assert lr_rule_for(torch.optim.Adam(_params(), lr=1e-3, betas=(0.0, 0.999)))[0] == "noise_inverse_sqrt"
+    assert lr_rule_for(torch.optim.AdamW(_params(), lr=1e-3, weight_decay=0.1))[0] == "noise_sqrt"
+
+
+def test_noise_inverse_sqrt_lowers_the_lr_on_an_increase():
+    # Digits MLP, RMSprop tuned at batch 8 (LR 0.0134), B_noise read 34.1, moved to 32: ×√((1 + 34.1/32)/(1 + 34.1/8))
+    # = ×0.627 → 0.0084 (0 of 8 fresh seeds diverged; the kept LR 5 of 8, noise_sqrt's 0.0214 8 of 8).
+    assert scale_lr(0.0134, 8, 32, "noise_inverse_sqrt", 34.1) == pytest.approx(0.0134 * 0.6265, rel=1e-3)
+    assert lr_factor(8, 32, "inverse_sqrt") == pytest.approx(0.5)
+    assert lr_factor(8, 32, "noise_inverse_sqrt", math.inf) == pytest.approx(0.5)
+    assert lr_factor(8, 32, "noise_inverse_sqrt", 0.0) == 1.0
 
 
 @pytest.mark.parametrize("name", ["LAMB", "Lamb", "Adafactor", "AdamW8bit", "FusedAdam", "DeepSpeedCPUAdam", "NovoGrad"])
@@ -123,7 +146,7 @@ def _closed_form(b0, b1, b_noise, p):
     return ((1 + b_noise / b0) / (1 + b_noise / b1)) ** p
 
 
-@pytest.mark.parametrize("rule, p", [("noise_linear", 1.0), ("noise_sqrt", 0.5)])
+@pytest.mark.parametrize("rule, p", [("noise_linear", 1.0), ("noise_sqrt", 0.5), ("noise_inverse_sqrt", -0.5)])
 @pytest.mark.parametrize("b0, b1, b_noise", [(8, 32, 40.0), (512, 16, 16.0), (64, 4096, 100.0), (100, 100, 7.0)])
 def test_noise_rules_closed_form_in_both_directions(rule, p, b0, b1, b_noise):
     up = lr_factor(b0, b1, rule, b_noise)
