@@ -1,7 +1,7 @@
 import torch
 
 from gns_callback.recommendation import recommend
-from gns_callback.recommendation.calibration import may_move, uncalibrated_reason
+from gns_callback.recommendation.calibration import MEASURED, may_move, uncalibrated_reason
 from tests.recommendation.synthetic import synthetic_estimate
 
 
@@ -19,6 +19,22 @@ def test_only_plain_sgd_is_calibrated():
     assert "momentum 0.9" in uncalibrated_reason(_optimizer(momentum=0.9))
     assert "Adam" in uncalibrated_reason(_optimizer(torch.optim.Adam))
     assert "lower bound" in uncalibrated_reason(torch.optim.AdamW)
+
+
+def test_the_reason_gives_the_optimizers_own_measurement_or_says_it_was_not_measured():
+    # Before: every optimizer but plain SGD read "with <it> the slow-way B_crit on digits was 1.9–17× the reading",
+    # measured or not; RMSprop and Adagrad, measured since, read near their slow-way B_crit instead.
+    for name in ("Lion", "Adadelta"):
+        assert f"{name} was not measured" in uncalibrated_reason(name)
+    assert "momentum 0.5 was not measured" in uncalibrated_reason(_optimizer(momentum=0.5))
+    nesterov = uncalibrated_reason(_optimizer(momentum=0.9, nesterov=True))
+    assert "with Nesterov momentum 0.9 the slow-way B_crit on digits was 4.6–6× the noise-scale reading" in nesterov
+    assert nesterov.endswith("which is then a lower bound")
+    for optimizer, label in ((_optimizer(torch.optim.RMSprop), "RMSprop"), (torch.optim.Adagrad, "Adagrad")):
+        reason = uncalibrated_reason(optimizer)
+        low, high = MEASURED[label]
+        assert high < 1.0 and f"with {label} the slow-way B_crit on digits was {low:g}–{high:g}×" in reason
+        assert "may overstate it (not a lower bound" in reason
 
 
 def test_uncalibrated_optimizers_only_move_up():
