@@ -1,6 +1,7 @@
 """A loss divided by a sum over the batch that depends on its examples: ``CrossEntropyLoss(weight=...)``, whose mean
 is ``Σ_i w_i l_i / Σ_i w_i``. Per-example norms read each example's weighted gradient; the batch gradient is a
-ratio of two sums over the batch. Not caught by the first batch's check (README, "When it can't measure").
+ratio of two sums over the batch. Caught by the first batch's check, which watches the loss's arguments (README,
+"When it can't measure"); the readings below are the norms' own, without it.
 
     python benchmarks/batch_normalised_losses.py [--seeds 5] [--steps 400]
 
@@ -9,7 +10,9 @@ defaults. Two exact values: "weighted examples", ``B_simple`` of ``g_i = w_i ∇
 (float64, one backward pass per example), what a loss divided by a constant would have; "batch gradient", ``B·tr
 Cov(G_B) / |E G_B|²`` of the weighted-mean batch gradient itself, by Monte Carlo over ``--draws`` batches. Then how
 far the check's normaliser moves when the second half's rows are copied from the first (``|f − 1|``, 20 batches):
-what the check could see.
+what the check could see. Then the batch gradient's noise at micro-batches of 8 against 32, and what
+``method="micro_batch"`` reads at 4 micro-batches of 8: the noise of a ratio changes with the batch size, so neither
+method measures one noise scale, and the first batch's check now refuses the loss for both.
 """
 
 from __future__ import annotations
@@ -82,17 +85,46 @@ def meter_reading(x: torch.Tensor, y: torch.Tensor, weight, seed: int, steps: in
     return meter.run_estimate
 
 
+def micro_batch_reading(x: torch.Tensor, y: torch.Tensor, weight, seed: int, steps: int, micro: int = 8,
+                        passes: int = 4):
+    """The meter with ``method="micro_batch"``: ``passes`` micro-batches of ``micro`` per step, each its own weighted
+    mean (as accumulation runs it)."""
+    net = model()
+    generator = torch.Generator().manual_seed(seed)
+    with GradientNoiseScaleMeter(net, method="micro_batch") as meter:
+        for _ in range(steps):
+            for _ in range(passes):
+                i = torch.randint(0, len(x), (micro,), generator=generator)
+                (F.cross_entropy(net(x[i]), y[i], weight=weight) / passes).backward()
+            meter.step(micro_batch_size=micro)
+            net.zero_grad()
+    return meter.run_estimate
+
+
+class _Unwatched:
+    """Stands in for the check's watch of the loss (:mod:`gns_callback.per_example.weighted_mean`), which refuses
+    these losses before the rows are compared: what the comparison alone would see."""
+
+    found = None
+
+    def __enter__(self) -> "_Unwatched":
+        return self
+
+    def __exit__(self, *exc: object) -> bool:
+        return False
+
+
 def normaliser_moves(x: torch.Tensor, y: torch.Tensor, weight, batch: int, batches: int = 20) -> torch.Tensor:
     """``|f − 1|`` of the check's common factor, with the batch's rows copied before the loss (as in Lightning)."""
     factors: list[float] = []
-    compare = checks._compare
+    compare, watch = checks._compare, checks.WeightedMeanWatch
 
     def recording(before, after, half, tolerance):
         count = min(half, before.shape[0])
         factors.append(float((after[:count] / before[:count]).median()))
         return compare(before, after, half, tolerance)
 
-    checks._compare = recording
+    checks._compare, checks.WeightedMeanWatch = recording, _Unwatched
     try:
         net = model()
         for seed in range(batches):
@@ -102,7 +134,7 @@ def normaliser_moves(x: torch.Tensor, y: torch.Tensor, weight, batch: int, batch
                                      reset=lambda: None,
                                      run_replaced_pass=lambda: F.cross_entropy(net(x[j]), y[j], weight=weight).backward())
     finally:
-        checks._compare = compare
+        checks._compare, checks.WeightedMeanWatch = compare, watch
     return (torch.tensor(factors) - 1).abs()
 
 
@@ -127,6 +159,15 @@ def main() -> None:
         shown = "; ".join(f"{r.b_simple:.1f} [{r.ci_low:.1f}, {r.ci_high:.1f}]" for r in readings)
         print(f"| {name} | {examples:.2f} | {batch_gradient:.2f} | {shown} | {held[0]}/{len(readings)} / "
               f"{held[1]}/{len(readings)} | {float(moves.median()):.1%}, {float(moves.max()):.0%} |")
+    print("\nThe batch gradient's own noise at micro-batches of 8, and `method=\"micro_batch\"` (4 × 8 a step):\n")
+    print("| class weights | exact: batch gradient at 8 | at 32 | micro_batch run average [95% CI] per seed |")
+    print("|---|---|---|---|")
+    for name, weight in WEIGHTINGS.items():
+        w = (torch.ones(10) if weight is None else weight).double()[y]
+        at_8, at_32 = (exact_values(rows, w, args.draws, size)[1] for size in (8, 32))
+        readings = [micro_batch_reading(x, y, weight, seed, args.steps) for seed in range(args.seeds)]
+        shown = "; ".join(f"{r.b_simple:.1f} [{r.ci_low:.1f}, {r.ci_high:.1f}]" for r in readings)
+        print(f"| {name} | {at_8:.2f} | {at_32:.2f} | {shown} |")
 
 
 if __name__ == "__main__":

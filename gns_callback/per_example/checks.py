@@ -30,6 +30,9 @@ Per-example norms read example ``i``'s gradient as what flows through its own ro
    gradient's own noise, by brute force over 40,000 batches, gives 92.6; copying rows in the batch catches it.
    Mixing done in the data loader (a collate function) happens before any check can copy rows, and is not seen.
 
+The first pass also watches the loss's arguments (:mod:`.weighted_mean`): a mean over the batch's own class weights
+(``cross_entropy(..., weight=w)``) divides by a sum that moves with the examples, which no method measures.
+
 Torch only, no Lightning.
 """
 
@@ -53,6 +56,7 @@ from .sum_check import Rest, SumCheck
 from .param_path import is_parameter
 from .tracker import MICRO_BATCH_HINT, SUPPORTED_MODULES, PerExampleNormTracker
 from .transposed_linear import layer_kind
+from .weighted_mean import WeightedMeanWatch, weighted_mean_reason
 
 __all__ = ["PerExampleCheck", "check_per_example", "first_step_check"]
 
@@ -63,8 +67,10 @@ TOLERANCE = 1e-3
 EXAMPLES = 16
 #: The hooks can't measure this model on a batch of the stated size (its layers' rows are not its examples, say).
 UNMEASURABLE = "unmeasurable"
+#: The loss divides by the batch's sum of class weights (:mod:`.weighted_mean`): no method measures it.
+WEIGHTED_MEAN = "weighted mean"
 #: Outcomes that make per-example norms unusable for this model and loss.
-REFUSED = ("extra gradient", "coupled", UNMEASURABLE)
+REFUSED = ("extra gradient", "coupled", UNMEASURABLE, WEIGHTED_MEAN)
 #: Check 1 alone passed, on a training step (:func:`first_step_check`); check 2 was not run.
 SUMS_CHECKED = "sums checked"
 #: Largest share of ``tr Σ`` a gradient part common to every example (a penalty on the parameters) may move.
@@ -75,6 +81,7 @@ IMPACT = 1e-2
 class PerExampleCheck:
     """The outcome: ``status`` is ``"independent"`` (both checks passed), ``"extra gradient"`` (check 1 failed),
     ``"coupled"`` (check 2 failed), ``"unmeasurable"`` (the hooks can't measure the batch's passes at all),
+    ``"weighted mean"`` (the loss divides by the batch's sum of class weights: no method measures it),
     ``"sums checked"`` (check 1 alone passed, on a training step) or ``"not checked"``; ``spread`` the largest
     relative difference the failed or last check read (NaN when not checked); ``detail`` says why: the reason to stop
     measuring, why nothing was checked, or for a pass a note (a penalty on the parameters measured as is, and what
@@ -120,7 +127,10 @@ def check_per_example(model: nn.Module, run_pass: Callable[[], None], batch_size
         with tracker, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # what this tracker finds, the meter's says at its first step
             tracker.sum_check = first = SumCheck()
-            before = _norms(model, tracker, run_pass)
+            with WeightedMeanWatch() as watch:
+                before = _norms(model, tracker, run_pass)
+            if watch.found is not None:
+                return PerExampleCheck(WEIGHTED_MEAN, detail=weighted_mean_reason(watch.found))
             tracker.sum_check = second = SumCheck()
             reset()
             after, replaced = _replaced_norms(model, tracker, batch_size, run_pass, run_replaced_pass)
