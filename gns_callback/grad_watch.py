@@ -256,6 +256,81 @@ class StaleGradients:
         return CLEARED_BETWEEN if cleared else None
 
 
+AVERAGED_ACROSS_RANKS = (
+    "this process is one of several data-parallel ranks, and backward left in .grad another gradient than this "
+    "rank's own (DDP averages it over the ranks as backward ends), while the per-example or micro-batch norms are "
+    "this rank's: B_simple would be wrong (digits MLP, 2 Fabric DDP ranks of 128 examples each: 95.8, 95% CI "
+    "92.1–99.8, against an exact 68.0). Pass GradientNoiseScaleMeter(..., reduce=lambda t: fabric.all_reduce(t, "
+    "reduce_op='sum')) under Lightning Fabric, or reduce=gns_callback.meter.all_reduce_sum under torch.distributed, "
+    "and call meter.step() on every rank"
+)
+
+
+def several_ranks() -> bool:
+    """Whether this process is one of several ``torch.distributed`` ranks."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+class RankOwnGradient:
+    """Whether backward left in ``.grad`` of ``param`` (one small parameter) what this rank's passes brought it (read
+    in its gradient hook, before accumulation), compared as each pass ends, on the first :data:`STALE_CHECKS` steps
+    and only while several ``torch.distributed`` ranks run (:func:`several_ranks`).
+
+    The meter without ``reduce`` measures one process: its norms are this rank's. Under DDP ``.grad`` holds the
+    gradient averaged over the ranks, so ``E|G_B|²`` is that of the global batch while the norms take it for the
+    rank's: ``|G|²`` reads low by about ``tr Σ·(1 − 1/W)/(b − 1)`` at ``b`` examples on each of ``W`` ranks. Before
+    this check, a Fabric DDP loop that left ``reduce=`` out read B_simple = 95.8 (95% CI 92.1–99.8) against an
+    exact 68.0 on the digits MLP (2 ranks of 128), and ∞ [0, ∞] at 16 a rank, with nothing said."""
+
+    def __init__(self, param: nn.Parameter) -> None:
+        self.param = param
+        self.checks_left = STALE_CHECKS
+        self.enabled = True  # False: passes aside from the run's steps are not looked at
+        self._expected: Optional[torch.Tensor] = None  # what .grad should hold once the pass ends
+        self._found = False
+        self._handle = param.register_hook(OwnHook(self._on_grad))
+
+    def remove(self) -> None:
+        self._handle.remove()
+        self.checks_left = 0
+
+    def _on_grad(self, grad: torch.Tensor) -> None:
+        if hooks_inert() or not self.enabled or grad.layout != torch.strided or not several_ranks():
+            return
+        held = self.param.grad
+        self._expected = grad.detach().clone() if held is None else held.detach() + grad.detach()
+
+    def pass_ended(self) -> None:
+        """A backward pass ended (after DDP's reduction): whether ``.grad`` is what the rank's pass brought."""
+        expected, self._expected = self._expected, None
+        now = self.param.grad
+        if expected is not None and now is not None and now.layout == torch.strided:
+            self._found = self._found or _strays(now.detach(), expected)
+
+    def forget(self) -> None:
+        """Drop what the passes since the last :meth:`problem` brought (their step is not read)."""
+        self._expected, self._found = None, False
+
+    def problem(self) -> Optional[str]:
+        """At the read: :data:`AVERAGED_ACROSS_RANKS` if a pass of this step left another gradient than its own,
+        else None; forgets the step. After :data:`STALE_CHECKS` steps the hook comes off."""
+        found, self._found, self._expected = self._found, False, None
+        if self.checks_left <= 0:
+            return None
+        self.checks_left -= 1
+        if self.checks_left == 0:
+            self.remove()
+        return AVERAGED_ACROSS_RANKS if found else None
+
+
+def _strays(now: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Whether ``|now − expected|² > TOLERANCE·|expected|²`` (a host sync; not for non-finite gradients)."""
+    whole, off = float(squared_norm(expected)), float(squared_norm(now - expected))
+    return math.isfinite(whole) and math.isfinite(off) and off > TOLERANCE * max(whole, 1e-30)
+
+
 def _largest(grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """The largest magnitude in a (dense) gradient, on its device; None for none, or a sparse one (not read)."""
     if grad is None or grad.layout != torch.strided:

@@ -42,7 +42,8 @@ from gns_callback.collectors import BATCH_NORM_COUPLES, COLLECTORS, MIN_COVERAGE
 from gns_callback.critical_batch import CriticalBatchAccumulator, CriticalBatchEstimate
 from gns_callback.deferred import DeferredReads
 from gns_callback.estimate import GNSEstimate
-from gns_callback.grad_watch import CLEARED as GRADIENTS_CLEARED, STALE, GradientWatch, StaleGradients, Verdict
+from gns_callback.grad_watch import (CLEARED as GRADIENTS_CLEARED, STALE, GradientWatch, RankOwnGradient,
+                                     StaleGradients, Verdict)
 from gns_callback.left_out import LeftOutShare
 from gns_callback.norms import squared_norm_sum
 from gns_callback.overflows import OverflowCount
@@ -227,6 +228,8 @@ class GradientNoiseScaleMeter:
         self._watch = GradientWatch([])  # the measured parameters, once attached
         self._stale: Optional[StaleGradients] = None  # the first steps' check for gradients left from before
         self._stale_steps = 0  # steps it found
+        #: Without ``reduce``: whether a DDP of the loop's averages ``.grad`` over ranks (the first steps, once attached)
+        self._own: Optional[RankOwnGradient] = None
         self._trainable: tuple[int, ...] = ()  # ids of the trainable parameters when the hooks went on
         self._unreadable = False  # the last step's norms could not be read (:meth:`_collect`)
         #: Set when the measured parameters changed, or a check could not run: run :meth:`check_per_example` again
@@ -257,6 +260,9 @@ class GradientNoiseScaleMeter:
         if self._stale is not None:
             self._stale.remove()
         self._stale = StaleGradients(self._watch.params[0]) if self._watch.params else None  # the smallest
+        if self._own is not None:
+            self._own.remove()
+        self._own = RankOwnGradient(self._watch.params[0]) if self._watch.params and self.reduce is None else None
         self._set_hooks()
         self._trainable = _trainable_ids(self.model)
         self._attached = True
@@ -292,6 +298,9 @@ class GradientNoiseScaleMeter:
         if self._stale is not None:
             self._stale.remove()
             self._stale = None
+        if self._own is not None:
+            self._own.remove()
+            self._own = None
         self._attached = False
 
     @property
@@ -311,6 +320,8 @@ class GradientNoiseScaleMeter:
         self.collector.enabled = self._enabled and self.measures_next_step
         if self._stale is not None:
             self._stale.enabled = self._enabled
+        if self._own is not None:
+            self._own.enabled = self._enabled
 
     @property
     def measures_next_step(self) -> bool:
@@ -353,6 +364,8 @@ class GradientNoiseScaleMeter:
         count (:func:`~gns_callback.backward_passes.measurement_paused`)."""
         if not hooks_inert():
             self.backward_done()
+            if self._own is not None:
+                self._own.pass_ended()
 
     def expect_batch_size(self, size: Optional[int]) -> None:
         """The number of examples in the micro-batch whose forward pass runs next (None: unknown).
@@ -438,6 +451,8 @@ class GradientNoiseScaleMeter:
         self._watch.forget()
         if self._stale is not None:
             self._stale.forget()
+        if self._own is not None:
+            self._own.forget()
 
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
@@ -561,8 +576,11 @@ class GradientNoiseScaleMeter:
         if self._trainable_changed():
             return self._follow_trainable()
         stale = None if self._stale is None else self._stale.problem()
+        averaged = None if self._own is None else self._own.problem()
         if self.failure is not None or not measured:
             return self.discard_pending()
+        if averaged is not None:
+            return self.stop(averaged)
         if stale is not None and self._stale_step(stale):
             return
         window = self._collect(_as_sizes(micro_batch_size), loss_divisor)
