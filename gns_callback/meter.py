@@ -259,7 +259,8 @@ class GradientNoiseScaleMeter:
                                     read_at_mark=self.reduce is None)
         if self._stale is not None:
             self._stale.remove()
-        self._stale = StaleGradients(self._watch.params[0]) if self._watch.params else None  # the smallest
+        self._stale = (StaleGradients(self._watch.params[0], same_tensor=self.reduce is None) if self._watch.params
+                       else None)  # the smallest
         if self._own is not None:
             self._own.remove()
         self._own = RankOwnGradient(self._watch.params[0]) if self._watch.params and self.reduce is None else None
@@ -364,6 +365,8 @@ class GradientNoiseScaleMeter:
         count (:func:`~gns_callback.backward_passes.measurement_paused`)."""
         if not hooks_inert():
             self.backward_done()
+            if self._stale is not None:
+                self._stale.pass_ended()
             if self._own is not None:
                 self._own.pass_ended()
 
