@@ -68,6 +68,11 @@ SCALES_DIFFER = (
     "are still scaled"
 )
 LOSS_REDUCTIONS = ("mean", "sum")
+NOT_ATTACHED = (
+    "meter.step() was called on a GradientNoiseScaleMeter whose hooks were never put on, so nothing can be "
+    "measured. Use `with GradientNoiseScaleMeter(model) as meter:` around the loop, or call meter.attach() before "
+    "the first backward pass"
+)
 _BATCH_NORM_PROBLEM = (f"{BATCH_NORM_COUPLES}: the noise scale read from them would be wrong. Instead, "
                        f"{MICRO_BATCH_HINT}, or normalise without batch statistics (GroupNorm, LayerNorm)")
 MEASURING_METHODS = tuple(COLLECTORS)
@@ -239,6 +244,7 @@ class GradientNoiseScaleMeter:
         self._coverage_said = False  # the partial coverage warned of (:meth:`_say_coverage`)
         self._said_not_restored = False  # the checks' passes left state that could not be put back (said once)
         self._attached = False
+        self._ever_attached = False  # step() before any attach() is a call-order mistake (:data:`NOT_ATTACHED`)
         self._widens_for_left_out = False  # set by attach()
         self._enabled = True
         self.steps_offered = 0  # every call to step(), measured or resting: the duty cycle's phase
@@ -266,7 +272,7 @@ class GradientNoiseScaleMeter:
         self._own = RankOwnGradient(self._watch.params[0]) if self._watch.params and self.reduce is None else None
         self._set_hooks()
         self._trainable = _trainable_ids(self.model)
-        self._attached = True
+        self._attached = self._ever_attached = True
         self._arm_sum_check(self.per_example_check is None or self.per_example_check.status == SUMS_CHECKED)
         return self
 
@@ -568,6 +574,8 @@ class GradientNoiseScaleMeter:
             loss: the step's training loss (any constant factor is fine). With it, :attr:`critical_batch` reads the
                 critical batch off the noise scale as a function of the loss; without it, that is the run average.
         """
+        if not self._ever_attached:
+            raise RuntimeError(NOT_ATTACHED)
         problem = _step_arguments_problem(micro_batch_size, loss_scale, loss_divisor)
         if problem is not None:
             micro_batch_size, loss_scale, loss_divisor = self._refuse_step_arguments(problem)

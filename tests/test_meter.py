@@ -1318,3 +1318,21 @@ def test_a_run_that_diverges_without_a_grad_scaler_is_not_told_about_one(digits)
     said = [str(w.message) for w in caught if "withholds" in str(w.message)]
     assert len(said) == 1 and "diverged" in said[0] and "growth_interval" not in said[0]
     assert not meter.run_estimate.measured and "Lower the learning rate" in meter.run_estimate.failure
+
+
+def test_a_step_on_a_meter_never_attached_is_an_error_with_the_fix(digits):
+    """A meter built without ``with`` or ``attach()`` has no hooks: before, every ``meter.step()`` passed and the
+    estimate read "not measured (no optimizer step measured)", with nothing said of why. A meter detached after
+    measuring keeps its steps, and later calls change nothing."""
+    x, y = digits
+    net = mlp()
+    meter = GradientNoiseScaleMeter(net)
+    F.cross_entropy(net(x[:32]), y[:32]).backward()
+    with pytest.raises(RuntimeError, match=r"meter\.attach\(\)"):
+        meter.step()
+    net.zero_grad()
+    with meter:
+        _steps(meter, net, x, y, steps=20, seed=0)
+    _steps(meter, net, x, y, steps=5, seed=1)
+    assert meter.run_estimate.steps == 20 and meter.run_estimate.measured
+
