@@ -1336,3 +1336,13 @@ def test_a_step_on_a_meter_never_attached_is_an_error_with_the_fix(digits):
     _steps(meter, net, x, y, steps=5, seed=1)
     assert meter.run_estimate.steps == 20 and meter.run_estimate.measured
 
+
+@pytest.mark.parametrize("method", ["per_example", "micro_batch"])
+def test_a_model_without_trainable_parameters_says_so(method):
+    """Before, ``per_example`` warned that its norms "cover only 0.0%" of the trainable parameters and sent the user
+    to ``micro_batch``, and ``micro_batch`` said nothing."""
+    net = mlp().requires_grad_(False)
+    with pytest.warns(UserWarning, match="has no trainable parameters") as caught, \
+            GradientNoiseScaleMeter(net, method=method):
+        pass
+    assert not any("micro_batch" in str(w.message) for w in caught)

@@ -147,12 +147,22 @@ def _choose_auto(problem: Optional[str], fraction: float, several_micro_batches:
     )
 
 
+NO_TRAINABLE = (
+    "the model has no trainable parameters (none with requires_grad=True), so nothing is measured: pass the module "
+    "being trained (the one whose parameters the optimizer holds), or unfreeze its parameters (the meter takes up "
+    "trainable parameters that appear within 50 steps)"
+)
+
+
 def coverage_warning(collector: Collector) -> Optional[str]:
     """What the user must hear about ``collector``'s share of the trainable parameters (None: it covers
     :data:`MIN_COVERAGE` of them): below it, B_simple is that of the covered parameters alone; above it with bare
     parameters counted, whether those are read shows at the first step."""
     tracker = getattr(collector, "tracker", None)
-    fraction = collector.coverage().fraction
+    coverage = collector.coverage()
+    if coverage.trainable_parameters == 0:
+        return NO_TRAINABLE
+    fraction = coverage.fraction
     if tracker is None or fraction >= MIN_COVERAGE:
         return None
     bare = tracker.bare_parameter_fraction()
