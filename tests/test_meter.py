@@ -1346,3 +1346,22 @@ def test_a_model_without_trainable_parameters_says_so(method):
             GradientNoiseScaleMeter(net, method=method):
         pass
     assert not any("micro_batch" in str(w.message) for w in caught)
+
+
+def test_passes_accumulated_out_of_place_are_not_read_as_cleared(digits):
+    """Autograd accumulates a ``create_graph=True`` pass into ``.grad`` out of place (a new tensor each pass), as it
+    does a sparse gradient: the check of a step's later passes, which reads a new ``.grad`` tensor as one set to None
+    and made anew, leaves such a ``.grad`` alone. Before, such an accumulation stopped at step 9 as "cleared"."""
+    x, y = digits
+    net = mlp()
+    g = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught, GradientNoiseScaleMeter(net, method="micro_batch") as meter:
+        warnings.simplefilter("always")
+        for _ in range(20):
+            for _ in range(4):
+                i = torch.randint(0, len(x), (8,), generator=g)
+                (F.cross_entropy(net(x[i]), y[i]) / 4).backward(create_graph=True)
+            meter.step(micro_batch_size=8)
+            net.zero_grad()
+    assert meter.run_estimate.measured and meter.run_estimate.steps == 20
+    assert not [w for w in caught if "gns_callback" in str(w.message)]
