@@ -192,7 +192,7 @@ class MicroBatchCollector:
         self._inputs = []
         if not passes:
             return 0
-        sizes = _sizes_for(passes, batch_sizes)
+        sizes = _sizes_for(passes, batch_sizes, inputs)
         _check_step_size_given(batch_sizes, len(passes), inputs)
         divisor = float(loss_divisor or len(passes))
         for sq, b in zip(passes, sizes):
@@ -219,7 +219,19 @@ def _check_step_size_given(batch_sizes: Optional[Sequence[Optional[int]]], passe
         )
 
 
-def _sizes_for(passes: Sequence[object], batch_sizes: Optional[Sequence[Optional[int]]]) -> list[int]:
+def _sizes_for(passes: Sequence[object], batch_sizes: Optional[Sequence[Optional[int]]],
+               inputs: Sequence[Optional[int]] = ()) -> list[int]:
+    """Each pass's examples, from ``batch_sizes`` (one for all, or one per pass); ``inputs``: dim 0 of the model's
+    first tensor input at each forward pass of the step, named in the fix where a plain loop gave no size."""
+    if batch_sizes is None:
+        seen = set(inputs)
+        shown = (f" (each forward pass of this step took {next(iter(seen))} examples in dim 0 of the model's input: "
+                 f"meter.step(micro_batch_size={next(iter(seen))}) if that is one backward pass's batch)"
+                 if len(seen) == 1 and None not in seen else "")
+        raise RuntimeError(
+            "method='micro_batch' needs the examples of each backward pass, and meter.step() was given none: pass "
+            f"meter.step(micro_batch_size=...), an int for every pass or one per pass{shown}"
+        )
     if not batch_sizes or None in batch_sizes:
         raise RuntimeError(
             "method='micro_batch' needs each micro-batch's size and it could not be read off the batch: the batch "

@@ -1,10 +1,15 @@
 """Parameter hooks see each backward pass's own gradient, not the accumulated .grad."""
 
+import warnings
+
 import pytest
 import torch
+import torch.nn.functional as F
 
+from gns_callback import GradientNoiseScaleMeter
 from gns_callback.accumulation import AccumulationWindow
 from gns_callback.collectors.micro_batch import MicroBatchCollector
+from tests.helpers import mlp
 
 
 def test_hook_norms_equal_each_micro_batch_gradient():
@@ -90,3 +95,22 @@ def test_held_gradients_are_squared_in_buckets_and_adopted_ones_at_once(monkeypa
         own = sum((p.grad - g0).pow(2).sum() for p, g0 in zip(net.parameters(), before))
         (got,) = collector.pop()
         assert got.item() == pytest.approx(own.item(), rel=1e-5)
+
+
+def test_a_plain_loop_that_gives_no_size_is_told_to_give_it_with_the_size_seen():
+    """``meter.step()`` without ``micro_batch_size`` in a loop of 2 passes of 16: before, the reason blamed the
+    batch ("it could not be read off the batch: the batch holds no tensor ... let the DataLoader yield tensors"),
+    with the plain loop's fix in a closing parenthesis; now it names ``micro_batch_size`` and the size each forward
+    pass took."""
+    net, g = mlp(), torch.Generator().manual_seed(0)
+    x, y = torch.rand(64, 64), torch.randint(0, 10, (64,))
+    with warnings.catch_warnings(record=True), GradientNoiseScaleMeter(net, method="micro_batch") as meter:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            for _ in range(2):
+                i = torch.randint(0, 64, (16,), generator=g)
+                (F.cross_entropy(net(x[i]), y[i]) / 2).backward()
+            meter.step()
+            net.zero_grad()
+    failure = meter.run_estimate.failure
+    assert "meter.step() was given none" in failure and "meter.step(micro_batch_size=16)" in failure
