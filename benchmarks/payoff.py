@@ -55,7 +55,8 @@ STARTS = {"mlp": (8, 32, 512), "mlp_adam": (8, 32, 512), "cnn": (8, 64, 512), "c
           "diabetes_mlp": (8, 64, 442), "wine_mlp": (8, 64, 178), "wine_mlp_adam": (8, 64, 178),
           "wine_mlp_momentum": (8, 64, 178),
           "mlp_momentum": (8, 32, 512), "mlp_nesterov": (8, 32, 512), "mlp_adamw": (8, 32, 512),
-          "mlp_rmsprop": (8, 32, 512), "mlp_adagrad": (8, 32, 512)}
+          "mlp_rmsprop": (8, 32, 512), "mlp_adagrad": (8, 32, 512),
+          "mlp_adadelta": (8, 32, 512), "mlp_adafactor": (8, 32, 512)}
 # bc_*, diabetes_mlp and wine_mlp: held out (data sets and networks the calibration never saw; diabetes a
 # regression); mlp_momentum: an optimizer the critical batch reads low for (a lower bound)
 DEFAULT_PROBLEMS = ("mlp", "mlp_adam", "cnn", "cnn_adam")  # the digits problems; the others by name

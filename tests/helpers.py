@@ -63,12 +63,15 @@ OPTIMIZERS = {
     "adamw": lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=0.01),
     "rmsprop": lambda params, lr: torch.optim.RMSprop(params, lr=lr),
     "adagrad": lambda params, lr: torch.optim.Adagrad(params, lr=lr),
+    "adadelta": lambda params, lr: torch.optim.Adadelta(params, lr=lr),
+    "adafactor": lambda params, lr: torch.optim.Adafactor(params, lr=lr),
 }
 
 
 def optimizer_for(name: str, params, lr: float) -> torch.optim.Optimizer:
     """An optimizer by its name (:data:`OPTIMIZERS`): ``"sgd"``, ``"momentum"`` (SGD, momentum 0.9), ``"nesterov"``
-    (SGD, Nesterov momentum 0.9), ``"adam"``, ``"adamw"`` (weight decay 0.01), ``"rmsprop"`` or ``"adagrad"``."""
+    (SGD, Nesterov momentum 0.9), ``"adam"``, ``"adamw"`` (weight decay 0.01), ``"rmsprop"``, ``"adagrad"``, ``"adadelta"`` or
+    ``"adafactor"``."""
     if name not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {name!r}")
     return OPTIMIZERS[name](params, lr)
