@@ -50,12 +50,15 @@ MEASURED = {
 _MEASURED_RANGE = "1.9–17×"  # momentum 0.9 and Adam together
 
 
-def optimizer_label(optimizer: OptimizerLike) -> str:
+def optimizer_label(optimizer: OptimizerLike) -> Optional[str]:
     """How :data:`MEASURED` names ``optimizer``: ``"momentum 0.9"`` or ``"Nesterov momentum 0.9"`` for an SGD-family
-    instance with momentum, else its class name (``"an unknown optimizer"`` for ``None``)."""
+    instance with momentum, ``None`` for plain SGD (the calibrated case: an SGD-family optimizer without momentum, or
+    whose momentum is unknown), else its class name (``"an unknown optimizer"`` for ``None``)."""
     rule, _ = lr_rule_for(optimizer)
     momentum = momentum_of(optimizer)
-    if rule == NOISE_LINEAR and momentum is not None and momentum.beta > 0.0:
+    if rule == NOISE_LINEAR:
+        if momentum is None or momentum.beta == 0.0:
+            return None
         return f"{'Nesterov momentum' if momentum.nesterov else 'momentum'} {momentum.beta:g}"
     return optimizer_name(optimizer) if optimizer is not None else "an unknown optimizer"
 
@@ -63,11 +66,9 @@ def optimizer_label(optimizer: OptimizerLike) -> str:
 def uncalibrated_reason(optimizer: OptimizerLike) -> Optional[str]:
     """``None`` for plain SGD (the calibrated case); otherwise why the critical batch only bounds ``B_crit``
     from below for ``optimizer``: the measured ratio from :data:`MEASURED`, or that it was not measured."""
-    rule, _ = lr_rule_for(optimizer)
-    momentum = momentum_of(optimizer)
-    if rule == NOISE_LINEAR and (momentum is None or momentum.beta == 0.0):
-        return None
     what = optimizer_label(optimizer)
+    if what is None:
+        return None
     if what not in MEASURED:
         return (f"the critical batch is calibrated for plain SGD; {what} was not measured (with momentum 0.9 and Adam "
                 f"the slow-way B_crit on digits was {_MEASURED_RANGE} the noise-scale reading), so the reading is "

@@ -152,14 +152,21 @@ def _names(optimizer: OptimizerLike) -> list[str]:
     return [c.__name__.lower() for c in cls.__mro__ if c.__name__ not in ("object", "Optimizer")]
 
 
+def first_param_group(optimizer: OptimizerLike) -> Optional[dict[str, Any]]:
+    """The first parameter group of an optimizer *instance* (seen through wrappers, :func:`unwrap_optimizer`); ``None``
+    for a class, a name, or anything without ``param_groups``."""
+    optimizer = unwrap_optimizer(optimizer)
+    groups = getattr(optimizer, "param_groups", None)
+    return None if isinstance(optimizer, (str, type)) or not groups else groups[0]
+
+
 def first_moment(optimizer: OptimizerLike) -> Optional[float]:
     """The weight an optimizer *instance*'s update gives past gradients, read off its first param group: Adam's
     ``β₁`` (``betas[0]``), else RMSprop's or SGD's ``momentum``; ``None`` for a class, a name, or a group with
     neither (Adagrad)."""
-    groups = getattr(unwrap_optimizer(optimizer), "param_groups", None)
-    if isinstance(optimizer, (str, type)) or not groups:
+    group = first_param_group(optimizer)
+    if group is None:
         return None
-    group = groups[0]
     if isinstance(group.get("betas"), (tuple, list)) and group["betas"]:
         return float(group["betas"][0])
     return float(group["momentum"]) if isinstance(group.get("momentum"), (int, float)) else None

@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from gns_callback.recommendation.rules import unwrap_optimizer
+from gns_callback.recommendation.rules import first_param_group
 
 
 @dataclass(frozen=True)
@@ -61,11 +61,9 @@ def stability_limit(sharpness: float, momentum: Momentum = Momentum()) -> float:
 def momentum_of(optimizer: Any) -> Optional[Momentum]:
     """The momentum settings of an optimizer *instance* (its first parameter group), ``None`` for a class, a name
     or anything without ``param_groups`` (then unknown: callers assume none, the tighter limit)."""
-    optimizer = unwrap_optimizer(optimizer)
-    groups = getattr(optimizer, "param_groups", None)
-    if not groups or isinstance(optimizer, type):
+    group = first_param_group(optimizer)
+    if group is None:
         return None
-    group = groups[0]
     return Momentum(
         float(group.get("momentum", 0.0) or 0.0),
         float(group.get("dampening", 0.0) or 0.0),
