@@ -263,12 +263,9 @@ class GradientNoiseScaleMeter:
         self._say_coverage()
         self._watch = GradientWatch(self.collector.measured_parameters(), self._left_out_parameters(),
                                     read_at_mark=self.reduce is None)
-        if self._stale is not None:
-            self._stale.remove()
+        self._remove_pass_watches()
         self._stale = (StaleGradients(self._watch.params[0], same_tensor=self.reduce is None) if self._watch.params
                        else None)  # the smallest
-        if self._own is not None:
-            self._own.remove()
         self._own = RankOwnGradient(self._watch.params[0]) if self._watch.params and self.reduce is None else None
         self._set_hooks()
         self._trainable = _trainable_ids(self.model)
@@ -302,13 +299,17 @@ class GradientNoiseScaleMeter:
         """Take every hook off (and the inert copies of them that a copy of the model held in it carries)."""
         self.collector.detach()
         remove_inert_hooks(self.model)
-        if self._stale is not None:
-            self._stale.remove()
-            self._stale = None
-        if self._own is not None:
-            self._own.remove()
-            self._own = None
+        self._remove_pass_watches()
         self._attached = False
+
+    def _pass_watches(self) -> list[Union[StaleGradients, RankOwnGradient]]:
+        """The first steps' watches on one parameter's ``.grad`` that are on (each pass's end told to both)."""
+        return [watch for watch in (self._stale, self._own) if watch is not None]
+
+    def _remove_pass_watches(self) -> None:
+        for watch in self._pass_watches():
+            watch.remove()
+        self._stale = self._own = None
 
     @property
     def enabled(self) -> bool:
@@ -325,10 +326,8 @@ class GradientNoiseScaleMeter:
         """The collector records only when enabled and on a step the meter measures; the check of the steps' passes
         (:class:`~gns_callback.grad_watch.StaleGradients`) only when enabled."""
         self.collector.enabled = self._enabled and self.measures_next_step
-        if self._stale is not None:
-            self._stale.enabled = self._enabled
-        if self._own is not None:
-            self._own.enabled = self._enabled
+        for watch in self._pass_watches():
+            watch.enabled = self._enabled
 
     @property
     def measures_next_step(self) -> bool:
@@ -371,10 +370,8 @@ class GradientNoiseScaleMeter:
         count (:func:`~gns_callback.backward_passes.measurement_paused`)."""
         if not hooks_inert():
             self.backward_done()
-            if self._stale is not None:
-                self._stale.pass_ended()
-            if self._own is not None:
-                self._own.pass_ended()
+            for watch in self._pass_watches():
+                watch.pass_ended()
 
     def expect_batch_size(self, size: Optional[int]) -> None:
         """The number of examples in the micro-batch whose forward pass runs next (None: unknown).
@@ -458,10 +455,8 @@ class GradientNoiseScaleMeter:
         marks of its backward passes' ends."""
         self.collector.discard()
         self._watch.forget()
-        if self._stale is not None:
-            self._stale.forget()
-        if self._own is not None:
-            self._own.forget()
+        for watch in self._pass_watches():
+            watch.forget()
 
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
