@@ -3,7 +3,7 @@ is ``Σ_i w_i l_i / Σ_i w_i``. Per-example norms read each example's weighted g
 ratio of two sums over the batch. Caught by the first batch's check, which watches the loss's arguments (README,
 "When it can't measure"); the readings below are the norms' own, without it.
 
-    python benchmarks/batch_normalised_losses.py [--seeds 5] [--steps 400]
+    python benchmarks/batch_normalised_losses.py [--seeds 5] [--steps 400] [--token-steps 1600]
 
 The digits MLP 64-32-10 at fixed parameters, batches of 32 drawn with replacement, the plain-loop meter at its
 defaults. Two exact values: "weighted examples", ``B_simple`` of ``g_i = w_i ∇l_i / mean(w)`` over the data set
@@ -13,6 +13,12 @@ far the check's normaliser moves when the second half's rows are copied from the
 what the check could see. Then the batch gradient's noise at micro-batches of 8 against 32, and what
 ``method="micro_batch"`` reads at 4 micro-batches of 8: the noise of a ratio changes with the batch size, so neither
 method measures one noise scale, and the first batch's check now refuses the loss for both.
+
+Last, a mean over the targets not ignored (padding): a digits token model reads each image's 8 rows as 8 tokens and
+predicts the class at every position, each example keeping its first ``L_i`` targets (the rest ``-100``), its loss
+``cross_entropy(..., ignore_index=-100)``. The same exact values, with ``g_i = Σ_t ∇l_t / mean(L)`` and the batch
+gradient ``Σ_{i∈B} Σ_t ∇l_t / Σ_{i∈B} L_i``, for lengths drawn apart from the examples and lengths set by the class;
+then the first batch's check (``check_per_example``), which now refuses it wherever the examples keep unequal counts.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -107,6 +114,9 @@ class _Unwatched:
 
     found = None
 
+    def __init__(self, batch_size: Optional[int] = None) -> None:
+        self.batch_size = batch_size
+
     def __enter__(self) -> "_Unwatched":
         return self
 
@@ -138,11 +148,92 @@ def normaliser_moves(x: torch.Tensor, y: torch.Tensor, weight, batch: int, batch
     return (torch.tensor(factors) - 1).abs()
 
 
+class TokenNet(nn.Module):
+    """Each row of a digit a token: ``tanh(Linear(8, 32))``, a causal running mean, ``Linear(32, 10)`` per position."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = nn.Linear(8, 32), nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.embed(x))
+        return self.head(h.cumsum(1) / torch.arange(1, x.shape[1] + 1, dtype=x.dtype)[None, :, None])
+
+
+def token_lengths(y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Targets kept per example: all, drawn apart from the examples, or set by the class."""
+    generator = torch.Generator().manual_seed(7)
+    return {"all 8": torch.full_like(y, 8),
+            "1–8, drawn apart": torch.randint(1, 9, y.shape, generator=generator),
+            "1–8, by class": 1 + (y * 7) // 9,
+            "8 for class 0, else 1": torch.where(y == 0, 8, 1)}
+
+
+def token_targets(y: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The class at each of 8 positions, ``-100`` past the example's length."""
+    targets = y[:, None].repeat(1, 8)
+    targets[torch.arange(8)[None, :] >= lengths[:, None]] = -100
+    return targets
+
+
+def token_loss(net: nn.Module, x: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    return F.cross_entropy(net(x).reshape(-1, 10), targets.reshape(-1), reduction=reduction)
+
+
+def token_rows(x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each example's summed token-loss gradient ``Σ_t ∇l_t``, float64, one row per example."""
+    net, rows = TokenNet().double(), []
+    for i in range(len(x)):
+        net.zero_grad()
+        token_loss(net, x[i:i + 1].double(), targets[i:i + 1], "sum").backward()
+        rows.append(torch.cat([p.grad.reshape(-1) for p in net.parameters()]))
+    return torch.stack(rows)
+
+
+def token_reading(x: torch.Tensor, targets: torch.Tensor, seed: int, steps: int, batch: int = 32):
+    """(the first batch's check, the run average of the hooks without it)."""
+    net, generator = TokenNet(), torch.Generator().manual_seed(seed)
+    with GradientNoiseScaleMeter(net) as meter:
+        for step in range(steps):
+            i = torch.randint(0, len(x), (batch,), generator=generator)
+            token_loss(net, x[i], targets[i]).backward()
+            meter.step()
+            net.zero_grad()
+    first = torch.randint(0, len(x), (batch,), generator=torch.Generator().manual_seed(seed))
+    check = checks.check_per_example(net, lambda: token_loss(net, x[first], targets[first]).backward(), batch,
+                                     reset=lambda: None)
+    return check.status, meter.run_estimate
+
+
+def token_table(x: torch.Tensor, y: torch.Tensor, seeds: int, steps: int, draws: int) -> None:
+    tokens = x.reshape(-1, 8, 8)
+    print(f"\nA mean over the targets not ignored (digits token model, batch 32, {steps} steps):\n")
+    print("| targets kept per example | CV of the count | exact: examples | exact: batch gradient at 8 | at 32 | "
+          "run average [95% CI] per seed, without the check | held (examples / batch gradient at 32) | the check |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, lengths in token_lengths(y).items():
+        targets = token_targets(y, lengths)
+        rows, counts = token_rows(tokens, targets), lengths.double()
+        per_token = rows / counts[:, None]  # as exact_values weighs it: w_i = L_i, w_i · row_i = Σ_t ∇l_t
+        examples, at_8 = exact_values(per_token, counts, draws, 8)
+        at_32 = exact_values(per_token, counts, draws, 32)[1]
+        results = [token_reading(tokens, targets, seed, steps) for seed in range(seeds)]
+        readings = [r for _, r in results]
+        held = [sum(r.ci_low <= value <= r.ci_high for r in readings) for value in (examples, at_32)]
+        shown = "; ".join(f"{r.b_simple:.1f} [{r.ci_low:.1f}, {r.ci_high:.1f}]" for r in readings)
+        print(f"| {name} | {float(counts.std() / counts.mean()):.2f} | {examples:.2f} | {at_8:.2f} | {at_32:.2f} | "
+              f"{shown} | {held[0]}/{seeds} / {held[1]}/{seeds} | {', '.join(sorted({s for s, _ in results}))} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--draws", type=int, default=20000)
+    parser.add_argument("--token-steps", type=int, default=1600,
+                        help="steps of the token model (B_simple/B up to 4.5 there: the run average's small-sample "
+                             "bias is larger at 400)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     x, y = digits()
@@ -168,6 +259,7 @@ def main() -> None:
         readings = [micro_batch_reading(x, y, weight, seed, args.steps) for seed in range(args.seeds)]
         shown = "; ".join(f"{r.b_simple:.1f} [{r.ci_low:.1f}, {r.ci_high:.1f}]" for r in readings)
         print(f"| {name} | {at_8:.2f} | {at_32:.2f} | {shown} |")
+    token_table(x, y, args.seeds, args.token_steps, args.draws)
 
 
 if __name__ == "__main__":

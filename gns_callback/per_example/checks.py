@@ -31,7 +31,8 @@ Per-example norms read example ``i``'s gradient as what flows through its own ro
    Mixing done in the data loader (a collate function) happens before any check can copy rows, and is not seen.
 
 The first pass also watches the loss's arguments (:mod:`.weighted_mean`): a mean over the batch's own class weights
-(``cross_entropy(..., weight=w)``) divides by a sum that moves with the examples, which no method measures.
+(``cross_entropy(..., weight=w)``), or over the targets not ignored where examples keep unequal numbers of them
+(padding with ``ignore_index``), divides by a sum that moves with the examples, which no method measures.
 
 Torch only, no Lightning.
 """
@@ -67,7 +68,8 @@ TOLERANCE = 1e-3
 EXAMPLES = 16
 #: The hooks can't measure this model on a batch of the stated size (its layers' rows are not its examples, say).
 UNMEASURABLE = "unmeasurable"
-#: The loss divides by the batch's sum of class weights (:mod:`.weighted_mean`): no method measures it.
+#: The loss's mean divides by a sum that moves with the batch (class weights, targets not ignored;
+#: :mod:`.weighted_mean`): no method measures it.
 WEIGHTED_MEAN = "weighted mean"
 #: Outcomes that make per-example norms unusable for this model and loss.
 REFUSED = ("extra gradient", "coupled", UNMEASURABLE, WEIGHTED_MEAN)
@@ -81,7 +83,8 @@ IMPACT = 1e-2
 class PerExampleCheck:
     """The outcome: ``status`` is ``"independent"`` (both checks passed), ``"extra gradient"`` (check 1 failed),
     ``"coupled"`` (check 2 failed), ``"unmeasurable"`` (the hooks can't measure the batch's passes at all),
-    ``"weighted mean"`` (the loss divides by the batch's sum of class weights: no method measures it),
+    ``"weighted mean"`` (the loss divides by the batch's sum of class weights, or its count of targets not ignored:
+    no method measures it),
     ``"sums checked"`` (check 1 alone passed, on a training step) or ``"not checked"``; ``spread`` the largest
     relative difference the failed or last check read (NaN when not checked); ``detail`` says why: the reason to stop
     measuring, why nothing was checked, or for a pass a note (a penalty on the parameters measured as is, and what
@@ -127,10 +130,10 @@ def check_per_example(model: nn.Module, run_pass: Callable[[], None], batch_size
         with tracker, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # what this tracker finds, the meter's says at its first step
             tracker.sum_check = first = SumCheck()
-            with WeightedMeanWatch() as watch:
+            with WeightedMeanWatch(batch_size) as watch:
                 before = _norms(model, tracker, run_pass)
             if watch.found is not None:
-                return PerExampleCheck(WEIGHTED_MEAN, detail=weighted_mean_reason(watch.found))
+                return PerExampleCheck(WEIGHTED_MEAN, detail=weighted_mean_reason(watch.found, watch.divides_by))
             tracker.sum_check = second = SumCheck()
             reset()
             after, replaced = _replaced_norms(model, tracker, batch_size, run_pass, run_replaced_pass)

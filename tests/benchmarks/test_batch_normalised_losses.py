@@ -19,3 +19,17 @@ def test_without_weights_both_exact_values_are_the_noise_scale_and_the_normalise
     assert float(bench.normaliser_moves(x, y, None, 32, batches=2).max()) < 1e-5
     assert float(bench.normaliser_moves(x, y, bench.WEIGHTINGS["0.1-10"], 32, batches=2).max()) > 0.01
     assert bench.meter_reading(x, y, bench.WEIGHTINGS["0.1-10"], seed=0, steps=5, batch=32).steps == 5
+
+
+def test_the_token_rows_sum_to_the_batch_gradient_and_the_check_tells_the_counts_apart(bench):
+    x, y = bench.digits()
+    tokens, lengths = x[:40].reshape(-1, 8, 8), bench.token_lengths(y[:40])
+    targets = bench.token_targets(y[:40], lengths["1–8, by class"])
+    net = bench.TokenNet().double()
+    bench.token_loss(net, tokens.double(), targets, "sum").backward()
+    whole = torch.cat([p.grad.reshape(-1) for p in net.parameters()])
+    assert torch.allclose(bench.token_rows(tokens, targets).sum(0), whole, rtol=1e-9, atol=1e-12)
+    statuses = {name: bench.token_reading(tokens, bench.token_targets(y[:40], kept), 0, steps=3)[0]
+                for name, kept in lengths.items()}
+    assert statuses == {"all 8": "independent", "1–8, drawn apart": "weighted mean", "1–8, by class": "weighted mean",
+                        "8 for class 0, else 1": "weighted mean"}
