@@ -18,7 +18,12 @@ Last, a mean over the targets not ignored (padding): a digits token model reads 
 predicts the class at every position, each example keeping its first ``L_i`` targets (the rest ``-100``), its loss
 ``cross_entropy(..., ignore_index=-100)``. The same exact values, with ``g_i = Σ_t ∇l_t / mean(L)`` and the batch
 gradient ``Σ_{i∈B} Σ_t ∇l_t / Σ_{i∈B} L_i``, for lengths drawn apart from the examples and lengths set by the class;
-then the first batch's check (``check_per_example``), which now refuses it wherever the examples keep unequal counts.
+then the first batch's check (``check_per_example``), which now refuses it wherever the examples keep unequal counts,
+and the same mean written by hand (a mask over its sum), found by the check's copied rows.
+
+Last, an RMSE: ``√(mean_B l_i)`` scales the squared errors' mean gradient by ``1/(2 RMSE_B)``, a factor that moves
+with the batch. The diabetes MLP at fixed parameters; exact: ``B_simple`` of the squared errors' gradients, and the
+RMSE batch gradient's own noise by Monte Carlo; the check's copied rows move every norm by that factor.
 """
 
 from __future__ import annotations
@@ -181,6 +186,13 @@ def token_loss(net: nn.Module, x: torch.Tensor, targets: torch.Tensor, reduction
     return F.cross_entropy(net(x).reshape(-1, 10), targets.reshape(-1), reduction=reduction)
 
 
+def masked_token_loss(net: nn.Module, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The same mean written by hand, a mask divided by its sum: what the loss watch can't see."""
+    kept = targets != -100
+    per_token = F.cross_entropy(net(x).transpose(1, 2), torch.where(kept, targets, 0), reduction="none")
+    return (per_token * kept).sum() / kept.sum()
+
+
 def token_rows(x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Each example's summed token-loss gradient ``Σ_t ∇l_t``, float64, one row per example."""
     net, rows = TokenNet().double(), []
@@ -192,7 +204,8 @@ def token_rows(x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def token_reading(x: torch.Tensor, targets: torch.Tensor, seed: int, steps: int, batch: int = 32):
-    """(the first batch's check, the run average of the hooks without it)."""
+    """(the first batch's check of ``token_loss`` and of :func:`masked_token_loss`, the batch copied as the Lightning
+    callback copies it; the run average of the hooks without a check)."""
     net, generator = TokenNet(), torch.Generator().manual_seed(seed)
     with GradientNoiseScaleMeter(net) as meter:
         for step in range(steps):
@@ -201,17 +214,22 @@ def token_reading(x: torch.Tensor, targets: torch.Tensor, seed: int, steps: int,
             meter.step()
             net.zero_grad()
     first = torch.randint(0, len(x), (batch,), generator=torch.Generator().manual_seed(seed))
-    check = checks.check_per_example(net, lambda: token_loss(net, x[first], targets[first]).backward(), batch,
-                                     reset=lambda: None)
-    return check.status, meter.run_estimate
+    copied = torch.cat([first[:batch // 2], first[:batch // 2]])
+    statuses = tuple(checks.check_per_example(net, lambda: loss(net, x[first], targets[first]).backward(), batch,
+                                              reset=lambda: None,
+                                              run_replaced_pass=lambda: loss(net, x[copied], targets[copied]).backward()
+                                              ).status
+                     for loss in (token_loss, masked_token_loss))
+    return statuses, meter.run_estimate
 
 
 def token_table(x: torch.Tensor, y: torch.Tensor, seeds: int, steps: int, draws: int) -> None:
     tokens = x.reshape(-1, 8, 8)
     print(f"\nA mean over the targets not ignored (digits token model, batch 32, {steps} steps):\n")
     print("| targets kept per example | CV of the count | exact: examples | exact: batch gradient at 8 | at 32 | "
-          "run average [95% CI] per seed, without the check | held (examples / batch gradient at 32) | the check |")
-    print("|---|---|---|---|---|---|---|---|")
+          "run average [95% CI] per seed, without the check | held (examples / batch gradient at 32) | the check: "
+          "`ignore_index` | the check: a mask by hand |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, lengths in token_lengths(y).items():
         targets = token_targets(y, lengths)
         rows, counts = token_rows(tokens, targets), lengths.double()
@@ -223,7 +241,86 @@ def token_table(x: torch.Tensor, y: torch.Tensor, seeds: int, steps: int, draws:
         held = [sum(r.ci_low <= value <= r.ci_high for r in readings) for value in (examples, at_32)]
         shown = "; ".join(f"{r.b_simple:.1f} [{r.ci_low:.1f}, {r.ci_high:.1f}]" for r in readings)
         print(f"| {name} | {float(counts.std() / counts.mean()):.2f} | {examples:.2f} | {at_8:.2f} | {at_32:.2f} | "
-              f"{shown} | {held[0]}/{seeds} / {held[1]}/{seeds} | {', '.join(sorted({s for s, _ in results}))} |")
+              f"{shown} | {held[0]}/{seeds} / {held[1]}/{seeds} | {_statuses(results, 0)} | {_statuses(results, 1)} |")
+
+
+def _statuses(results: list, which: int) -> str:
+    return ", ".join(sorted({statuses[which] for statuses, _ in results}))
+
+
+def diabetes() -> tuple[torch.Tensor, torch.Tensor]:
+    """scikit-learn's diabetes data, features and target standardised."""
+    from sklearn.datasets import load_diabetes
+    data = load_diabetes()
+    x, y = torch.tensor(data.data, dtype=torch.float32), torch.tensor(data.target, dtype=torch.float32)[:, None]
+    return (x - x.mean(0)) / x.std(0), (y - y.mean()) / y.std()
+
+
+def regression_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 1))
+
+
+def rmse_loss(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(net(x), y).sqrt()
+
+
+def rmse_exact(x: torch.Tensor, y: torch.Tensor, draws: int, batch: int) -> tuple[float, float]:
+    """(``B_simple`` of the examples' squared-error gradients, ``B·tr Cov(G_B)/|E G_B|²`` of RMSE's batch gradient
+    ``mean_B ∇l_i / (2 √mean_B l_i)``), float64, by Monte Carlo over ``draws`` batches."""
+    net, rows, losses = regression_model().double(), [], []
+    for i in range(len(x)):
+        net.zero_grad()
+        loss = F.mse_loss(net(x[i:i + 1].double()), y[i:i + 1].double(), reduction="sum")
+        loss.backward()
+        rows.append(torch.cat([p.grad.reshape(-1) for p in net.parameters()]))
+        losses.append(float(loss.detach()))
+    rows, per_example = torch.stack(rows), torch.tensor(losses, dtype=torch.float64)
+    mean = rows.mean(0)
+    examples = float((rows - mean).pow(2).sum(1).mean() / mean.pow(2).sum())
+    generator, grads = torch.Generator().manual_seed(123), []
+    for _ in range(draws):
+        i = torch.randint(0, len(rows), (batch,), generator=generator)
+        grads.append(rows[i].mean(0) / (2 * per_example[i].mean().sqrt()))
+    grads = torch.stack(grads)
+    centre = grads.mean(0)
+    return examples, float(batch * (grads - centre).pow(2).sum(1).mean() / centre.pow(2).sum())
+
+
+def rmse_reading(x: torch.Tensor, y: torch.Tensor, seed: int, steps: int, rmse: bool, batch: int = 32):
+    net, generator = regression_model(), torch.Generator().manual_seed(seed)
+    with GradientNoiseScaleMeter(net) as meter:
+        for _ in range(steps):
+            i = torch.randint(0, len(x), (batch,), generator=generator)
+            (rmse_loss(net, x[i], y[i]) if rmse else F.mse_loss(net(x[i]), y[i])).backward()
+            meter.step()
+            net.zero_grad()
+    return meter.run_estimate
+
+
+def rmse_check(x: torch.Tensor, y: torch.Tensor, batch: int = 32):
+    """The first batch's check of RMSE (rows copied at the first layer: RMSE's factor moves either way)."""
+    first = torch.randint(0, len(x), (batch,), generator=torch.Generator().manual_seed(0))
+    net = regression_model()
+    return checks.check_per_example(net, lambda: rmse_loss(net, x[first], y[first]).backward(), batch,
+                                    reset=lambda: None)
+
+
+def rmse_table(seeds: int, steps: int, draws: int) -> None:
+    x, y = diabetes()
+    examples, at_32 = rmse_exact(x, y, draws, 32)
+    at_8 = rmse_exact(x, y, draws, 8)[1]
+    check = rmse_check(x, y)
+    print(f"\nThe square root of a mean (diabetes MLP 10-32-1, standardised, batch 32, {steps} steps): exact "
+          f"examples {examples:.2f}, RMSE's batch gradient {at_8:.2f} at 8 and {at_32:.2f} at 32; the check on "
+          f"RMSE: {check.status}\n")
+    print("| loss | run average [95% CI] per seed, without the check | held (examples / RMSE's batch gradient) |")
+    print("|---|---|---|")
+    for name, rmse in (("MSE", False), ("RMSE", True)):
+        readings = [rmse_reading(x, y, seed, steps, rmse) for seed in range(seeds)]
+        held = [sum(r.ci_low <= value <= r.ci_high for r in readings) for value in (examples, at_32)]
+        shown = "; ".join(f"{r.b_simple:.2f} [{r.ci_low:.2f}, {r.ci_high:.2f}]" for r in readings)
+        print(f"| {name} | {shown} | {held[0]}/{seeds} / {held[1]}/{seeds} |")
 
 
 def main() -> None:
@@ -260,6 +357,7 @@ def main() -> None:
         shown = "; ".join(f"{r.b_simple:.1f} [{r.ci_low:.1f}, {r.ci_high:.1f}]" for r in readings)
         print(f"| {name} | {at_8:.2f} | {at_32:.2f} | {shown} |")
     token_table(x, y, args.seeds, args.token_steps, args.draws)
+    rmse_table(args.seeds, 2 * args.steps, args.draws)
 
 
 if __name__ == "__main__":

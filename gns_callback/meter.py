@@ -48,7 +48,7 @@ from gns_callback.left_out import LeftOutShare
 from gns_callback.norms import squared_norm_sum
 from gns_callback.overflows import OverflowCount
 from gns_callback.own_hooks import remove_inert_hooks
-from gns_callback.per_example.checks import (SUMS_CHECKED, WEIGHTED_MEAN, PerExampleCheck, check_per_example,
+from gns_callback.per_example.checks import (NO_METHOD, SUMS_CHECKED, PerExampleCheck, check_per_example,
                                              first_step_check)
 from gns_callback.per_example.tracker import MICRO_BATCH_HINT
 from gns_callback.per_example.sketch import reseed_probes
@@ -435,7 +435,7 @@ class GradientNoiseScaleMeter:
             _warn_not_restored(state.not_restored)
         if self.per_example_check.refused:
             self._problem = self._problem or self.per_example_check.detail
-        if self.per_example_check.status == WEIGHTED_MEAN:
+        if self.per_example_check.status in NO_METHOD:
             self.fallback_method = None  # micro-batches of such a loss are ratios too: stop, don't switch
         return self.per_example_check
 

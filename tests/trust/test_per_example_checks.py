@@ -353,6 +353,32 @@ def test_a_mean_over_padded_tokens_is_withheld_with_the_fix(digits, tmp_path, ac
     assert not messages(caught, "switched from")
 
 
+class MaskedTokens(PaddedTokens):
+    """The same mean written by hand, a mask over its sum: no loss call shows it, the check's copied rows do."""
+
+    def training_step(self, batch, batch_idx):
+        from benchmarks.batch_normalised_losses import masked_token_loss, token_targets
+        x, y = batch
+        return masked_token_loss(self.net, x.reshape(-1, 8, 8), token_targets(y, 1 + (y * 7) // 9))
+
+
+def test_a_mean_over_padded_tokens_written_by_hand_is_withheld_with_the_fix(digits, tmp_path):
+    """Before, the check read it "independent" (the first half's norms all moved by one factor, let through) and
+    per-example norms measured the ratio, as ``ignore_index`` above."""
+    from benchmarks.batch_normalised_losses import TokenNet
+
+    x, y = digits
+    callback = GradientNoiseScaleCallback(report_path=str(tmp_path / "report.json"), verbose=False)
+    _, caught = with_and_without(lambda: MaskedTokens(TokenNet()), lambda: with_replacement_loader(x, y, 16, 16 * 40),
+                                 callback, accumulate_grad_batches=2)
+    assert callback.meter.per_example_check.status == "scaled by the batch"
+    assert_withheld(callback.run_estimate, "computed from the batch", "mask.sum()", "divide by a constant")
+    single(messages(caught, "stopped measuring"))
+    assert not messages(caught, "switched from")
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["per_example_check"]["status"] == "scaled by the batch"
+
+
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_a_loss_averaged_over_the_batch_class_weights_is_withheld_with_the_fix(digits, tmp_path, accumulate):
     """Before, per-example norms read such a loss 1.15–1.5× too high with intervals of ±6% (16.8–17.1 on the digits
