@@ -48,8 +48,9 @@ from gns_callback.left_out import LeftOutShare
 from gns_callback.norms import squared_norm_sum
 from gns_callback.overflows import OverflowCount
 from gns_callback.own_hooks import remove_inert_hooks
-from gns_callback.per_example.checks import (NO_METHOD, SUMS_CHECKED, PerExampleCheck, check_per_example,
-                                             first_step_check)
+from gns_callback.per_example.checks import (NO_METHOD, SUMS_CHECKED, PerExampleCheck, check_loss_divisor,
+                                             check_per_example, first_step_check)
+from gns_callback.per_example import compiled
 from gns_callback.per_example.tracker import MICRO_BATCH_HINT
 from gns_callback.per_example.sketch import reseed_probes
 from gns_callback.per_example.sum_check import SumCheck
@@ -75,6 +76,9 @@ NOT_ATTACHED = (
 )
 _BATCH_NORM_PROBLEM = (f"{BATCH_NORM_COUPLES}: the noise scale read from them would be wrong. Instead, "
                        f"{MICRO_BATCH_HINT}, or normalise without batch statistics (GroupNorm, LayerNorm)")
+#: Why ``micro_batch``'s check of the loss's divisor is left out for a compiled model: the check's pass under the
+#: loss watch (a ``TorchFunctionMode``) would make ``torch.compile`` trace the step a second time.
+_COMPILED_NOT_CHECKED = "the loss's divisor is not checked on a compiled model (the check would compile its step again)"
 MEASURING_METHODS = tuple(COLLECTORS)
 #: Steps between checks that the model's trainable parameters are still the ones measured (unfreezing a backbone
 #: for fine-tuning changes them); each check walks the parameter list once.
@@ -417,15 +421,29 @@ class GradientNoiseScaleMeter:
         ``run_replaced_pass``, if given, runs the same pass on the batch with its second half's rows copied from the
         first (:func:`gns_callback.batch_size.first_half_copied`), e.g. ``lambda: loss_fn(model(xc), yc).backward()``
         with ``(xc, yc), _ = first_half_copied((x, y), len(x))``: then mixing the examples in the loop before the
-        model (mixup) is caught too. Without it, rows are copied at the model's first measured layer."""
-        if self.method != "per_example" or self.failure is not None:
+        model (mixup) is caught too. Without it, rows are copied at the model's first measured layer.
+
+        With ``method="micro_batch"`` it runs ``run_pass()`` once, for the loss's divisor alone
+        (:func:`~gns_callback.per_example.checks.check_loss_divisor`): a mean over the batch's class weights or its
+        targets not ignored, a ratio at any micro-batch's size, stops the measurement."""
+        if self.failure is not None:
             return PerExampleCheck("not checked", detail=f"method={self.method!r}")
+        if self.method == "micro_batch" and compiled.compiled_modules(self.model):
+            return PerExampleCheck("not checked", detail=_COMPILED_NOT_CHECKED)
+        if self.method == "micro_batch":
+            return self._run_check(lambda reset: check_loss_divisor(run_pass, batch_size), preserve)
         self._arm_sum_check(False)  # this check includes the first step's
+        return self._run_check(lambda reset: check_per_example(self.model, run_pass, batch_size, reset=reset,
+                                                               run_replaced_pass=run_replaced_pass), preserve)
+
+    def _run_check(self, check: Callable[[Callable[[], None]], PerExampleCheck],
+                   preserve: dict[str, Any]) -> PerExampleCheck:
+        """``check(reset)`` with the hooks paused and everything its passes touch put back (``reset`` puts it back
+        between passes); its outcome kept, and a refusal made the next step's problem."""
         state = None
         try:
             with self.paused(), preserved_state(self.model, [], **preserve) as state:
-                self.per_example_check = check_per_example(self.model, run_pass, batch_size, reset=state.restore,
-                                                           run_replaced_pass=run_replaced_pass)
+                self.per_example_check = check(state.restore)
         except Exception as error:  # noqa: BLE001 - a check must never end the user's run
             self._check_failed(error)
         else:

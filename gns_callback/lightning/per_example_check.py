@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from gns_callback.batch_size import first_half_copied
+from gns_callback.lightning.trainer_facts import compiled_whole
 from gns_callback.meter import GradientNoiseScaleMeter
 from gns_callback.per_example.checks import PerExampleCheck
 from gns_callback.probe.lightning import ddp_no_sync, lightning_step, module_internals, silenced_logging
@@ -18,7 +19,11 @@ from gns_callback.probe.state import local_batch_norm
 
 def check_first_batch(meter: GradientNoiseScaleMeter, trainer: Any, pl_module: Any, batch: Any, batch_idx: int,
                       batch_size: int) -> PerExampleCheck:
-    """Run the check on ``batch`` (on every rank: each checks its own batch, and the meter's next step agrees)."""
+    """Run the check on ``batch`` (on every rank: each checks its own batch, and the meter's next step agrees).
+    ``micro_batch``'s check of the loss's divisor is left out where Lightning compiles the module itself: its pass
+    would compile the step a second time."""
+    if meter.method == "micro_batch" and compiled_whole(pl_module):
+        return meter.per_example_check or PerExampleCheck("not checked", detail="a compiled module")
     step = lightning_step(pl_module, None, batch_idx)
     # A copy of the batch on its device, only where per-example norms are checked at all.
     copied, any_copied = first_half_copied(batch, batch_size) if meter.method == "per_example" else (None, False)
