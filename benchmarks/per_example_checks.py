@@ -7,11 +7,11 @@ For each model and loss, on a batch of 32 of scikit-learn's digits (pixels, or t
 what :mod:`gns_callback.per_example.checks` reads: a gradient part no example's norm carries ("extra gradient":
 its share of the parameter's gradient where it changes with the examples, or how much it moves ``tr Σ`` where it
 is the same for all, refused above 1%), or else the spread of the first half's per-example norm ratios between the
-two passes (above 0.1% reads as coupled; where they agree, their common factor's distance from 1, above 0.1% read as
-"scaled by the batch"), the second pass on the batch with its second half's rows copied from the first, as the
-Lightning callback runs it; and the check's CPU time against one forward and backward of the same
-batch (medians of 7, one thread). Losses of per-example terms, whatever they draw at random, should read 0 or
-rounding; losses and layers over the batch should read well above 0.1%.
+passes (above 0.1% reads as coupled; where they agree, their common factor's distance from 1, above 0.1% read as
+"scaled by the batch"), the later passes on the batch with its second half's rows copied from the first half's,
+then (where that reads independent) from its first row, as the Lightning callback runs it; and the check's CPU time
+against one forward and backward of the same batch (medians of 7, one thread). Losses of per-example terms, whatever
+they draw at random, should read 0 or rounding; losses and layers over the batch should read well above 0.1%.
 
 A second table is for your own loop without ``meter.check_per_example``: there the meter checks the sums on its
 first measured step alone. For the cases with a gradient part no norm carries and an exact value (a functional head
@@ -157,6 +157,7 @@ def measure(make: Callable[[], nn.Module], loss: Loss, x: torch.Tensor, y: torch
     model = make()
 
     (x_copied, y_copied), _ = first_half_copied((x, y), BATCH)
+    (x_row, y_row), _ = first_half_copied((x, y), BATCH, from_first_row=True)
 
     def run_pass() -> None:
         loss(model, x, y).backward()
@@ -164,9 +165,13 @@ def measure(make: Callable[[], nn.Module], loss: Loss, x: torch.Tensor, y: torch
     def run_replaced_pass() -> None:  # rows copied in the batch, as the Lightning callback does
         loss(model, x_copied, y_copied).backward()
 
+    def run_first_row_pass() -> None:  # the second copy, every row of the second half the first row's
+        loss(model, x_row, y_row).backward()
+
     def check():
         with preserved_state(model, []) as state:
-            return check_per_example(model, run_pass, BATCH, reset=state.restore, run_replaced_pass=run_replaced_pass)
+            return check_per_example(model, run_pass, BATCH, reset=state.restore, run_replaced_pass=run_replaced_pass,
+                                     run_first_row_pass=run_first_row_pass)
 
     def step() -> None:
         with preserved_state(model, []):
@@ -257,8 +262,10 @@ def main(argv: list[str] | None = None) -> None:
     intro = (f"Command: `python benchmarks/per_example_checks.py`. Batch {BATCH} of digits, one thread, "
              f"torch {torch.__version__}. Thresholds: a norm-ratio spread > {TOLERANCE:g} reads as coupled, and "
              f"otherwise their common factor further than {TOLERANCE:g} from 1 as scaled by the batch (the column "
-             f"then shows that distance); a gradient part no norm carries is refused where it changes with the examples, or moves tr Σ by > {IMPACT:g}. "
-             "The check's time includes putting the state back between and after its two passes.")
+             f"then shows that distance); a gradient part no norm carries is refused where it changes with the "
+             f"examples, or moves tr Σ by > {IMPACT:g}. The check's time includes putting the state back between and "
+             "after its passes (three where the first copy reads independent: the second half's rows copied from the "
+             "first half's, then from its first row).")
     own_loop = own_loop_section(all_pixels, all_tokens, all_y)
     publish_section(intro + "\n\n" + "\n".join(rows) + "\n\n" + own_loop, args.out,
                     "## The first batch's checks of per-example norms")

@@ -125,21 +125,29 @@ def _read_list(tensors: list[torch.Tensor], outside: set) -> Optional[list[int]]
     return None
 
 
-def first_half_rows(batch_size: int, device: torch.device) -> torch.Tensor:
+def first_half_rows(batch_size: int, device: torch.device, from_first_row: bool = False) -> torch.Tensor:
     """The row index ``0, 1, …, h−1, 0, 1, …, h−1`` (then ``2h`` where ``batch_size`` is odd), ``h = batch_size // 2``:
-    the second half's rows replaced by the first half's."""
+    the second half's rows replaced by the first half's. ``from_first_row``: ``0, 1, …, h−1, 0, 0, …, 0`` instead,
+    every row of the second half a copy of row 0.
+
+    Two patterns, because one can leave a statistic of the batch as it was: ``pos_weight`` = negatives / positives
+    of the batch is unchanged by the first wherever the halves hold as many positives, and by the second wherever
+    the second half's labels are all row 0's; both at once only where the first half's and the whole batch's
+    counts agree with a half of row 0's (no positives in the first half, or a batch of one class), and then no
+    first-half example's gradient could move with it (:mod:`gns_callback.per_example.checks`)."""
     half = batch_size // 2
     index = torch.arange(batch_size, device=device)
-    index[half: 2 * half] = torch.arange(half, device=device)
+    index[half: 2 * half] = 0 if from_first_row else torch.arange(half, device=device)
     return index
 
 
-def first_half_copied(batch: Any, batch_size: int) -> tuple[Any, bool]:
+def first_half_copied(batch: Any, batch_size: int, from_first_row: bool = False) -> tuple[Any, bool]:
     """``batch`` with rows ``h..2h`` of every tensor whose dim 0 holds ``batch_size`` replaced by rows ``0..h``
-    (``h = batch_size // 2``), as a new batch of the same nesting (the input is not changed); and whether any
-    tensor was. The per-example check (:mod:`gns_callback.per_example.checks`) runs the training step on it: mixing
-    the examples before the model (mixup, CutMix in ``training_step``) then changes the first half's gradients. A
-    batch that can't be rebuilt comes back as it is, with ``False``: the check must never stop the user's fit."""
+    (``h = batch_size // 2``; ``from_first_row``: each by row 0, :func:`first_half_rows`), as a new batch of the same
+    nesting (the input is not changed); and whether any tensor was. The per-example check
+    (:mod:`gns_callback.per_example.checks`) runs the training step on it: mixing the examples before the model
+    (mixup, CutMix in ``training_step``) then changes the first half's gradients. A batch that can't be rebuilt
+    comes back as it is, with ``False``: the check must never stop the user's fit."""
     changed: list[bool] = []
 
     def copy(value: Any) -> Any:
@@ -147,7 +155,7 @@ def first_half_copied(batch: Any, batch_size: int) -> tuple[Any, bool]:
             if value.ndim == 0 or value.shape[0] != batch_size or batch_size < 2:
                 return value
             changed.append(True)
-            return value.index_select(0, first_half_rows(batch_size, value.device))
+            return value.index_select(0, first_half_rows(batch_size, value.device, from_first_row))
         if isinstance(value, Mapping):
             return _mapping_copied(value, copy, changed)
         if isinstance(value, tuple):

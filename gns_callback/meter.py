@@ -406,22 +406,27 @@ class GradientNoiseScaleMeter:
             self.discard_pending()
 
     def check_per_example(self, run_pass: Callable[[], None], batch_size: int,
-                          run_replaced_pass: Optional[Callable[[], None]] = None, **preserve: Any) -> PerExampleCheck:
+                          run_replaced_pass: Optional[Callable[[], None]] = None,
+                          run_first_row_pass: Optional[Callable[[], None]] = None, **preserve: Any) -> PerExampleCheck:
         """Whether ``per_example`` can measure this model and loss (:mod:`gns_callback.per_example.checks`): each
         parameter's gradient is the sum of its layers' per-example gradients (an L2 term in the loss breaks that),
         and the examples of a batch reach the loss independently (an in-batch contrastive loss breaks that).
 
         ``run_pass()`` runs one forward and backward of a batch of ``batch_size`` examples, as a training step
-        does; it runs twice, with the hooks paused, from the same state, and everything the passes touch is put back
-        (``preserve``: what :func:`~gns_callback.probe.state.preserved_state` takes besides the model). A failed
-        check makes the next :meth:`step` switch to ``fallback_method`` or stop measuring, with the reason, as any
-        step the hooks can't measure does. Call it once before the first step (the Lightning callback does, on the
-        first batch). It never raises: a check that fails to run is "not checked", with the error.
+        does; it runs two or three times, with the hooks paused, from the same state, and everything the passes
+        touch is put back (``preserve``: what :func:`~gns_callback.probe.state.preserved_state` takes besides the
+        model). A failed check makes the next :meth:`step` switch to ``fallback_method`` or stop measuring, with the
+        reason, as any step the hooks can't measure does. Call it once before the first step (the Lightning callback
+        does, on the first batch). It never raises: a check that fails to run is "not checked", with the error.
 
         ``run_replaced_pass``, if given, runs the same pass on the batch with its second half's rows copied from the
         first (:func:`gns_callback.batch_size.first_half_copied`), e.g. ``lambda: loss_fn(model(xc), yc).backward()``
         with ``(xc, yc), _ = first_half_copied((x, y), len(x))``: then mixing the examples in the loop before the
-        model (mixup) is caught too. Without it, rows are copied at the model's first measured layer.
+        model (mixup) is caught too. ``run_first_row_pass``, with it: the same on the batch whose second half's rows
+        are all copies of its first row, ``first_half_copied((x, y), len(x), from_first_row=True)``, which moves a
+        statistic of the labels that the first copy can leave as it was (``pos_weight`` = the batch's negatives over
+        its positives, where the halves hold as many positives). Without them, rows are copied at the model's first
+        measured layer (where the labels are not).
 
         With ``method="micro_batch"`` it runs ``run_pass()`` once, for the loss's divisor alone
         (:func:`~gns_callback.per_example.checks.check_loss_divisor`): a mean over the batch's class weights or its
@@ -434,7 +439,8 @@ class GradientNoiseScaleMeter:
             return self._run_check(lambda reset: check_loss_divisor(run_pass, batch_size), preserve)
         self._arm_sum_check(False)  # this check includes the first step's
         return self._run_check(lambda reset: check_per_example(self.model, run_pass, batch_size, reset=reset,
-                                                               run_replaced_pass=run_replaced_pass), preserve)
+                                                               run_replaced_pass=run_replaced_pass,
+                                                               run_first_row_pass=run_first_row_pass), preserve)
 
     def _run_check(self, check: Callable[[Callable[[], None]], PerExampleCheck],
                    preserve: dict[str, Any]) -> PerExampleCheck:

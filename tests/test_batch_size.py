@@ -42,6 +42,14 @@ def test_first_half_copied_copies_rows_of_every_batch_tensor_and_keeps_the_rest(
     assert torch.equal(x, torch.arange(12.0).reshape(6, 2))  # the batch itself is not changed
 
 
+def test_first_half_copied_from_the_first_row_fills_the_second_half_with_row_0():
+    """The second copy of the per-example check: a statistic of the batch the halves' copy left as it was moves."""
+    y = torch.arange(7)
+    copied, changed = first_half_copied((y, y * 2), 7, from_first_row=True)
+    assert changed and torch.equal(copied[0], torch.tensor([0, 1, 2, 0, 0, 0, 6])) and torch.equal(copied[1],
+                                                                                                 2 * copied[0])
+
+
 def test_first_half_copied_with_an_odd_batch_keeps_the_last_row_and_says_when_nothing_matched():
     y = torch.arange(5)
     copied, changed = first_half_copied(Pair(y, y), 5)

@@ -1,7 +1,8 @@
 """The meter's checks that per-example norms measure this model and loss
 (:meth:`~gns_callback.meter.GradientNoiseScaleMeter.check_per_example`), run on the fit's first batch
 with ``training_step`` as the pass: full precision (no autocast), ``self.log`` silenced, SyncBatchNorm local, no
-DDP gradient sync, and everything the two passes touch put back. Two forward and backward passes, once per fit."""
+DDP gradient sync, and everything the passes touch put back. Two or three forward and backward passes, once per
+fit."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ def check_first_batch(meter: GradientNoiseScaleMeter, trainer: Any, pl_module: A
     step = lightning_step(pl_module, None, batch_idx)
     # A copy of the batch on its device, only where per-example norms are checked at all.
     copied, any_copied = first_half_copied(batch, batch_size) if meter.method == "per_example" else (None, False)
+    from_row = first_half_copied(batch, batch_size, from_first_row=True)[0] if any_copied else None
 
     def run_pass() -> None:
         step(batch).backward()
@@ -34,6 +36,10 @@ def check_first_batch(meter: GradientNoiseScaleMeter, trainer: Any, pl_module: A
     def run_replaced_pass() -> None:  # rows copied before training_step: mixup there is seen
         step(copied).backward()
 
+    def run_first_row_pass() -> None:  # a statistic of the labels the first copy left as it was is seen
+        step(from_row).backward()
+
     with silenced_logging(pl_module), local_batch_norm(pl_module), ddp_no_sync(trainer), torch.enable_grad():
         return meter.check_per_example(run_pass, batch_size, run_replaced_pass if any_copied else None,
+                                       run_first_row_pass if any_copied else None,
                                        keep=[trainer, *trainer.optimizers], skip=module_internals())

@@ -104,6 +104,32 @@ def test_batch_norm_in_training_mode_couples_the_examples(digits):
     assert check(model.eval(), INDEPENDENT["mean"], digits).status == "independent"
 
 
+def scored_positive_weight(threshold: float):
+    """``pos_weight`` from the batch's own scores: its rows scored at most ``threshold`` over those above it."""
+    def loss(m, x, y):
+        out = m(x)[:, 0]
+        above = (out.detach() > threshold).sum().clamp_min(1)
+        return F.binary_cross_entropy_with_logits(out, (y % 2).float(),
+                                                  pos_weight=((len(x) - above) / above).reshape(1))
+    return loss
+
+
+def test_a_statistic_the_halves_copy_leaves_as_it_was_is_found_by_the_copy_of_the_first_row(digits):
+    """A batch whose halves hold as many rows scored above the threshold: copying the first half's rows over the
+    second (at the first layer) leaves the statistic, and every example's gradient, as they were (before, this read
+    "independent"); copying the first row (scored above) over the second half moves it."""
+    x, y = digits
+    model = mlp()
+    with torch.no_grad():
+        scores = model(x)[:, 0]
+    threshold = float(scores.median())
+    above, below = (scores > threshold).nonzero().flatten(), (scores <= threshold).nonzero().flatten()
+    rows = torch.cat([above[:8], below[:8], above[8:16], below[8:16]])  # row 0 above; 8 and 8 in each half
+    loss = scored_positive_weight(threshold)
+    result = check_per_example(model, lambda: loss(model, x[rows], y[rows]).backward(), BATCH)
+    assert result.status == "coupled" and result.spread > 2e-3, result
+
+
 class SequenceFirst(nn.Module):
     """Tokens ``(T, B)`` through an embedding, a sequence-first encoder layer and a mean-pooled head."""
 
