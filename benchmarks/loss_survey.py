@@ -13,13 +13,14 @@ with ``meter.check_per_example`` on the first batch, given the batch with its se
   ``--draws`` batches (``|E G_B|²`` corrected by ``tr Cov/draws``). It equals "examples" when the loss is a mean of
   independent per-example terms over a constant.
 
-"held" counts the seeds whose 95% interval holds the value the batch gradient has ("batch"); "check" is what
-``check_per_example`` said on each seed's first batch, with its rows copied in the batch (``run_replaced_pass`` and
-``run_first_row_pass``, as the Lightning callback runs it), and with them copied at the model's first layer (the
-README's shortest call, which leaves the labels as they are). A refused setup has no reading; the readings shown are
-then the norms' own, without the check (what a loop without ``meter.check_per_example`` would report). A second
-table checks ``--first-batches`` first batches of the losses built on several examples of the batch, with the copy
-of the halves alone (before) and with the copy from the first row after it (now).
+"held" counts the seeds whose 95% interval holds each exact value (the batch's by Monte Carlo, to about 1%);
+"check" is what ``check_per_example`` said on each seed's first batch, with its rows copied in the batch
+(``run_replaced_pass`` and ``run_first_row_pass``, as the Lightning callback runs it), and with them copied at the
+model's first layer (the README's shortest call, which leaves the labels as they are). A refused setup has no
+reading; the readings shown are then the norms' own, without the check (what a loop without
+``meter.check_per_example`` would report). A second table checks ``--first-batches`` first batches of the losses
+built on several examples of the batch, with the copy of the halves alone (before) and with the copy from the first
+row after it (now).
 """
 
 from __future__ import annotations
@@ -375,11 +376,12 @@ def survey_row(case: Case, seeds: int, steps: int, draws: int) -> str:
     refused = any(math.isnan(e.b_simple) for e in estimates)
     if refused:  # what the norms read without the check
         estimates = [reading(case, x, y, seed, steps, check=False)[0] for seed in range(seeds)]
-    held = sum(e.ci_low <= batch <= e.ci_high for e in estimates)
+    held = " / ".join("n/a" if math.isnan(value) else f"{sum(e.ci_low <= value <= e.ci_high for e in estimates)}/"
+                      f"{seeds}" for value in (examples, batch))
     shown = "; ".join(f"{e.b_simple:.3g} [{e.ci_low:.3g}, {e.ci_high:.3g}]" for e in estimates)
     layer = counted(first_layer_checks(case, x, y, seeds))
     return (f"| {case.name} | {examples:.4g} | {batch:.4g} | {shown}{' (unchecked)' if refused else ''} | "
-            f"{held}/{seeds} | {counted([status for _, status in checked])} | {layer} |")
+            f"{held} | {counted([status for _, status in checked])} | {layer} |")
 
 
 def main() -> None:
@@ -391,15 +393,15 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=None, help="substrings of case names")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print("| loss | exact: examples | exact: batch | run average [95% CI] per seed | held | check (rows copied in "
-          "the batch) | check (rows copied at the first layer) |")
+    print("| loss | exact: examples | exact: batch | run average [95% CI] per seed | held (examples / batch) | "
+          "check (rows copied in the batch) | check (rows copied at the first layer) |")
     print("|---|---|---|---|---|---|---|")
     for case in CASES:
         if args.only and not any(part in case.name for part in args.only):
             continue
         print(survey_row(case, args.seeds, args.steps, args.draws), flush=True)
-    print(f"\nThe losses built on several examples of the batch, checked on {args.first_batches} first batches with rows "
-          "copied in the batch:\n")
+    print(f"\nThe losses built on several examples of the batch, checked on {args.first_batches} first batches with "
+          "rows copied in the batch:\n")
     print("| loss | the halves' copy alone (before) | and the copy from the first row (now) |")
     print("|---|---|---|")
     for case in CASES:
