@@ -130,19 +130,22 @@ class _Unwatched:
 
 
 def normaliser_moves(x: torch.Tensor, y: torch.Tensor, weight, batch: int, batches: int = 20) -> torch.Tensor:
-    """``|f − 1|`` of the check's common factor, with the batch's rows copied before the loss (as in Lightning)."""
-    factors: list[float] = []
+    """``|f − 1|`` of the check's common factor, with the batch's rows copied before the loss (as in Lightning): the
+    first copy's (the second half's rows from the first half's; a second copy, from the first row, may follow)."""
+    factors: list[list[float]] = []
     compare, watch = checks._compare, checks.WeightedMeanWatch
 
     def recording(before, after, half, tolerance):
-        count = min(half, before.shape[0])
-        factors.append(float((after[:count] / before[:count]).median()))
+        if after is not None and not factors[-1]:
+            count = min(half, before.shape[0])
+            factors[-1].append(float((after[:count] / before[:count]).median()))
         return compare(before, after, half, tolerance)
 
     checks._compare, checks.WeightedMeanWatch = recording, _Unwatched
     try:
         net = model()
         for seed in range(batches):
+            factors.append([])
             i = torch.randint(0, len(x), (batch,), generator=torch.Generator().manual_seed(seed))
             j = torch.cat([i[:batch // 2], i[:batch // 2]])
             checks.check_per_example(net, lambda: F.cross_entropy(net(x[i]), y[i], weight=weight).backward(), batch,
@@ -150,7 +153,7 @@ def normaliser_moves(x: torch.Tensor, y: torch.Tensor, weight, batch: int, batch
                                      run_replaced_pass=lambda: F.cross_entropy(net(x[j]), y[j], weight=weight).backward())
     finally:
         checks._compare, checks.WeightedMeanWatch = compare, watch
-    return (torch.tensor(factors) - 1).abs()
+    return (torch.tensor([f for first in factors for f in first]) - 1).abs()
 
 
 class TokenNet(nn.Module):

@@ -362,15 +362,26 @@ class MaskedTokens(PaddedTokens):
         return masked_token_loss(self.net, x.reshape(-1, 8, 8), token_targets(y, 1 + (y * 7) // 9))
 
 
-def test_a_mean_over_padded_tokens_written_by_hand_is_withheld_with_the_fix(digits, tmp_path):
-    """Before, the check read it "independent" (the first half's norms all moved by one factor, let through) and
-    per-example norms measured the ratio, as ``ignore_index`` above."""
+class WeightedByHand(Classifier):
+    """Class weights 0.1–10 averaged by hand, ``(w[y] * l).sum() / w[y].sum()``: no loss call shows the divisor."""
+
+    def training_step(self, batch, batch_idx):
+        w = torch.tensor([0.1, 0.2, 0.3, 0.5, 1.0, 1.0, 2.0, 3.0, 5.0, 10.0])[batch[1]]
+        return (w * F.cross_entropy(self.net(batch[0]), batch[1], reduction="none")).sum() / w.sum()
+
+
+@pytest.mark.parametrize("module", ["masked tokens", "weighted by hand"])
+def test_a_mean_over_a_batch_sum_written_by_hand_is_withheld_with_the_fix(digits, tmp_path, module):
+    """Before, the check read both "independent" (the first half's norms all moved by one factor, let through) and
+    per-example norms measured the ratio: the masked token mean as ``ignore_index`` above, the weighted mean 16.5–17.6
+    against 13.9 for its examples and 11.0 for its batch gradient (``benchmarks/loss_survey.py``)."""
     from benchmarks.batch_normalised_losses import TokenNet
 
     x, y = digits
+    make = {"masked tokens": lambda: MaskedTokens(TokenNet()), "weighted by hand": lambda: WeightedByHand(mlp())}
     callback = GradientNoiseScaleCallback(report_path=str(tmp_path / "report.json"), verbose=False)
-    _, caught = with_and_without(lambda: MaskedTokens(TokenNet()), lambda: with_replacement_loader(x, y, 16, 16 * 40),
-                                 callback, accumulate_grad_batches=2)
+    _, caught = with_and_without(make[module], lambda: with_replacement_loader(x, y, 16, 16 * 40), callback,
+                                 accumulate_grad_batches=2)
     assert callback.meter.per_example_check.status == "scaled by the batch"
     assert_withheld(callback.run_estimate, "computed from the batch", "mask.sum()", "divide by a constant")
     single(messages(caught, "stopped measuring"))
