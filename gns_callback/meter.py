@@ -34,6 +34,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from gns_callback import arguments as args
+from gns_callback.batch_size import batch_size_of, first_half_copied
 from gns_callback.accumulation import (PACKED_FIELDS, SCALE_MARGIN, AccumulationWindow, LossReduction, scale_mismatch,
                                       step_estimates)
 from gns_callback.backward_passes import hooks_inert, measurement_paused
@@ -404,6 +405,24 @@ class GradientNoiseScaleMeter:
         finally:
             self.enabled = was
             self.discard_pending()
+
+    def check_batch(self, loss_of: Callable[[Any], torch.Tensor], batch: Any, batch_size: Optional[int] = None,
+                    **preserve: Any) -> PerExampleCheck:
+        """:meth:`check_per_example` on ``batch``, with every pass built from it, as the Lightning callback runs it:
+        ``loss_of(batch)`` is the step's loss on a batch (``lambda b: loss_fn(model(b[0]), b[1])``), run on the batch
+        itself and on its copies with the second half's rows from the first half's and from the first row
+        (:func:`~gns_callback.batch_size.first_half_copied`), so that mixing in the loop (mixup), a statistic of the
+        labels (``pos_weight`` from the batch's counts) and a divisor made from them (a mask over its own sum) are
+        seen. ``batch_size``: the examples in ``batch``, where the batch doesn't show them in dim 0 of its tensors."""
+        size = batch_size or batch_size_of(batch)
+        if size is None:
+            raise ValueError("GradientNoiseScaleMeter.check_batch(batch_size=None): the batch's size can't be read off "
+                             "its tensors; pass it, e.g. check_batch(loss_of, batch, batch_size=len(x))")
+        halves, copied = first_half_copied(batch, size)
+        first_row = first_half_copied(batch, size, from_first_row=True)[0]
+        return self.check_per_example(lambda: loss_of(batch).backward(), size,
+                                      (lambda: loss_of(halves).backward()) if copied else None,
+                                      (lambda: loss_of(first_row).backward()) if copied else None, **preserve)
 
     def check_per_example(self, run_pass: Callable[[], None], batch_size: int,
                           run_replaced_pass: Optional[Callable[[], None]] = None,

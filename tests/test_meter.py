@@ -1365,3 +1365,63 @@ def test_passes_accumulated_out_of_place_are_not_read_as_cleared(digits):
             net.zero_grad()
     assert meter.run_estimate.measured and meter.run_estimate.steps == 20
     assert not [w for w in caught if "gns_callback" in str(w.message)]
+
+
+CLASS_WEIGHTS = torch.tensor([0.1, 0.2, 0.3, 0.5, 1.0, 1.0, 2.0, 3.0, 5.0, 10.0])
+
+
+def _weighted_by_hand(model, batch):
+    w = CLASS_WEIGHTS[batch[1]]
+    return (w * F.cross_entropy(model(batch[0]), batch[1], reduction="none")).sum() / w.sum()
+
+
+def _pos_weight_of_the_batch(model, batch):
+    """Class 5 and above against the rest, balanced per batch (negatives over positives)."""
+    target = (batch[1] >= 5).float()
+    pos_weight = (1 - target).sum() / target.sum()
+    return F.binary_cross_entropy_with_logits(model(batch[0])[:, 0], target, pos_weight=pos_weight)
+
+
+def _mixup(model, batch):
+    lam, order = 0.7, torch.arange(len(batch[0])).flip(0)
+    out = model(lam * batch[0] + (1 - lam) * batch[0][order])
+    return lam * F.cross_entropy(out, batch[1]) + (1 - lam) * F.cross_entropy(out, batch[1][order])
+
+
+@pytest.mark.parametrize("loss, status, first_layer", [
+    (lambda m, b: F.cross_entropy(m(b[0]), b[1]), "independent", "independent"),
+    (_weighted_by_hand, "scaled by the batch", "independent"),
+    (_mixup, "coupled", "independent"),
+])
+def test_check_batch_builds_every_pass_from_the_batch(digits, loss, status, first_layer):
+    """``check_batch`` copies the batch's rows in the batch itself, as the Lightning callback does; the shortest
+    ``check_per_example`` call copies them at the first layer, after the loop's own mixing and with the labels as
+    they are (the last column: what it reads on the same losses)."""
+    x, y = digits
+    batch = (x[:32], y[:32])
+    model = mlp()
+    with GradientNoiseScaleMeter(model) as meter:
+        assert meter.check_batch(lambda b: loss(model, b), batch).status == status
+    with GradientNoiseScaleMeter(model) as meter:
+        assert meter.check_per_example(lambda: loss(model, batch).backward(), 32).status == first_layer
+
+
+def test_check_batch_copies_from_the_first_row_where_the_halves_agree(digits):
+    """A batch whose halves hold as many positives leaves ``pos_weight`` as it was under the halves' copy; the copy
+    from the first row moves it."""
+    x, y = digits
+    positive = torch.nonzero(y >= 5).squeeze(1)
+    negative = torch.nonzero(y < 5).squeeze(1)
+    rows = torch.cat([positive[:6], negative[:10], positive[6:12], negative[10:20]])
+    model = mlp()
+    with GradientNoiseScaleMeter(model) as meter:
+        check = meter.check_batch(lambda b: _pos_weight_of_the_batch(model, b), (x[rows], y[rows]))
+    assert check.status == "coupled" and check.refused
+
+
+def test_check_batch_asks_for_a_size_it_cannot_read():
+    """Raw strings, tokenized in the loss: no tensor tells the batch's size."""
+    model = mlp()
+    with GradientNoiseScaleMeter(model) as meter:
+        with pytest.raises(ValueError, match="batch_size"):
+            meter.check_batch(lambda b: model(torch.zeros(len(b), 64)).sum(), ["one", "two", "three", "four"])
