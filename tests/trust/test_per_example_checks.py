@@ -335,24 +335,6 @@ class PaddedTokens(Classifier):
         return token_loss(self.net, x.reshape(-1, 8, 8), token_targets(y, 1 + (y * 7) // 9))
 
 
-@pytest.mark.parametrize("accumulate", [1, 2])
-def test_a_mean_over_padded_tokens_is_withheld_with_the_fix(digits, tmp_path, accumulate):
-    """Before, per-example norms read it 52.4–55.5 with intervals of about ±7% against 47.7 for the examples' token
-    sums and 48.2 for the batch gradient at 32, 0 of 5 holding either (``benchmarks/batch_normalised_losses.py``,
-    plain loop, 1600 steps); a micro-batch's token mean is a ratio too (56.8 at 8)."""
-    from benchmarks.batch_normalised_losses import TokenNet
-
-    x, y = digits
-    callback = GradientNoiseScaleCallback(report_path=str(tmp_path / "report.json"), verbose=False)
-    _, caught = with_and_without(lambda: PaddedTokens(TokenNet()),
-                                 lambda: with_replacement_loader(x, y, 16, 16 * accumulate * 20),
-                                 callback, accumulate_grad_batches=accumulate)
-    assert callback.meter.per_example_check.status == "weighted mean"
-    assert_withheld(callback.run_estimate, "targets not ignored", "ignore_index", "reduction='sum'")
-    single(messages(caught, "stopped measuring"))
-    assert not messages(caught, "switched from")
-
-
 class MaskedTokens(PaddedTokens):
     """The same mean written by hand, a mask over its sum: no loss call shows it, the check's copied rows do."""
 
@@ -368,6 +350,15 @@ class WeightedByHand(Classifier):
     def training_step(self, batch, batch_idx):
         w = torch.tensor([0.1, 0.2, 0.3, 0.5, 1.0, 1.0, 2.0, 3.0, 5.0, 10.0])[batch[1]]
         return (w * F.cross_entropy(self.net(batch[0]), batch[1], reduction="none")).sum() / w.sum()
+
+
+def _divisor_shown_in_the_loss_call(name: str):
+    """(a module whose loss divides by a sum that moves with the batch, in a call the loss watch sees; what its
+    reason names)."""
+    from benchmarks.batch_normalised_losses import TokenNet
+
+    return {"class weights": (lambda: ClassWeighted(mlp()), "class weights"),
+            "padded tokens": (lambda: PaddedTokens(TokenNet()), "ignore_index")}[name]
 
 
 @pytest.mark.parametrize("module", ["masked tokens", "weighted by hand"])
@@ -395,17 +386,14 @@ def test_micro_batch_chosen_from_the_start_checks_the_loss_divisor_and_stops_wit
     """One pass of the first batch under the loss watch (``checks.check_loss_divisor``), state put back. Before,
     ``method="micro_batch"`` ran no check: with class weights 0.1–10 it read 15.2–16.2 (the ratio's noise at
     micro-batches of 8, 16.1) where the run's batch of 32 has 11.1 (``benchmarks/batch_normalised_losses.py``)."""
-    from benchmarks.batch_normalised_losses import TokenNet
-
     x, y = digits
-    make = {"class weights": lambda: ClassWeighted(mlp()), "padded tokens": lambda: PaddedTokens(TokenNet())}[module]
+    make, named = _divisor_shown_in_the_loss_call(module)
     callback = GradientNoiseScaleCallback(method="micro_batch", report_path=str(tmp_path / "report.json"),
                                           verbose=False)
     _, caught = with_and_without(make, lambda: with_replacement_loader(x, y, 8, 8 * 4 * 10), callback,
                                  accumulate_grad_batches=4)
     assert callback.meter.per_example_check.status == "weighted mean"
-    assert_withheld(callback.run_estimate, {"class weights": "class weights",
-                                            "padded tokens": "ignore_index"}[module], "reduction='sum'")
+    assert_withheld(callback.run_estimate, named, "reduction='sum'")
     single(messages(caught, "stopped measuring"))
 
 
@@ -419,18 +407,21 @@ def test_micro_batch_measures_a_plain_mean_after_its_divisor_check(digits, tmp_p
     assert_matches_exact(callback.run_estimate, exact_gns(mlp(), F.cross_entropy, x, y)[0])
 
 
+@pytest.mark.parametrize("module", ["class weights", "padded tokens"])
 @pytest.mark.parametrize("accumulate", [1, 2])
-def test_a_loss_averaged_over_the_batch_class_weights_is_withheld_with_the_fix(digits, tmp_path, accumulate):
-    """Before, per-example norms read such a loss 1.15–1.5× too high with intervals of ±6% (16.8–17.1 on the digits
-    MLP, where its weighted examples give 13.9 and the batch gradient 11.1), at both accumulations; a switch to
-    micro-batches would read a ratio of micro-batch sums, another value again."""
+def test_a_mean_over_a_sum_that_moves_with_the_batch_is_withheld_with_the_fix(digits, tmp_path, accumulate, module):
+    """Before, per-example norms read class weights 1.15–1.5× too high with intervals of ±6% (16.8–17.1 on the digits
+    MLP, where its weighted examples give 13.9 and the batch gradient 11.1), at both accumulations, and padded tokens
+    52.4–55.5 (±7%) against 47.7 for the examples' token sums and 48.2 for the batch gradient at 32, 0 of 5 holding
+    either (``benchmarks/batch_normalised_losses.py``, plain loop, 1600 steps); a switch to micro-batches would read a
+    ratio of micro-batch sums, another value again (16.1 and 56.8 at 8)."""
     x, y = digits
+    make, named = _divisor_shown_in_the_loss_call(module)
     callback = GradientNoiseScaleCallback(report_path=str(tmp_path / "report.json"), verbose=False)
-    _, caught = with_and_without(lambda: ClassWeighted(mlp()),
-                                 lambda: with_replacement_loader(x, y, 16, 16 * accumulate * 20),
+    _, caught = with_and_without(make, lambda: with_replacement_loader(x, y, 16, 16 * accumulate * 20),
                                  callback, accumulate_grad_batches=accumulate)
     assert callback.meter.per_example_check.status == "weighted mean"
-    assert_withheld(callback.run_estimate, "class weights", "reduction='sum'")
+    assert_withheld(callback.run_estimate, named, "reduction='sum'")
     single(messages(caught, "stopped measuring"))
     assert not messages(caught, "switched from")
 
