@@ -52,7 +52,7 @@ from gns_callback.own_hooks import remove_inert_hooks
 from gns_callback.per_example.checks import (NO_METHOD, SUMS_CHECKED, PerExampleCheck, check_loss_divisor,
                                              check_per_example, first_step_check)
 from gns_callback.per_example import compiled
-from gns_callback.per_example.tracker import MICRO_BATCH_HINT
+from gns_callback.per_example.tracker import MICRO_BATCH_HINT, MISREAD_BATCH_SIZE
 from gns_callback.per_example.sketch import reseed_probes
 from gns_callback.per_example.sum_check import SumCheck
 from gns_callback.probe.attributes import describe
@@ -455,7 +455,7 @@ class GradientNoiseScaleMeter:
         if self.method == "micro_batch" and compiled.compiled_modules(self.model):
             return PerExampleCheck("not checked", detail=_COMPILED_NOT_CHECKED)
         if self.method == "micro_batch":
-            return self._run_check(lambda reset: check_loss_divisor(run_pass, batch_size), preserve)
+            return self._run_check(lambda reset: check_loss_divisor(run_pass, batch_size, self.model), preserve)
         self._arm_sum_check(False)  # this check includes the first step's
         return self._run_check(lambda reset: check_per_example(self.model, run_pass, batch_size, reset=reset,
                                                                run_replaced_pass=run_replaced_pass,
@@ -946,8 +946,10 @@ class GradientNoiseScaleMeter:
         return summed[:-2], summed[-2] / summed[PACKED_FIELDS.index("ranks")]
 
     def _give_up(self, reason: str) -> None:
-        """Switch to the fallback method (all ranks at once), or stop measuring."""
-        if self.fallback_method is None:
+        """Switch to the fallback method (all ranks at once), or stop measuring: stop where the batch's size was
+        misread (:data:`~gns_callback.per_example.tracker.MISREAD_BATCH_SIZE`), which the fallback would read at the
+        same wrong size."""
+        if self.fallback_method is None or MISREAD_BATCH_SIZE in reason:
             return self.stop(reason)
         self._switch_to(self.fallback_method, reason)
 

@@ -53,6 +53,7 @@ import math
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
@@ -65,7 +66,8 @@ from .layout import LayoutError, batch_dim, is_sequence_first, position_dims
 from .sketch import restart_probes
 from .sum_check import Rest, SumCheck
 from .param_path import is_parameter
-from .tracker import MICRO_BATCH_HINT, SUPPORTED_MODULES, PerExampleNormTracker
+from .tracker import (MICRO_BATCH_HINT, MISREAD_BATCH_SIZE, SUPPORTED_MODULES, PerExampleNormTracker,
+                      misread_batch_reason)
 from .transposed_linear import layer_kind
 from .weighted_mean import WeightedMeanWatch, weighted_mean_reason
 
@@ -84,10 +86,14 @@ WEIGHTED_MEAN = "weighted mean"
 #: The examples are independent, but the loss is scaled by a factor computed from the batch (a count or a statistic
 #: of it, RMSE's square root): copying rows moved every norm of the first half by one factor.
 BATCH_SCALED = "scaled by the batch"
+#: A layer that declares its layout (``batch_first``) holds more examples than the batch's size read off its tensors
+#: (a sequence-first batch, ``(T, B, ...)``, read as T examples): ``micro_batch`` would read its noise at that size.
+SIZE_MISREAD = "batch size misread"
 #: Outcomes that make per-example norms unusable for this model and loss.
-REFUSED = ("extra gradient", "coupled", UNMEASURABLE, WEIGHTED_MEAN, BATCH_SCALED)
-#: Outcomes no other method measures either: a micro-batch's loss is scaled by its own batch the same way.
-NO_METHOD = (WEIGHTED_MEAN, BATCH_SCALED)
+REFUSED = ("extra gradient", "coupled", UNMEASURABLE, WEIGHTED_MEAN, BATCH_SCALED, SIZE_MISREAD)
+#: Outcomes no other method measures either: a micro-batch's loss is scaled by its own batch the same way, or its
+#: size is misread the same way.
+NO_METHOD = (WEIGHTED_MEAN, BATCH_SCALED, SIZE_MISREAD)
 #: ``micro_batch``'s check (:func:`check_loss_divisor`): the loss's divisor alone, which was constant.
 DIVISOR_CHECKED = "divisor checked"
 #: Check 1 alone passed, on a training step (:func:`first_step_check`); check 2 was not run.
@@ -102,7 +108,9 @@ class PerExampleCheck:
     ``"coupled"`` (check 2 failed), ``"unmeasurable"`` (the hooks can't measure the batch's passes at all),
     ``"weighted mean"`` (the loss divides by the batch's sum of class weights, or its count of targets not ignored:
     no method measures it), ``"scaled by the batch"`` (check 2 passed but moved every norm by one factor: the loss
-    is scaled by something computed from the batch, which no method measures either),
+    is scaled by something computed from the batch, which no method measures either), ``"batch size misread"`` (a
+    layer that declares its layout holds more examples than the batch's size read off its tensors: a sequence-first
+    batch; ``micro_batch`` would read the same wrong size),
     ``"sums checked"`` (check 1 alone passed, on a training step), ``"divisor checked"`` (``micro_batch``'s check of
     the loss's divisor alone passed) or ``"not checked"``; ``spread`` the largest
     relative difference the failed or last check read (NaN when not checked); ``detail`` says why: the reason to stop
@@ -167,7 +175,7 @@ def check_per_example(model: nn.Module, run_pass: Callable[[], None], batch_size
                 reset()
                 from_row, _ = _replaced_norms(model, tracker, batch_size, run_pass, run_first_row_pass, True)
     except RuntimeError as error:  # the hooks can't measure this model on such a batch: its steps would read wrong
-        return PerExampleCheck(UNMEASURABLE, detail=str(error))
+        return PerExampleCheck(SIZE_MISREAD if MISREAD_BATCH_SIZE in str(error) else UNMEASURABLE, detail=str(error))
     finally:
         restart_probes()
     extra, note = _extra_gradient(first, second, batch_size, tolerance)
@@ -179,17 +187,52 @@ def check_per_example(model: nn.Module, run_pass: Callable[[], None], batch_size
     return replace(result, detail=note) if note and not result.refused else result
 
 
-def check_loss_divisor(run_pass: Callable[[], None], batch_size: int) -> PerExampleCheck:
+def check_loss_divisor(run_pass: Callable[[], None], batch_size: int,
+                       model: Optional[nn.Module] = None) -> PerExampleCheck:
     """``micro_batch``'s check, on one pass of the batch: whether the loss's mean divides by a sum that moves with
     the batch (:mod:`.weighted_mean`). A micro-batch's loss is then a ratio of its own, whose noise is that at the
     micro-batch's size, not the run's (class weights 0.1–10 on the digits: 15.2–16.2 at micro-batches of 8, where
     the batch of 32 has 11.1; ``benchmarks/batch_normalised_losses.py``). A divisor the loss watch can't see (a mask
-    over its own sum, an RMSE) is not found: that takes the per-example norms of :func:`check_per_example`."""
-    with WeightedMeanWatch(batch_size) as watch:
+    over its own sum, an RMSE) is not found: that takes the per-example norms of :func:`check_per_example`.
+
+    With ``model``, also whether a sequence-first layer of it (``nn.LSTM``/``GRU``/``RNN``, ``nn.MultiheadAttention``
+    with ``batch_first=False``) holds more examples in dim 1 than ``batch_size``, the size read off the batch: a
+    ``(T, B, ...)`` batch read as T examples (:data:`SIZE_MISREAD`). ``micro_batch`` reads ``B_simple`` in units of
+    that size, ``T/B`` times the exact value (``tests/trust/test_sequence_first.py``)."""
+    with WeightedMeanWatch(batch_size) as watch, _sequence_first_sizes(model) as held:
         run_pass()
     if watch.found is not None:
         return PerExampleCheck(WEIGHTED_MEAN, detail=weighted_mean_reason(watch.found, watch.divides_by))
+    more = [(name, kind, size) for name, kind, size in held if size > batch_size]
+    if more:
+        name, kind, size = more[0]
+        reason = misread_batch_reason(f"with batch_first=False the input (L, N, E) of module '{name}' ({kind}) "
+                                      f"holds {size} examples, but the batch has {batch_size}")
+        return PerExampleCheck(SIZE_MISREAD, detail=f"{reason}.")
     return PerExampleCheck(DIVISOR_CHECKED)
+
+
+@contextmanager
+def _sequence_first_sizes(model: Optional[nn.Module]) -> Iterator[list[tuple[str, str, int]]]:
+    """``(name, kind, examples)`` of each call of a sequence-first recurrent or attention module of ``model`` while
+    the context is open: dim 1 of its batched 3-D input (query)."""
+    held: list[tuple[str, str, int]] = []
+
+    def pre_hook(name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        inp = args[0] if args else kwargs.get("input", kwargs.get("query"))
+        if isinstance(inp, Tensor) and inp.dim() == 3:
+            held.append((name, type(module).__name__, int(inp.shape[1])))
+
+    modules = [] if model is None else [(name, module) for name, module in model.named_modules()
+                                        if getattr(module, "batch_first", None) is False
+                                        and isinstance(module, (nn.RNNBase, nn.MultiheadAttention))]
+    handles = [module.register_forward_pre_hook(OwnHook(partial(pre_hook, name)), with_kwargs=True)
+               for name, module in modules]
+    try:
+        yield held
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _either_copy(halves: PerExampleCheck, first_row: PerExampleCheck) -> PerExampleCheck:

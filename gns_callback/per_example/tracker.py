@@ -144,6 +144,12 @@ HANDLED_APART: tuple[type, ...] = (nn.EmbeddingBag, nn.MultiheadAttention, *RECU
 TABLE_CHECK_POPS = 8
 
 
+def misread_batch_reason(reason: str) -> str:
+    """``reason`` (a layer holds more examples than the batch's size read off its tensors) with
+    :data:`MISREAD_BATCH_SIZE`, why, and the fix."""
+    return f"{reason}: {MISREAD_BATCH_SIZE}; {_MISREAD_FIX}"
+
+
 def supported_layer_names() -> str:
     """The layer types per-example norms measure, for messages: :data:`SUPPORTED_MODULES` and
     :data:`HANDLED_APART`."""
@@ -164,6 +170,18 @@ MIN_COVERAGE = 0.9
 MICRO_BATCH_HINT = (
     "measure this model with method='micro_batch', which needs several backward passes per optimizer step "
     "(gradient accumulation, e.g. Lightning's accumulate_grad_batches=2, or several devices)"
+)
+#: Marks a failure where the micro-batch's size read off the batch is not its count of examples: a sequence-first
+#: layer (``batch_first=False``) holds more examples in dim 1 than that. ``micro_batch`` would read its noise at the
+#: same wrong size, so no method measures it (:data:`~.checks.NO_METHOD`).
+MISREAD_BATCH_SIZE = "the micro-batch's size read off the batch is not its count of examples"
+#: Why, and the fix (:func:`misread_batch_reason`).
+_MISREAD_FIX = (
+    "its tensors are most likely sequence-first, (T, B, ...) as pad_sequence returns them by default, so their dim 0 "
+    "read the sequence length; micro_batch would divide by that size too. The fix: a batch-first batch "
+    "(pad_sequence(..., batch_first=True), and x.transpose(0, 1) in the model's forward where it is sequence-first); "
+    "in a plain loop, pass the size instead: check_batch(loss_of, batch, batch_size=B), expect_batch_size(B) and "
+    "step(micro_batch_size=B)"
 )
 
 
@@ -941,8 +959,7 @@ class PerExampleNormTracker:
         record.fired.update(keys | {module})
         reason = self._declared_batch_reason(module, batch, "its query")
         if reason is not None:
-            return self._fail_pass(record, f"module '{covered.name}' (MultiheadAttention): {reason}; "
-                                           f"{MICRO_BATCH_HINT}.")
+            return self._fail_declared(record, covered.name, "MultiheadAttention", reason)
         if self._check_batch_size(record, batch, covered.name):
             with _no_grad():
                 record.add(projection_sq_norms(call, inp, grad_output, batch).float())
@@ -954,9 +971,17 @@ class PerExampleNormTracker:
             return f"{what} is not batched (a 3-D tensor), so its examples can't be told"
         if self.expected_batch_size is not None and batch != self.expected_batch_size:
             layout = "(N, L, E)" if module.batch_first else "(L, N, E)"
-            return (f"with batch_first={module.batch_first} {what} {layout} holds {batch} examples, but the "
-                    f"batch has {self.expected_batch_size}")
+            reason = (f"with batch_first={module.batch_first} {what} {layout} holds {batch} examples, but the "
+                      f"batch has {self.expected_batch_size}")
+            misread = not module.batch_first and batch > self.expected_batch_size  # (T, B, ...) read as T
+            return misread_batch_reason(reason) if misread else reason
         return None
+
+    def _fail_declared(self, record: PassNorms, name: str, kind: str, reason: str) -> None:
+        """A module that declares its layout can't be measured: ``reason``, and :data:`MICRO_BATCH_HINT` unless the
+        batch's size was misread (which ``micro_batch`` would read wrong too)."""
+        hint = "" if MISREAD_BATCH_SIZE in reason else f"; {MICRO_BATCH_HINT}"
+        self._fail_pass(record, f"module '{name}' ({kind}): {reason}{hint}.")
 
     # ------------------------------------------------------------------ bag embeddings (:mod:`.embedding_bag`)
 
@@ -1039,8 +1064,7 @@ class PerExampleNormTracker:
         batch = None if reason is not None else recurrent_batch_size(module, inp)
         reason = reason or self._declared_batch_reason(module, batch, "its input")
         if reason is not None:
-            return self._fail_pass(record, f"module '{covered.name}' ({type(module).__name__}): {reason}; "
-                                           f"{MICRO_BATCH_HINT}.")
+            return self._fail_declared(record, covered.name, type(module).__name__, reason)
         if self._check_batch_size(record, batch, covered.name):
             record.add(recurrent_sq_norms(module, inp, hx, grads, covered.param_names, output).float())
 
