@@ -454,8 +454,20 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             self._probe_waits = True
             return
         check_first_batch(self.meter, trainer, pl_module, batch, batch_idx, self._micro_batch_size)
+        if self._rows_not_examples(trainer):
+            return
         if self._probe_wanted(trainer) and self.probe_result is None:
             self._run_probe(trainer, pl_module, batch)
+
+    def _rows_not_examples(self, trainer: Any) -> bool:
+        """Stop measuring where the first batch's rows are not the DataLoader's examples
+        (:func:`~gns_callback.lightning.supported.rows_not_examples`), unless the check already found why."""
+        check = self.meter.per_example_check
+        problem = supported.rows_not_examples(trainer, self._micro_batch_size)
+        if problem is None or (check is not None and check.refused):
+            return False
+        self.meter.stop(problem)
+        return True
 
     def _passes_wait(self, trainer: Any) -> bool:
         """Whether passes of the training step aside from the run (the check, the probe) must wait for a later batch:

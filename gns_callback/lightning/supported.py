@@ -10,7 +10,9 @@ setup that would give a wrong number is refused before any training time is spen
   ``StochasticWeightAveraging``: its ``SWALR``, installed mid-run, sets the LR to its own ``swa_lrs``;
 * several training DataLoaders combined into each batch (checked at the first batch, when Lightning has built
   them): :func:`combined_loaders_refusal`;
-* data-parallel ranks that drew the same first batch (checked at the first batch): :func:`same_batches_refusal`.
+* data-parallel ranks that drew the same first batch (checked at the first batch): :func:`same_batches_refusal`;
+* a first batch whose rows in dim 0 are not the DataLoader's ``batch_size`` (a sequence-first batch): measuring
+  stops (:func:`rows_not_examples`).
 
 A strategy that is neither known data-parallel nor known sharded (a custom one) is measured with a warning
 (:func:`unverified_strategy_warning`).
@@ -89,6 +91,27 @@ def combined_loaders_refusal(trainer: Any) -> Optional[str]:
         "from one DataLoader over the combined data (torch.utils.data.ConcatDataset, or a sampler that mixes them), "
         "or measure in your own loop with gns_callback.GradientNoiseScaleMeter."
     )
+
+
+def rows_not_examples(trainer: Any, rows: int) -> Optional[str]:
+    """Why the first batch's ``rows`` (its size read off dim 0 of its tensors) are not its examples, or None: the
+    training DataLoader says it batches another number of them. A first batch may be short only where the sampler
+    draws fewer than ``batch_size`` examples in all.
+
+    A sequence-first batch, ``(T, B, ...)`` as ``pad_sequence`` returns it by default, reads ``T``: into a model
+    whose layers don't declare their layout (a per-token MLP) every position was taken for an example, and the
+    callback read B_simple = 1.46 [1.36, 1.57] against an exact 49.0 on digits rows (``python
+    benchmarks/padded_sequences.py``). A ``collate_fn`` that stacks several rows per example (crops of one image)
+    reads rows that are not independent draws."""
+    size, drawn = facts.loader_batch_size(trainer)
+    if size is None or size <= 1 or rows == size or (rows < size and (drawn is None or drawn < size)):
+        return None
+    return (f"the first training batch's tensors hold {rows} rows in dim 0, but the training DataLoader's "
+            f"batch_size is {size}, so its examples can't be told from its rows: a sequence-first batch, (T, B, ...) "
+            "as pad_sequence returns it by default, reads its sequence length as the batch size, and a collate_fn "
+            "that stacks several rows per example (crops of one image) reads rows that are not independent draws. "
+            "The fix: batches with one row per example in dim 0 (pad_sequence(..., batch_first=True), and "
+            "x.transpose(0, 1) in the model's forward where it is sequence-first)")
 
 
 def same_batches_refusal(trainer: Any, batch: Any) -> Optional[str]:

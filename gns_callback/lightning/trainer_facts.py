@@ -94,6 +94,18 @@ def compiled_whole(pl_module: Any) -> bool:
     return getattr(pl_module, "_compiler_ctx", None) is not None
 
 
+def loader_batch_size(trainer: Any) -> tuple[Optional[int], Optional[int]]:
+    """The training DataLoader's ``batch_size`` and the length of its sampler (None where either can't be read: a
+    ``batch_sampler``, ``batch_size=None``, an iterable dataset's sampler)."""
+    loader = getattr(trainer, "train_dataloader", None)
+    size = getattr(loader, "batch_size", None)
+    try:
+        drawn = len(loader.sampler)
+    except (AttributeError, TypeError):
+        drawn = None
+    return (size if isinstance(size, int) else None), drawn
+
+
 def dataset_size(trainer: Any) -> Optional[int]:
     try:
         return len(trainer.train_dataloader.dataset)

@@ -201,3 +201,25 @@ def test_an_averaged_copy_made_at_fit_start_is_left_without_hooks(namespace):
     assert b"gns_callback" not in pickle.dumps(module.average)
     gc.collect()
     assert [obj for obj in gc.get_objects() if type(obj) is Averaged] == [module]
+
+
+@pytest.mark.parametrize("rows, batch_size, drawn, stops", [
+    (16, 16, 1797, False),
+    (8, 16, 1797, True),  # a sequence-first batch of 16 sequences of 8
+    (64, 16, 1797, True),  # 4 rows per example (crops)
+    (10, 16, 10, False),  # a sampler of 10: the first batch is short
+    (10, 16, None, False),  # a sampler of no length: it may be
+    (8, None, 1797, False),  # a batch_sampler: no batch_size to compare
+    (8, 1, 1797, False),  # batch_size=1 over a data set of ready-made batches
+])
+def test_rows_not_examples_compares_the_first_batch_with_the_loader(rows, batch_size, drawn, stops):
+    from types import SimpleNamespace
+
+    class Sampler:
+        def __len__(self):
+            if drawn is None:
+                raise TypeError("no length")
+            return drawn
+
+    trainer = SimpleNamespace(train_dataloader=SimpleNamespace(batch_size=batch_size, sampler=Sampler()))
+    assert (supported.rows_not_examples(trainer, rows) is not None) == stops

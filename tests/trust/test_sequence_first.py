@@ -5,6 +5,7 @@ a layout that can't be told is refused (not measured, with the reason)."""
 
 import math
 import warnings
+from typing import Optional
 
 import pytest
 import pytorch_lightning as pl
@@ -108,9 +109,9 @@ def sequence_first_batch(items: list) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Tagging(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, net: Optional[nn.Module] = None) -> None:
         super().__init__()
-        self.net = SequenceFirstTagger()
+        self.net = net if net is not None else SequenceFirstTagger()
 
     def training_step(self, batch, batch_idx):
         rows, targets = batch
@@ -158,3 +159,32 @@ def test_the_plain_loop_refuses_the_misread_size_and_measures_the_size_given(dig
             meter.step(micro_batch_size=32)
             net.zero_grad()
     assert_matches_exact(meter.run_estimate, exact)
+
+
+def per_token_mlp() -> nn.Module:
+    """No layer of it declares a layout: the rows of a ``(T, B, 8)`` batch reach every layer as ``T`` rows."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 10))
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_rows_the_data_loader_does_not_batch_stop_the_measurement(digits, accumulate):
+    """A sequence-first batch into a per-token MLP: every layer sees ``T`` rows, the check reads them as examples
+    ("independent"), and before, the callback read B_simple = 1.46 [1.36, 1.57] (2.52 at 2 micro-batches) against
+    an exact 49.0 (``benchmarks/padded_sequences.py``). The DataLoader batches 16 examples; the batch's dim 0 holds
+    8 rows: measuring stops at the first batch, with the fix."""
+    x, y = digits
+    callback = GradientNoiseScaleCallback(verbose=False)
+    loader = DataLoader(TensorDataset(x, y), batch_size=16, collate_fn=sequence_first_batch,
+                        sampler=RandomSampler(range(len(x)), replacement=True, num_samples=16 * accumulate * 10,
+                                              generator=torch.Generator().manual_seed(0)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = quiet_trainer(accumulate_grad_batches=accumulate, callbacks=[callback])
+        trainer.fit(Tagging(per_token_mlp()), loader)
+    assert trainer.state.finished
+    stopped = single(messages(caught, "stopped measuring"))
+    assert "hold 8 rows in dim 0, but the training DataLoader's batch_size is 16" in stopped
+    assert "pad_sequence(..., batch_first=True)" in stopped
+    assert_withheld(callback.run_estimate, "batch_size is 16")
+    assert callback.recommendation is None or callback.recommendation.status == "no_estimate"
