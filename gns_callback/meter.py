@@ -418,11 +418,21 @@ class GradientNoiseScaleMeter:
         if size is None:
             raise ValueError("GradientNoiseScaleMeter.check_batch(batch_size=None): the batch's size can't be read off "
                              "its tensors; pass it, e.g. check_batch(loss_of, batch, batch_size=len(x))")
-        halves, copied = first_half_copied(batch, size)
-        first_row = first_half_copied(batch, size, from_first_row=True)[0]
-        return self.check_per_example(lambda: loss_of(batch).backward(), size,
-                                      (lambda: loss_of(halves).backward()) if copied else None,
-                                      (lambda: loss_of(first_row).backward()) if copied else None, **preserve)
+        # The copies only where per-example norms are checked (micro_batch's check runs the batch alone); the one
+        # from the first row only when its pass runs (where the halves' copy reads independent).
+        halves, copied = first_half_copied(batch, size) if self.method == "per_example" else (None, False)
+
+        def run_pass() -> None:
+            loss_of(batch).backward()
+
+        def run_replaced_pass() -> None:
+            loss_of(halves).backward()
+
+        def run_first_row_pass() -> None:
+            loss_of(first_half_copied(batch, size, from_first_row=True)[0]).backward()
+
+        return self.check_per_example(run_pass, size, run_replaced_pass if copied else None,
+                                      run_first_row_pass if copied else None, **preserve)
 
     def check_per_example(self, run_pass: Callable[[], None], batch_size: int,
                           run_replaced_pass: Optional[Callable[[], None]] = None,
@@ -452,9 +462,9 @@ class GradientNoiseScaleMeter:
         targets not ignored, a ratio at any micro-batch's size, stops the measurement."""
         if self.failure is not None:
             return PerExampleCheck("not checked", detail=f"method={self.method!r}")
-        if self.method == "micro_batch" and compiled.compiled_modules(self.model):
-            return PerExampleCheck("not checked", detail=_COMPILED_NOT_CHECKED)
         if self.method == "micro_batch":
+            if compiled.compiled_modules(self.model):
+                return PerExampleCheck("not checked", detail=_COMPILED_NOT_CHECKED)
             return self._run_check(lambda reset: check_loss_divisor(run_pass, batch_size, self.model), preserve)
         self._arm_sum_check(False)  # this check includes the first step's
         return self._run_check(lambda reset: check_per_example(self.model, run_pass, batch_size, reset=reset,

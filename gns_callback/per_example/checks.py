@@ -169,8 +169,8 @@ def check_per_example(model: nn.Module, run_pass: Callable[[], None], batch_size
             tracker.sum_check = second = SumCheck()
             reset()
             after, replaced = _replaced_norms(model, tracker, batch_size, run_pass, run_replaced_pass)
-            from_row = None
-            if replaced and _compare(before, after, half, tolerance).status == "independent":
+            halves, from_row = _compare(before, after, half, tolerance), None
+            if replaced and halves.status == "independent":
                 tracker.sum_check = None
                 reset()
                 from_row, _ = _replaced_norms(model, tracker, batch_size, run_pass, run_first_row_pass, True)
@@ -183,7 +183,7 @@ def check_per_example(model: nn.Module, run_pass: Callable[[], None], batch_size
         return extra
     if not replaced:
         return PerExampleCheck("not checked", detail="no measured layer's input holds the batch")
-    result = _either_copy(_compare(before, after, half, tolerance), _compare(before, from_row, half, tolerance))
+    result = _either_copy(halves, _compare(before, from_row, half, tolerance))
     return replace(result, detail=note) if note and not result.refused else result
 
 
@@ -239,8 +239,10 @@ def _either_copy(halves: PerExampleCheck, first_row: PerExampleCheck) -> PerExam
     """The outcome of the two copies (the second half's rows from the first half's, and from its first row): the
     first that refuses (coupled, or scaled by the batch), else independent with the larger spread (a copy not run or
     not read leaves the other one's)."""
-    if halves.status != "independent" or first_row.refused:
-        return first_row if halves.status == "independent" else halves
+    if halves.status != "independent":
+        return halves
+    if first_row.refused:
+        return first_row
     if first_row.status != "independent":
         return halves
     return halves if halves.spread >= first_row.spread else first_row
