@@ -265,11 +265,8 @@ class StaleGradients:
         :data:`STALE_CHECKS` steps the hooks come off, and only a ``.grad`` made anew between passes is looked for."""
         passes = self._passes.pop()
         replaced, self._kept, self._replaced = self._replaced, None, False
-        if self.checks_left <= 0 or not passes or not passes[0]:
+        if not passes or not passes[0] or not _counted(self):
             return CLEARED_BETWEEN if replaced else None
-        self.checks_left -= 1
-        if self.checks_left == 0:
-            self.remove()
         found = passes[0][0]
         if found is not None and float(found) > 0:
             return STALE
@@ -338,12 +335,18 @@ class RankOwnGradient:
         """At the read: :data:`AVERAGED_ACROSS_RANKS` if a pass of this step left another gradient than its own,
         else None; forgets the step. After :data:`STALE_CHECKS` steps the hook comes off."""
         found, self._found, self._expected = self._found, False, None
-        if self.checks_left <= 0:
-            return None
-        self.checks_left -= 1
-        if self.checks_left == 0:
-            self.remove()
-        return AVERAGED_ACROSS_RANKS if found else None
+        return AVERAGED_ACROSS_RANKS if _counted(self) and found else None
+
+
+def _counted(watch: Union[StaleGradients, RankOwnGradient]) -> bool:
+    """Whether ``watch`` still checks steps (its first :data:`STALE_CHECKS`): counts this one, and takes its hook off
+    after the last."""
+    if watch.checks_left <= 0:
+        return False
+    watch.checks_left -= 1
+    if watch.checks_left == 0:
+        watch.remove()
+    return True
 
 
 def _strays(now: torch.Tensor, expected: torch.Tensor) -> bool:
