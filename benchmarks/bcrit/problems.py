@@ -101,6 +101,45 @@ def cnn(seed: int = 0) -> nn.Module:
     return small_cnn(seed=seed)
 
 
+def cnn_bn(seed: int = 0) -> nn.Module:
+    """:func:`cnn` with ``BatchNorm2d(8)`` in place of ``GroupNorm(2, 8)`` (same initial weights: neither norm draws
+    random numbers at construction). Trained in train mode (batch statistics); the target loss is read in eval mode
+    (running statistics, :func:`benchmarks.bcrit.training.full_loss`)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Unflatten(1, (1, 8, 8)),
+        nn.Conv2d(1, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 4 * 4, 10),
+    )
+
+
+class GhostBatchNorm2d(nn.BatchNorm2d):
+    """``BatchNorm2d`` that, in train mode, normalises each of ``chunks`` equal parts of the batch over its own
+    statistics (running statistics updated once per part): the same step as ``accumulate_grad_batches=chunks`` at
+    the same global batch, where each backward pass sees one part."""
+
+    def __init__(self, features: int, chunks: int = 2) -> None:
+        super().__init__(features)
+        self.chunks = chunks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return super().forward(x)
+        return torch.cat([super(GhostBatchNorm2d, self).forward(part) for part in x.chunk(self.chunks)])
+
+
+def cnn_bn_ghost2(seed: int = 0) -> nn.Module:
+    """:func:`cnn_bn` whose BatchNorm normalises each half of the batch on its own (:class:`GhostBatchNorm2d`)."""
+    net = cnn_bn(seed)
+    net[2] = GhostBatchNorm2d(8, 2)
+    return net
+
+
 def lr_grid(low: float, high: float) -> tuple[float, ...]:
     """Log grid with factor √2 from ``low`` to (at most) ``high``."""
     out, k = [], 0
@@ -150,6 +189,20 @@ PROBLEMS = {
                             "(standardised target)", diabetes_mlp, diabetes, 0.25, lr_grid(0.01, 0.32), loss=F.mse_loss),
     "cnn": Problem("cnn", "digits CNN (2 conv + GroupNorm + linear, ReLU), SGD, target full-data cross-entropy 0.03",
                    cnn, digits, 0.03, lr_grid(0.05, 0.8)),
+    # BatchNorm in training mode (the examples of a batch coupled through its statistics)
+    "cnn_bn": Problem("cnn_bn", "digits CNN (2 conv + BatchNorm + linear, ReLU), SGD, target full-data cross-entropy "
+                      "0.03 (eval mode)", cnn_bn, digits, 0.03, lr_grid(0.1, 1.6)),
+    "cnn_bn_momentum": Problem("cnn_bn_momentum", "digits CNN (2 conv + BatchNorm + linear, ReLU), SGD momentum 0.9, "
+                               "target full-data cross-entropy 0.03 (eval mode)", cnn_bn, digits, 0.03,
+                               lr_grid(0.01, 0.32), optimizer="momentum"),
+    # what accumulate_grad_batches=2 at the same global batch trains (BatchNorm over each half); slow way only
+    "cnn_bn_ghost2": Problem("cnn_bn_ghost2", "digits CNN (2 conv + BatchNorm over each half of the batch + linear, "
+                             "ReLU), SGD, target full-data cross-entropy 0.03 (eval mode)", cnn_bn_ghost2, digits, 0.03,
+                             lr_grid(0.1, 1.6)),
+    "cnn_bn_ghost2_momentum": Problem("cnn_bn_ghost2_momentum", "digits CNN (2 conv + BatchNorm over each half of the "
+                                      "batch + linear, ReLU), SGD momentum 0.9, target full-data cross-entropy 0.03 "
+                                      "(eval mode)", cnn_bn_ghost2, digits, 0.03, lr_grid(0.01, 0.32),
+                                      optimizer="momentum"),
 }
 
 
@@ -168,6 +221,7 @@ class ExactSums:
         saved = self.tracker.max_examples
         self.tracker.max_examples = None
         params = [p for p in net.parameters() if p.requires_grad]
+        buffers = [b.clone() for b in net.buffers()]  # BatchNorm's running statistics: the training run's own
         kept = [p.grad for p in params]
         for p in params:  # the tracker reads passes that fill .grad (not torch.autograd.grad's)
             p.grad = None
@@ -177,6 +231,8 @@ class ExactSums:
         for p, g in zip(params, kept):
             p.grad = g
         self.tracker.max_examples = saved
+        for b, v in zip(net.buffers(), buffers):
+            b.copy_(v)
         n = len(self.x)
         grad_sq = sum(g.double().pow(2).sum() for g in grads).item() / n**2
         return grad_sq, sq.mean().item() - grad_sq

@@ -60,8 +60,14 @@ def batch_indices(n: int, batch_size: int, seed: int):
 
 
 def full_loss(net, x, y, loss=F.cross_entropy) -> float:
-    with torch.no_grad():
-        return loss(net(x), y).item()
+    """The loss over the whole set in eval mode (BatchNorm's running statistics, left as they are; the same as train
+    mode for a network without BatchNorm or dropout), then back to train mode."""
+    net.eval()
+    try:
+        with torch.no_grad():
+            return loss(net(x), y).item()
+    finally:
+        net.train()
 
 
 def crossing(prev: tuple[int, float], cur: tuple[int, float], target: float) -> float:
