@@ -58,3 +58,24 @@ def test_recommended_moves_follow_each_runs_interval(load_benchmark):
     assert 24 <= moved_to <= 48, text
     steps = (1 + 32.0 / moved_to) / (1 + 32.0 / 8)
     assert f"predicted steps ×{steps:.2f}–{steps:.2f}" in text, text
+
+
+def test_batch_norm_problems_keep_their_running_statistics(problems, load_benchmark):
+    """The study's own passes over the whole set (the exact sums, in train mode; the target loss, in eval mode)
+    leave a BatchNorm network's running statistics and mode as the training run left them (before, the exact sums'
+    pass moved the running statistics toward the whole set's, so recorded runs were read at other eval losses)."""
+    load_benchmark("critical_batch_summary")
+    from benchmarks.bcrit.training import full_loss
+
+    problem = problems.PROBLEMS["cnn_bn"]
+    x, y = problem.data()
+    x, y = x[:200], y[:200]
+    net = problem.make_net()
+    tracker = PerExampleNormTracker(net, max_examples=16).attach()
+    problem.loss(net(x[:8] * 3.0), y[:8]).backward()  # running statistics away from the whole set's
+    tracker.pop()
+    before = [b.clone() for b in net.buffers()]
+    problems.ExactSums(tracker, x, y, problem.loss)(net)
+    full_loss(net, x, y, problem.loss)
+    assert all(torch.equal(b, a) for b, a in zip(net.buffers(), before))
+    assert net.training and net[2].training
