@@ -1425,3 +1425,39 @@ def test_check_batch_asks_for_a_size_it_cannot_read():
     with GradientNoiseScaleMeter(model) as meter:
         with pytest.raises(ValueError, match="batch_size"):
             meter.check_batch(lambda b: model(torch.zeros(len(b), 64)).sum(), ["one", "two", "three", "four"])
+
+
+def test_synced_batch_norm_on_several_ranks_stops_micro_batch_at_the_first_step(digits):
+    """``SyncBatchNorm`` in training mode couples the data-parallel ranks: a rank's gradient is its share of the
+    global one, not an independent micro-batch's. Before, ``micro_batch`` measured such a run: simulated on one CPU
+    (``benchmarks/synced_batch_norm.py``), the digits BatchNorm CNN on 2 ranks × 16 read 47.7 [44.6, 51.3] against
+    the step gradient's noise scale 33.4. Now the first step stops, with the fix; in eval mode (frozen statistics)
+    and without ``reduce`` (one process, where it does not sync) it is measured. Here ``reduce`` is the identity (one
+    rank standing for several; on the CPU SyncBatchNorm cannot sync)."""
+    x, y = digits
+
+    def synced(eval_mode: bool = False) -> nn.Module:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 4, 3, padding=1), nn.SyncBatchNorm(4),
+                            nn.ReLU(), nn.Flatten(), nn.Linear(256, 10))
+        return net.eval() if eval_mode else net
+
+    def run(net, reduce):
+        with GradientNoiseScaleMeter(net, method="micro_batch", reduce=reduce) as meter:
+            g = torch.Generator().manual_seed(0)
+            for _ in range(3):
+                for _ in range(2):
+                    i = torch.randint(0, len(x), (16,), generator=g)
+                    (F.cross_entropy(net(x[i]), y[i]) / 2).backward()
+                meter.step(micro_batch_size=16)
+                net.zero_grad()
+        return meter
+
+    with pytest.warns(UserWarning, match="stopped measuring.*SyncBatchNorm in training mode.*sync_batchnorm=False"):
+        meter = run(synced(), reduce=lambda t: t)
+    assert not meter.run_estimate.measured and "SyncBatchNorm" in meter.failure
+    for net, reduce in ((synced(eval_mode=True), lambda t: t), (synced(), None)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            meter = run(net, reduce)
+        assert meter.failure is None and meter.steps_seen == 3

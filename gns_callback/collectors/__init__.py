@@ -68,6 +68,32 @@ BATCH_NORM_COUPLES = ("the model has BatchNorm in training mode, which couples t
                       "gradients are not independent samples")
 
 
+#: Why ``micro_batch`` can't read data-parallel ranks normalised by ``SyncBatchNorm`` in training mode, and the fix.
+SYNCED_BATCH_NORM_COUPLES = (
+    "the model has SyncBatchNorm in training mode on several data-parallel ranks: each rank normalises with the "
+    "global batch's statistics and its backward all-reduces their gradients, so a rank's gradient is its examples' "
+    "share of the global one, coupled to every other rank's examples, not an independent micro-batch gradient "
+    "(simulated on the digits BatchNorm CNN, micro_batch read 1.4–2.6× the noise scale of the step's gradient, its "
+    "interval excluding it; benchmarks/synced_batch_norm.py). Train with per-device BatchNorm (Lightning: "
+    "sync_batchnorm=False; plain BatchNorm under DDP is measured as it is), or normalise without batch statistics "
+    "(GroupNorm, LayerNorm)"
+)
+
+
+def synced_batch_norms(model: nn.Module) -> tuple[nn.Module, ...]:
+    """The model's ``SyncBatchNorm`` layers (they sync in training mode, or in eval mode without running
+    statistics, once a process group of several ranks exists)."""
+    return tuple(module for module in model.modules() if isinstance(module, nn.SyncBatchNorm))
+
+
+def synced_batch_norm_problem(norms: Sequence[nn.Module], ranks: bool) -> Optional[str]:
+    """:data:`SYNCED_BATCH_NORM_COUPLES` when the run has several data-parallel ``ranks`` and one of ``norms``
+    (:func:`synced_batch_norms`) normalises with batch statistics now, else None."""
+    if ranks and any(m.training or not m.track_running_stats for m in norms):
+        return SYNCED_BATCH_NORM_COUPLES
+    return None
+
+
 class UnmeasurableSetup(ValueError):
     """The model/run can't be measured with the requested method; the message says why and what works."""
 
@@ -199,4 +225,6 @@ __all__ = [
     "choose_method",
     "coverage_warning",
     "per_example_problem",
+    "synced_batch_norm_problem",
+    "synced_batch_norms",
 ]
