@@ -10,6 +10,11 @@ the slow-way value in 19 of 21 there). For other optimizers it reads low, measur
 * Adam: MLP ``B_crit`` 335, readings 51–178 from runs at batch 8, 32 and 512; CNN 254, readings 53–70;
 * SGD with Nesterov momentum 0.9 (MLP): ``B_crit`` 256, readings 42–55; AdamW (weight decay 0.01): 368, readings
   42–135.
+* SGD with momentum 0.9 on a CNN with BatchNorm in training mode (``micro_batch``, ``accumulate_grad_batches=2``;
+  per-example norms are refused there): ``B_crit`` 182, readings 0.11–0.81× of it.
+
+A CNN with BatchNorm in training mode, plain SGD, read the same way: slow-way ``B_crit`` 59.6, readings 0.53–3.1× of
+it, within ×2 in 34 of 35 runs, the trust range holding it in 35 of 35 (``benchmarks/batch_norm_callback.py``).
 
 RMSprop and Adagrad (no first moment) read high instead: digits MLP ``B_crit`` 41 and 34, readings 42–57 and 36–86;
 breast cancer (RMSprop) 78, readings 393–396. The policy below is kept for them too: a move up goes to the
@@ -33,14 +38,15 @@ from gns_callback.recommendation.stability import momentum_of
 
 #: What the report says for plain SGD, the calibrated case.
 CALIBRATED = ("plain SGD: the calibrated case (within ×2 of the slow-way B_crit in 82 of 84 digits runs; on "
-              "breast cancer, held out, in 11 of 21, its interval holding B_crit in 19 of 21; benchmarks/RESULTS.md)")
+              "breast cancer, held out, in 11 of 21, its interval holding B_crit in 19 of 21; on a digits CNN with "
+              "BatchNorm, measured with micro_batch, in 34 of 35; benchmarks/RESULTS.md)")
 
 
 #: The slow-way B_crit over the noise-scale reading on the digits MLP (and CNN for Adam), lowest and highest over the
 #: runs, by optimizer: the cases measured (``benchmarks/payoff.py``, ``benchmarks/critical_batch_summary.py``;
 #: benchmarks/RESULTS.md). Below 1 the reading overstates B_crit.
 MEASURED = {
-    "momentum 0.9": (4.0, 17.0),
+    "momentum 0.9": (1.2, 17.0),  # digits MLP 4.0–17; the BatchNorm CNN 1.2–9.1
     "Nesterov momentum 0.9": (4.6, 6.0),
     "Adam": (1.9, 6.6),
     "AdamW": (2.7, 8.7),
