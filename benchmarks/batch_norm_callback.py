@@ -72,6 +72,7 @@ def fit(problem: Problem, data, batch: int, lr: float, seed: int, accumulate: in
     out["critical"] = (crit.b_crit, crit.ci_low, crit.ci_high, crit.trust_low, crit.trust_high, crit.method)
     rec = cb.recommendation
     out["rec"] = (rec.status, rec.batch_size, rec.learning_rate, rec.reason) if rec is not None else None
+    out["warmup"] = rec.warmup_steps if rec is not None else None
     return out
 
 
@@ -86,6 +87,34 @@ def slow_way(problem: Problem, data) -> None:
     print("| B | tuned LR | S (mean ± sd over seeds) | E = B·S |\n|---|---|---|---|")
     for r in results:
         print(f"| {r.batch_size} | {r.tuned_lr:g} | {r.steps:.0f} ± {r.steps_sd:.0f} | {r.batch_size * r.steps:,.0f} |")
+
+
+FOLLOW_PROBLEM = {"cnn_bn": "cnn_bn_ghost2", "cnn_bn_momentum": "cnn_bn_ghost2_momentum"}
+
+
+def follow(problem: Problem, data, r: dict, seeds=(0, 1, 2)) -> str:
+    """Payoff of a moved batch, as ``benchmarks/payoff.py`` judges it: every seed at the start ``(B0, LR0)`` and at
+    the recommended batch, LR and warmup (linear from LR0), trained as the run that measured it trains (BatchNorm
+    over each half of the batch: ``accumulate_grad_batches=2`` kept); median steps, their ratio and the examples'."""
+    import numpy as np
+
+    from benchmarks.bcrit.training import train
+
+    status, b1, lr1, _ = r["rec"]
+    b0, lr0 = r["batch"], r["lr"]
+    lr1 = lr1 if lr1 is not None else lr0
+    warmup = int(r.get("warmup") or 0)
+
+    def runs(b, lr, warm):
+        return [train(problem, data, b, lr, s, max_steps=min(20_000, 1_500_000 // b), eval_every=5,
+                      warmup_steps=warm, warmup_start_lr=lr0 if warm else None) for s in seeds]
+
+    start, moved = runs(b0, lr0, 0), runs(b1, lr1, warmup)
+    s0 = float(np.median([x.steps for x in start]))
+    s1 = float(np.median([x.steps for x in moved]))
+    diverged = sum(x.status == "diverged" for x in moved)
+    return (f"| {b0} → {b1} | {lr0:g} → {lr1:.4g} (warmup {warmup}) | {s0:.0f} | {s1:.0f} | ×{s1 / s0:.2f} | "
+            f"×{b1 * s1 / (b0 * s0):.2f} | {diverged}/{len(seeds)} |")
 
 
 def row(r: dict, b_crit: float) -> str:
@@ -110,6 +139,7 @@ def main() -> None:
     parser.add_argument("--slow-way", action="store_true", help="only the slow-way B_crit of --problem (no traces)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--accumulate", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--follow", action="store_true", help="train at each moved recommendation (3 seeds)")
     parser.add_argument("--b-crit", type=float, default=math.nan, help="the slow-way B_crit, for the ratios")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -121,6 +151,7 @@ def main() -> None:
     print("| B | LR | accumulate | seed | steps | method | run-average B_simple [CI] | critical batch [CI] "
           f"(/ slow-way {args.b_crit:g}) | recommendation |")
     print("|---|---|---|---|---|---|---|---|---|")
+    follows: list[str] = []
     for spec in args.runs:
         batch, lr = int(spec.split(":")[0]), float(spec.split(":")[1])
         for accumulate in args.accumulate:
@@ -128,9 +159,14 @@ def main() -> None:
                 t0 = time.time()
                 r = fit(problem, data, batch, lr, seed, accumulate)
                 print(row(r, args.b_crit) + f" <!-- {time.time() - t0:.0f} s -->", flush=True)
+                if args.follow and r.get("rec") and r["rec"][1] != batch:
+                    follows.append(follow(PROBLEMS[FOLLOW_PROBLEM.get(args.problem, args.problem)], data, r))
                 if "rec" in r and r["rec"]:
                     print(f"<!-- reason: {r['rec'][3]} | recent {r['recent']} | problem {r['problem']} -->",
                           flush=True)
+    if follows:
+        print("\n| batch | LR | S0 (median) | S1 (median) | steps | examples | diverged |\n|---|---|---|---|---|---|---|")
+        print("\n".join(follows))
 
 
 if __name__ == "__main__":
