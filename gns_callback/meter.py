@@ -720,7 +720,7 @@ class GradientNoiseScaleMeter:
             return
         if self._synced_norms is None:
             self._synced_norms = synced_batch_norms(self.model)
-        self._problem = synced_batch_norm_problem(self._synced_norms, ranks=True)
+        self._problem = synced_batch_norm_problem(self._synced_norms, several_ranks=True)
 
     def _trainable_changed(self) -> bool:
         """Every :data:`TRAINABLE_CHECK_EVERY` steps: whether the trainable parameters differ from those measured."""

@@ -86,10 +86,10 @@ def synced_batch_norms(model: nn.Module) -> tuple[nn.Module, ...]:
     return tuple(module for module in model.modules() if isinstance(module, nn.SyncBatchNorm))
 
 
-def synced_batch_norm_problem(norms: Sequence[nn.Module], ranks: bool) -> Optional[str]:
-    """:data:`SYNCED_BATCH_NORM_COUPLES` when the run has several data-parallel ``ranks`` and one of ``norms``
+def synced_batch_norm_problem(norms: Sequence[nn.Module], several_ranks: bool) -> Optional[str]:
+    """:data:`SYNCED_BATCH_NORM_COUPLES` when the run has ``several_ranks`` (data-parallel) and one of ``norms``
     (:func:`synced_batch_norms`) normalises with batch statistics now, else None."""
-    if ranks and any(m.training or not m.track_running_stats for m in norms):
+    if several_ranks and any(m.training or not m.track_running_stats for m in norms):
         return SYNCED_BATCH_NORM_COUPLES
     return None
 
