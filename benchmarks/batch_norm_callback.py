@@ -86,7 +86,8 @@ def slow_way(problem: Problem, data) -> None:
           f"{fit['bootstrap'][1]:.1f}; S_min = {fit['s_min']:.0f}, E_min = {fit['e_min']:,.0f})\n")
     print("| B | tuned LR | S (mean ± sd over seeds) | E = B·S |\n|---|---|---|---|")
     for r in results:
-        print(f"| {r.batch_size} | {r.tuned_lr:g} | {r.steps:.0f} ± {r.steps_sd:.0f} | {r.batch_size * r.steps:,.0f} |")
+        print(f"| {r.batch_size} | {r.tuned_lr:g} | {r.steps:.0f} ± {r.steps_sd:.0f} | "
+              f"{r.batch_size * r.steps:,.0f} |")
 
 
 FOLLOW_PROBLEM = {"cnn_bn": "cnn_bn_ghost2", "cnn_bn_momentum": "cnn_bn_ghost2_momentum"}
@@ -165,7 +166,8 @@ def main() -> None:
                     print(f"<!-- reason: {r['rec'][3]} | recent {r['recent']} | problem {r['problem']} -->",
                           flush=True)
     if follows:
-        print("\n| batch | LR | S0 (median) | S1 (median) | steps | examples | diverged |\n|---|---|---|---|---|---|---|")
+        print("\n| batch | LR | S0 (median) | S1 (median) | steps | examples | diverged |")
+        print("|---|---|---|---|---|---|---|")
         print("\n".join(follows))
 
 
