@@ -102,16 +102,22 @@ def rows_not_examples(trainer: Any, rows: int) -> Optional[str]:
     whose layers don't declare their layout (a per-token MLP) every position was taken for an example, and the
     callback read B_simple = 1.46 [1.36, 1.57] against an exact 49.0 on digits rows (``python
     benchmarks/padded_sequences.py``). A ``collate_fn`` that stacks several rows per example (crops of one image)
-    reads rows that are not independent draws."""
+    reads rows that are not independent draws. A disjoint union of graphs (PyTorch Geometric's layout: node features
+    ``x``, ``edge_index``, ``batch``, ``y``) reads its node count: its message passing layers see nodes as rows, and
+    ``micro_batch`` would divide by that count (``tests/trust/test_graph_models.py``)."""
     size, drawn = facts.loader_batch_size(trainer)
     if size is None or size <= 1 or rows == size or (rows < size and (drawn is None or drawn < size)):
         return None
     return (f"the first training batch's tensors hold {rows} rows in dim 0, but the training DataLoader's "
             f"batch_size is {size}, so its examples can't be told from its rows: a sequence-first batch, (T, B, ...) "
             "as pad_sequence returns it by default, reads its sequence length as the batch size, and a collate_fn "
-            "that stacks several rows per example (crops of one image) reads rows that are not independent draws. "
+            "that stacks several rows per example (crops of one image) reads rows that are not independent draws, "
+            "and a disjoint union of graphs (PyTorch Geometric's layout: x, edge_index, batch, y) reads its nodes. "
             "The fix: batches with one row per example in dim 0 (pad_sequence(..., batch_first=True), and "
-            "x.transpose(0, 1) in the model's forward where it is sequence-first)")
+            "x.transpose(0, 1) in the model's forward where it is sequence-first; for graphs, dense batching, "
+            "(num_graphs, max_nodes, F) with a node mask, which per-example norms measure), or in your own loop "
+            "GradientNoiseScaleMeter(model, method='micro_batch') over 2 or more backward passes per step, with "
+            "meter.step(micro_batch_size=examples per pass)")
 
 
 def same_batches_refusal(trainer: Any, batch: Any) -> Optional[str]:
