@@ -1,26 +1,29 @@
 """Graph neural networks for graph classification, batched as a disjoint union of graphs, against exact values.
 
-    python benchmarks/graph_models.py [--seeds 3] [--steps 150] [--only NAME]
+    python benchmarks/graph_models.py [--seeds 3] [--steps 150] [--only NAME] [--drivers 'NAME;NAME']
 
-scikit-learn's digits as graphs: each image's pixels with intensity > 0 are its nodes (16–42 per graph, 32.7 on average), with
-features (intensity/16, row/7, col/7), and edges join 4-neighbour kept pixels (both directions); the label is the
-digit. One example is one graph. A ``collate_fn`` builds the batch as PyTorch Geometric's DataLoader does (PyG itself
-is not used): node features ``x`` (N_nodes, 3) of all the batch's graphs, ``edge_index`` (2, E) offset by each
-graph's first node, ``batch`` (N_nodes,) the graph of each node, and ``y`` (num_graphs,). Three layouts of it, as
-users write them: a tuple ``(x, edge_index, batch, y)``, a dict, and an object with those attributes (as PyG's
-``Batch``). Two models on it: message passing by ``index_add_`` over ``edge_index``, and by ``torch.sparse.mm`` on a
-sparse adjacency built in the collate; both pool each graph's nodes by ``index_add_`` over ``batch`` (mean) into a
-Linear head on (num_graphs, H). Their node Linear layers see N_nodes rows, which are not examples. A third model
-takes the dense layout: every graph padded to the batch's largest, ``x`` (num_graphs, max_nodes, 3), a dense
-adjacency and a node mask, so that each layer's rows are graphs.
+scikit-learn's digits as graphs: each image's pixels with intensity > 0 are its nodes (16–42 per graph, 32.7 on
+average), with features (intensity/16, row/7, col/7), and edges join 4-neighbour kept pixels (both directions); the
+label is the digit. One example is one graph. A ``collate_fn`` builds the batch as PyTorch Geometric's DataLoader
+does (PyG itself is not used): node features ``x`` (N_nodes, 3) of all the batch's graphs, ``edge_index`` (2, E)
+offset by each graph's first node, ``batch`` (N_nodes,) the graph of each node, and ``y`` (num_graphs,). Three
+layouts of it, as users write them: a tuple ``(x, edge_index, batch, y)``, a dict, and an object with those
+attributes (as PyG's ``Batch``). Two models on it: message passing by ``index_add_`` over ``edge_index``, and by
+``torch.sparse.mm`` on a sparse adjacency built in the collate; both pool each graph's nodes by ``index_add_`` over
+``batch`` (mean) into a Linear head on (num_graphs, H). Their node Linear layers see N_nodes rows, which are not
+examples. The same function with the head on every node and its logits pooled per graph last (``NodeLogits``): every
+layer then sees node rows, none graph rows. A last model takes the dense layout: every graph padded to the batch's
+largest, ``x`` (num_graphs, max_nodes, 3), a dense adjacency and a node mask, so that each layer's rows are graphs.
 
 Exact: ``B_simple`` of each graph's gradient over all 1797 graphs, float64, one backward pass per graph, at fixed
-parameters (:func:`gns_callback.exact.exact_noise_scale`). Readings, 32 graphs a step at lr 0: the Lightning callback
-at its defaults (``method="auto"``), with 1 and 2 micro-batches per step (``accumulate_grad_batches=2`` × 16), and
-with ``method="per_example"`` or ``"micro_batch"`` forced; the plain-loop meter as the README shows it
-(``meter.check_batch(loss_of, batch)`` on the first batch), without and with ``batch_size=num_graphs``, and with
-``step(micro_batch_size=num_graphs)``. The Lightning loader shuffles without replacement (the sampler is corrected
-for); the plain loop draws with replacement. "held": intervals holding the exact value.
+parameters (:func:`gns_callback.exact.exact_noise_scale`). Readings, 32 graphs a step at lr 0: the Lightning
+callback at its defaults (``method="auto"``), with 1 and 2 micro-batches per step (``accumulate_grad_batches=2`` ×
+16), and with ``method="per_example"`` or ``"micro_batch"`` forced; the plain-loop meter (``method="per_example"``)
+with no check (``meter.step()`` alone), as the README shows it (``meter.check_batch(loss_of, batch)`` on the first
+batch), with ``check_batch(..., batch_size=num_graphs)``, and with that and ``step(micro_batch_size=num_graphs)``;
+and the plain-loop meter with ``method="micro_batch"``, 2 backward passes of 16 graphs,
+``step(micro_batch_size=16)``. The Lightning loader shuffles without replacement (the sampler is corrected for); the
+plain loop draws with replacement. "held": intervals holding the exact value.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import math
 import os
 import sys
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -166,7 +169,8 @@ class MessagePassing(nn.Module):
             degree = torch.sparse.sum(links, dim=1).to_dense()
         else:
             total = torch.zeros_like(h).index_add_(0, links[1], h[links[0]])
-            degree = torch.zeros(h.shape[0], dtype=h.dtype).index_add_(0, links[1], torch.ones_like(links[1], dtype=h.dtype))
+            ones = torch.ones_like(links[1], dtype=h.dtype)
+            degree = torch.zeros(h.shape[0], dtype=h.dtype).index_add_(0, links[1], ones)
         return total / degree.clamp(min=1).unsqueeze(1)
 
     def forward(self, x: torch.Tensor, links: torch.Tensor, batch: torch.Tensor, num_graphs: int) -> torch.Tensor:
@@ -176,6 +180,20 @@ class MessagePassing(nn.Module):
         counts = torch.zeros(num_graphs, dtype=h.dtype).index_add_(0, batch, torch.ones_like(batch, dtype=h.dtype))
         pooled = torch.zeros(num_graphs, h.shape[1], dtype=h.dtype).index_add_(0, batch, h) / counts.unsqueeze(1)
         return self.head(pooled)
+
+
+class NodeLogits(MessagePassing):
+    """The same layers, the head on every node and its logits pooled per graph last (the head commutes with the
+    mean: the same function, the same exact value); every layer then sees node rows, none graph rows."""
+
+    def forward(self, x: torch.Tensor, links: torch.Tensor, batch: torch.Tensor, num_graphs: int) -> torch.Tensor:
+        h = torch.tanh(self.embed(x))
+        for conv in self.convs:
+            h = torch.tanh(conv(h + self.neighbours(h, links)))
+        logits = self.head(h)
+        counts = torch.zeros(num_graphs, dtype=h.dtype).index_add_(0, batch, torch.ones_like(batch, dtype=h.dtype))
+        pooled = torch.zeros(num_graphs, logits.shape[1], dtype=h.dtype).index_add_(0, batch, logits)
+        return pooled / counts.unsqueeze(1)
 
 
 class DenseGraphNet(nn.Module):
@@ -223,6 +241,8 @@ SETUPS = [
     Setup("index_add, attribute batch", MessagePassing, collate_object, sparse_loss),
     Setup("index_add, dataclass batch", MessagePassing, collate_dataclass, sparse_loss),
     Setup("sparse.mm, dict batch", MessagePassing, collate_sparse, sparse_loss),
+    Setup("node logits pooled last, tuple batch", NodeLogits, collate_tuple, sparse_loss),
+    Setup("node logits pooled last, attribute batch", NodeLogits, collate_object, sparse_loss),
     Setup("dense padded, tuple batch", DenseGraphNet, collate_dense, dense_loss),
 ]
 
@@ -253,19 +273,22 @@ def _double(batch: Any) -> Any:
 def plain_reading(setup: Setup, graphs: list[Graph], seed: int, steps: int, told: str = "none",
                   batch: int = 32) -> tuple[Any, str]:
     """(the run estimate, the first batch's check) of the plain-loop meter, the README's way: ``check_batch`` on the
-    first batch, then ``loss.backward(); meter.step()``. ``told``: ``"none"``; ``"check"`` (``check_batch(...,
+    first batch, then ``loss.backward(); meter.step()``. ``told``: ``"nocheck"`` (no ``check_batch``); ``"none"``;
+    ``"check"`` (``check_batch(...,
     batch_size=num_graphs)``); ``"all"`` (that, and ``step(micro_batch_size=num_graphs)``)."""
     net, generator = setup.make(), torch.Generator().manual_seed(seed)
     with GradientNoiseScaleMeter(net, method="per_example") as meter:
         for step in range(steps):
             b = setup.collate([graphs[i] for i in torch.randint(0, len(graphs), (batch,), generator=generator)])
-            if step == 0:
+            if step == 0 and told == "nocheck":
+                check = meter.per_example_check or "no check"
+            elif step == 0:
                 check = meter.check_batch(lambda bb: setup.loss(net, bb), b,
                                           **({} if told == "none" else {"batch_size": batch}))
             setup.loss(net, b).backward()
             meter.step(**({"micro_batch_size": batch} if told == "all" else {}))
             net.zero_grad()
-    return meter.run_estimate, check.status
+    return meter.run_estimate, getattr(check, "status", check)
 
 
 def lightning_reading(setup: Setup, graphs: list[Graph], seed: int, steps: int, accumulate: int,
@@ -332,6 +355,7 @@ DRIVERS: dict[str, Callable[..., tuple[Any, str]]] = {
     "Lightning auto, 2×16": lambda s, g, seed, steps: lightning_reading(s, g, seed, steps, 2),
     "Lightning per_example, 1×32": lambda s, g, seed, steps: lightning_reading(s, g, seed, steps, 1, "per_example"),
     "Lightning micro_batch, 2×16": lambda s, g, seed, steps: lightning_reading(s, g, seed, steps, 2, "micro_batch"),
+    "plain, no check": lambda s, g, seed, steps: plain_reading(s, g, seed, steps, "nocheck"),
     "plain, README": lambda s, g, seed, steps: plain_reading(s, g, seed, steps),
     "plain, check_batch(batch_size=32)": lambda s, g, seed, steps: plain_reading(s, g, seed, steps, "check"),
     "plain, + step(micro_batch_size=32)": lambda s, g, seed, steps: plain_reading(s, g, seed, steps, "all"),
@@ -349,6 +373,12 @@ def _short(reading: Any, status: str) -> str:
             " (names a disjoint union of graphs, with the fix)" if "disjoint union" in failure else "")
     if "does not hold the batch" in failure:
         return "stopped: a layer's dim 0 does not hold the batch"
+    if "but the model returned" in failure:
+        return "stopped: the model returned fewer rows than its inputs hold"
+    if "ran on" in failure and "but the model was called on" in failure:
+        return "stopped: a layer's rows are not the rows the model was called on"
+    if "scaled by a factor computed from the batch" in failure:
+        return "stopped: check 'scaled by the batch'"
     if "saw batch size" in failure:
         return "stopped: layers saw different batch sizes"
     if "could not be read off the batch" in failure:

@@ -244,6 +244,7 @@ class GradientNoiseScaleMeter:
         self._trainable: tuple[int, ...] = ()  # ids of the trainable parameters when the hooks went on
         self._unreadable = False  # the last step's norms could not be read (:meth:`_collect`)
         self._synced_norms: Optional[tuple[nn.Module, ...]] = None  # SyncBatchNorm layers, found at the first check
+        self.examples_per_pass: Optional[float] = None  # the last step's mean examples per backward pass, as read
         #: Set when the measured parameters changed, or a check could not run: run :meth:`check_per_example` again
         #: before the next step.
         self.needs_check = False
@@ -841,6 +842,8 @@ class GradientNoiseScaleMeter:
             self.discard_pending()
             return AccumulationWindow()  # this rank adds nothing to the step
         window.loss_divisor = float(loss_divisor or max(passes, 1))
+        if window.micro_count:
+            self.examples_per_pass = window.micro_size_sum / window.micro_count
         return window
 
     def _measure(self, window: AccumulationWindow, loss_scale: Union[torch.Tensor, float, None],

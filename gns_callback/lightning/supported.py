@@ -93,7 +93,7 @@ def combined_loaders_refusal(trainer: Any) -> Optional[str]:
     )
 
 
-def rows_not_examples(trainer: Any, rows: int) -> Optional[str]:
+def rows_not_examples(trainer: Any, rows: int, read_off: str = "batch") -> Optional[str]:
     """Why the first batch's ``rows`` (its size read off dim 0 of its tensors) are not its examples, or None: the
     training DataLoader says it batches another number of them. A first batch may be short only where the sampler
     draws fewer than ``batch_size`` examples in all.
@@ -104,11 +104,17 @@ def rows_not_examples(trainer: Any, rows: int) -> Optional[str]:
     benchmarks/padded_sequences.py``). A ``collate_fn`` that stacks several rows per example (crops of one image)
     reads rows that are not independent draws. A disjoint union of graphs (PyTorch Geometric's layout: node features
     ``x``, ``edge_index``, ``batch``, ``y``) reads its node count: its message passing layers see nodes as rows, and
-    ``micro_batch`` would divide by that count (``tests/trust/test_graph_models.py``)."""
+    ``micro_batch`` would divide by that count (``tests/trust/test_graph_models.py``).
+
+    ``read_off="layers"``: ``rows`` are the examples per backward pass that per-example norms read off their layers'
+    rows at the first step, where the batch's size could not be read off its tensors."""
     size, drawn = facts.loader_batch_size(trainer)
     if size is None or size <= 1 or rows == size or (rows < size and (drawn is None or drawn < size)):
         return None
-    return (f"the first training batch's tensors hold {rows} rows in dim 0, but the training DataLoader's "
+    where = (f"the first training batch's tensors hold {rows} rows in dim 0" if read_off == "batch" else
+             f"the batch's size could not be read off its tensors, and per-example norms read {rows} examples per "
+             "backward pass off the rows of the model's layers at the first step")
+    return (f"{where}, but the training DataLoader's "
             f"batch_size is {size}, so its examples can't be told from its rows: a sequence-first batch, (T, B, ...) "
             "as pad_sequence returns it by default, reads its sequence length as the batch size, and a collate_fn "
             "that stacks several rows per example (crops of one image) reads rows that are not independent draws, "

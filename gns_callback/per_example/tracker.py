@@ -480,6 +480,7 @@ class PerExampleNormTracker:
         self._sequence_first = False
         self._model_batches: set[Optional[int]] = set()  # examples per model forward since the last pop
         self._model_forwards = 0  # the model's own forwards since the last pop
+        self._model_outputs: set[Optional[int]] = set()  # rows of the model's outputs since the last pop
         self._layouts = LayoutMemory()  # per layer, the batch dim of its input where its shape told it
         self._captures: dict[nn.Module, ProjectionCalls] = {}  # attention modules inside their forward now
         self._analyse()
@@ -648,6 +649,7 @@ class PerExampleNormTracker:
         # Bare parameters too: a model may hold nothing else (its layers written out as matrix products).
         self._handles.append(self.model.register_forward_pre_hook(OwnHook(self._on_model_forward),
                                                                   with_kwargs=True))
+        self._handles.append(self.model.register_forward_hook(OwnHook(self._on_model_output), with_kwargs=True))
         self._passes.watch([*self.covered_parameters(), *(bare.param for bare in self._bare.values())])
         self._attached = True
         self._reset_state()
@@ -729,6 +731,7 @@ class PerExampleNormTracker:
         self._passes.clear()
         self._model_batches = set()
         self._model_forwards = 0
+        self._model_outputs = set()
         self._owner_inputs.clear()  # a forward that raised never reached its post-hook: its nodes are not held on
         self._forward_costs = []
         self._last_subset = None
@@ -804,6 +807,15 @@ class PerExampleNormTracker:
             self._model_batches.add(batch_size_of((*args, kwargs)))
             self._model_forwards += 1
 
+    @_never_raises
+    def _on_model_output(self, _model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        """The rows the model's own forward returned, where it returned one tensor (a container, such as an RNN's
+        ``(output, (h_n, c_n))``, holds other leading dims: none is kept), kept for
+        :meth:`_rows_are_the_models_examples` while the batch's size is not known."""
+        if (self._listening() and torch.is_grad_enabled() and self.expected_batch_size is None
+                and isinstance(output, Tensor) and output.ndim > 0):
+            self._model_outputs.add(output.shape[0])
+
     def _rows_are_the_models_examples(self, record: PassNorms, rows: int, source: str) -> bool:
         """With the batch's size unknown, a layer's rows must number the examples its model was called on, where one
         number was told: a layer on more or fewer rows (two views of each example stacked as rows, the batch through
@@ -812,7 +824,18 @@ class PerExampleNormTracker:
         if self.expected_batch_size is not None or len(self._model_batches) != 1:
             return True
         (examples,) = self._model_batches
-        if examples is None or rows == examples:
+        if examples is None:
+            return True
+        fewer = sorted(n for n in self._model_outputs if n is not None and n < examples)
+        if rows == examples and fewer:
+            self._fail_pass(record,
+                f"module '{source}' ran on {rows} rows, the rows of the model's inputs, but the model returned "
+                f"{fewer[0]}: its inputs' rows are not its examples (a disjoint union of graphs, nodes in and one "
+                "output per graph; a sequence-first (T, B, ...) input pooled to (B, ...)); tell the meter the "
+                "batch's size (expect_batch_size(B) before the forward pass, or check_batch(loss_of, batch, "
+                "batch_size=B)) to check each layer against it.")
+            return False
+        if rows == examples:
             return True
         self._fail_pass(record,
             f"module '{source}' ran on {rows} rows, but the model was called on {examples} examples: its rows are not "
