@@ -373,6 +373,9 @@ def _short(reading: Any, status: str) -> str:
             " (names a disjoint union of graphs, with the fix)" if "disjoint union" in failure else "")
     if "does not hold the batch" in failure:
         return "stopped: a layer's dim 0 does not hold the batch"
+    if "per-example norms read" in failure and "off the rows of the model's layers" in failure:
+        return "stopped at the first step: the examples its layers held are not the loader's batch_size" + (
+            " (names a disjoint union of graphs, with the fix)" if "disjoint union" in failure else "")
     if "but the model returned" in failure:
         return "stopped: the model returned fewer rows than its inputs hold"
     if "ran on" in failure and "but the model was called on" in failure:

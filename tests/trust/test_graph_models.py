@@ -5,13 +5,15 @@ example per graph, batched as PyTorch Geometric's DataLoader does (a disjoint un
 A disjoint union's tensors hold nodes in dim 0, so the batch's size read off them is its node count. The message
 passing layers see nodes as rows and the head graphs: per-example norms can't measure it, and ``micro_batch`` reads
 each micro-batch as that many nodes. Before, ``auto`` with 2 micro-batches of 16 graphs switched to ``micro_batch``
-on the per-example check's refusal and read B_simple = 1709.2 (95% CI 1404.2–inf) against an exact 155.3 (the first
-batch's rows against the loader's ``batch_size``, which found it, were skipped wherever the check had refused).
+on the per-example check's refusal and read B_simple = 1709.2 (95% CI 1404.2–inf) over 150 steps against an exact
+155.3 (1292.1–1452.9 over 400 steps, 0 of 5 data orders: ``benchmarks/RESULTS.md``): the first batch's rows against
+the loader's ``batch_size``, which found it, were skipped wherever the check had refused.
 
 With the head on every node and its logits pooled per graph last (:class:`benchmarks.graph_models.NodeLogits`: the
 same function), every layer runs on nodes. Where nothing tells the batch's size, the nodes then read as examples:
 before, a PyTorch Geometric-like ``Batch`` object (no size readable off it) in Lightning read B_simple = 25.3 (95% CI
-22.5–29.4), and a plain loop without ``check_batch`` 29.1 (26.1–32.6), against the exact 155.3."""
+22.5–29.4), and a plain loop without ``check_batch`` 29.1 (26.1–32.6), against the exact 155.3 (150 steps; over 400,
+25.0–37.5 and 27.3–29.5, 0 of 5 data orders each)."""
 
 from __future__ import annotations
 
