@@ -322,6 +322,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         if self.meter is not None:
             return self.meter
         meter = GradientNoiseScaleMeter(_EMPTY_MODEL, "micro_batch", self.ema_decay, self.confidence)
+        meter.looks_for_loaders = False  # the training sampler is read at fit start (_read_sampling)
         if self._restored:
             meter.load_state_dict(self._restored)
         return meter
@@ -378,6 +379,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             self.per_example_max_examples, reduce=facts.sum_across_ranks(trainer), fallback_method=choice.fallback,
             measure_every_n_steps=self.measure_every_n_steps,
         )
+        meter.looks_for_loaders = False  # the training sampler is read at fit start (_read_sampling)
         if self._restored:
             meter.load_state_dict(self._restored)  # resumes the checkpoint's switch, or says it measured otherwise
         self.resolved_method = meter.method

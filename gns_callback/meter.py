@@ -58,8 +58,9 @@ from gns_callback.per_example.sketch import reseed_probes
 from gns_callback.per_example.sum_check import SumCheck
 from gns_callback.probe.attributes import describe
 from gns_callback.probe.state import preserved_state
-from gns_callback.random_streams import StepDrawWatch, caller_frames, drawn_reason, scope_generators
-from gns_callback.sampling import draws_may_vary, population_from, varying_draws_high, without_replacement
+from gns_callback.random_streams import StepDrawWatch, caller_frames, drawn_reason, scope_generators, scope_objects
+from gns_callback.sampling import (draws_may_vary, population_from, unstated_population, varying_draws_high,
+                                   without_replacement)
 from gns_callback.scalar_ops import host_errors_ignored
 from gns_callback.smoothing import RatioAccumulator, RatioSummary, step_values, summarize_ratio
 from gns_callback.tracking import LocalLinearRatio
@@ -235,6 +236,9 @@ class GradientNoiseScaleMeter:
         # Shown fixed by the data and the modules: the loop's own steps may still draw random numbers.
         self._step_draws = (StepDrawWatch(model) if draws_vary is None and self.population is not None
                             and not self.draws_vary else None)
+        #: Whether the first :meth:`step` looks in the loop's scope for a shuffled DataLoader while ``population`` is
+        #: None (:func:`~gns_callback.sampling.unstated_population`); the Lightning callback reads the sampler itself.
+        self.looks_for_loaders = True
         self.collector: Collector = COLLECTORS[method](model, max_examples=per_example_max_examples)
         self._watch = GradientWatch([])  # the measured parameters, once attached
         self._stale: Optional[StaleGradients] = None  # the first steps' check for gradients left from before
@@ -631,6 +635,8 @@ class GradientNoiseScaleMeter:
         if problem is not None:
             micro_batch_size, loss_scale, loss_divisor = self._refuse_step_arguments(problem)
         self.overflows.scaled = self.overflows.scaled or loss_scale is not None
+        if self.looks_for_loaders:
+            self._say_unstated_population(caller_frames(LOOP_FRAMES))
         if self._step_draws is not None:
             self._watch_step_draws(caller_frames(LOOP_FRAMES))
         measured = self.measures_next_step
@@ -669,6 +675,24 @@ class GradientNoiseScaleMeter:
         elif self._may_say_unmeasurable:
             self._say_unmeasurable(window)
         self._may_say_unmeasurable = False
+
+    def _say_unstated_population(self, loop: list[FrameType]) -> None:
+        """At the first step, once, where ``population`` was not given but the loop (``loop``: the frames that called
+        :meth:`step`) holds a DataLoader that draws without replacement
+        (:func:`~gns_callback.sampling.unstated_population`): correct for its examples with the uncorrected upper
+        end kept (as where draws vary), which holds the value whether or not that loader feeds the steps, and warn
+        with the fix. Before, a plain loop over a shuffled DataLoader read B_simple high by about B_simple/N with
+        nothing said: 4.4 [4.3, 4.5] against an exact 4.2 on wine."""
+        self.looks_for_loaders = False
+        found = None if self.population is not None else unstated_population(
+            scope_objects(loop, lambda value: isinstance(value, DataLoader)))
+        if found is None:
+            return
+        self.population, problem = found
+        if not self.draws_vary:
+            self.draws_vary, self.draws_vary_reason = True, problem
+        self._step_draws = None
+        warnings.warn(f"gns_callback: {problem}", stacklevel=4)
 
     def _refuse_step_arguments(self, problem: str) -> tuple[None, None, None]:
         """A :meth:`step` argument of the wrong type or sign: a ``ValueError`` at the first step, before anything is

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 __all__ = ["GENERATOR_TYPES", "RNGState", "RandomDrawWatch", "StepDrawWatch", "attribute_objects", "caller_frames",
-           "drawn_reason", "generator_state", "module_generators", "moved", "scope_generators", "set_generator_state",
+           "drawn_reason", "generator_state", "module_generators", "moved", "scope_generators", "scope_objects", "set_generator_state",
            "stream_states"]
 
 StreamStates = dict[str, Hashable]
@@ -71,14 +71,21 @@ def scope_generators(frames: Iterable[FrameType]) -> list[tuple[str, Any]]:
     """``(name, generator)`` for each generator a loop keeps in its own scope: in the local variables of
     ``frames`` (and in the objects, dicts and lists they hold, a few levels down) and, directly, in their global
     variables. A script's ``rng = np.random.default_rng()`` that draws the noise of its augmentation is one."""
+    return [(f"loop:{name}", value) for name, value in scope_objects(frames, _is_generator)]
+
+
+def scope_objects(frames: Iterable[FrameType], wanted: Callable[[Any], bool]) -> list[tuple[str, Any]]:
+    """``(name, object)`` for each ``wanted`` object a loop keeps in its own scope: in the local variables of
+    ``frames`` (and in the objects, dicts and lists they hold, two levels down: ``self.loader``) and, directly, in
+    their global variables."""
     found: dict[int, tuple[str, Any]] = {}
     seen: set[int] = set()
     for frame in frames:
         for key, value in frame.f_locals.items():
-            _find(value, f"loop:{key}", _DEPTH - 2, _is_generator, found, seen)
+            _find(value, key, _DEPTH - 2, wanted, found, seen)
         for key, value in frame.f_globals.items():
-            if isinstance(value, GENERATOR_TYPES):
-                found.setdefault(id(value), (f"loop:{key}", value))
+            if wanted(value):
+                found.setdefault(id(value), (key, value))
     return list(found.values())
 
 

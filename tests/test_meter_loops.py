@@ -1,0 +1,74 @@
+"""``GradientNoiseScaleMeter`` in plain loops written as a newcomer writes them from the README, against exact values
+(``benchmarks/plain_loops.py`` surveys more of them)."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from sklearn.datasets import load_wine
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from gns_callback import GradientNoiseScaleMeter
+
+
+@pytest.fixture(scope="module")
+def wine():
+    """scikit-learn's wine (178 examples), standardised: small enough that drawing without replacement matters."""
+    data = load_wine()
+    x = torch.tensor(data.data, dtype=torch.float32)
+    return (x - x.mean(0)) / x.std(0), torch.tensor(data.target)
+
+
+def wine_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(13, 32), nn.Tanh(), nn.Linear(32, 3))
+
+
+def epochs_over(loader: DataLoader, model: nn.Module, meter: GradientNoiseScaleMeter, steps: int) -> None:
+    """The README's loop over a DataLoader, epoch after epoch, at lr 0 (fixed parameters)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    done = 0
+    while done < steps:
+        for x, y in loader:
+            F.cross_entropy(model(x), y).backward()
+            meter.step()
+            optimizer.step()
+            optimizer.zero_grad()
+            done += 1
+            if done == steps:
+                return
+
+
+def test_a_shuffled_loader_left_out_of_population_is_found_and_its_interval_holds(wine, exact_gns):
+    """DataLoader(shuffle=True) over wine, no population= given: the meter took the batches as drawn with
+    replacement and read 4.4 [4.3, 4.5] against an exact 4.2, with nothing said. Now the first step finds the loader in the loop, warns with the fix, corrects for its 178 examples and
+    keeps the uncorrected upper end."""
+    x, y = wine
+    model = wine_mlp()
+    loader = DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings(record=True) as caught, GradientNoiseScaleMeter(model) as meter:
+        warnings.simplefilter("always")
+        epochs_over(loader, model, meter, steps=300)
+    said = [str(w.message) for w in caught if "population" in str(w.message)]
+    assert len(said) == 1 and "`loader`" in said[0] and "population=loader" in said[0], said
+    estimate = meter.run_estimate
+    exact = exact_gns(wine_mlp(), F.cross_entropy, x, y)[0]
+    assert estimate.ci_low <= exact <= estimate.ci_high, (estimate, exact)
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_loader_given_as_population_or_drawn_with_replacement_says_nothing(wine, shuffle):
+    x, y = wine
+    model = wine_mlp()
+    if shuffle:
+        loader = DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True)
+    else:
+        with_replacement = torch.utils.data.RandomSampler(range(len(x)), replacement=True, num_samples=320)
+        loader = DataLoader(TensorDataset(x, y), batch_size=32, sampler=with_replacement)
+    with warnings.catch_warnings(), GradientNoiseScaleMeter(model, population=loader if shuffle else None) as meter:
+        warnings.simplefilter("error")
+        epochs_over(loader, model, meter, steps=10)
+    assert meter.population == (178 if shuffle else None)
+
