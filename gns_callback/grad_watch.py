@@ -73,6 +73,15 @@ PROBLEM = (
     "the backward pass ran with (scaler.get_scale() read before it)"
 )
 
+#: Added to :data:`PROBLEM` in one process where the step ran several backward passes (gradient accumulation): the
+#: recipe of PyTorch's AMP docs (unscale_, clip_grad_norm_, then the step) over accumulated passes ends here.
+SEVERAL_PASSES = (
+    ". This step ran {passes} backward passes, and only after a single one can the meter read |G_B|² as backward left "
+    "it (a change between passes would be in it, unseen by the norms). Call meter.step() right after the step's last "
+    "backward pass and before clip_grad_norm_ (with an AMP GradScaler: after scaler.unscale_(optimizer), with "
+    "meter.step(loss_scale=) the scale read before scaler.update())"
+)
+
 STILL_SCALED = (
     "loss_scale= was given, but the gradients are still scaled: nothing took the scale off since backward. Pass "
     "loss_scale= only once the gradients are unscaled (scaler.unscale_(optimizer) before meter.step()), or pass no "
@@ -158,18 +167,19 @@ class GradientWatch:
         self.keep_total = change is not None
         if change is not None and self.read_at_mark and passes == 1:
             return Verdict(totals=totals) if totals is not None else Verdict(skip=True)
+        problem = PROBLEM + SEVERAL_PASSES.format(passes=passes) if self.read_at_mark and passes > 1 else PROBLEM
         if change == CHANGED:
-            return Verdict(PROBLEM)
+            return Verdict(problem)
         if marked is None or not norms:
             return Verdict()
         scale_sq = 1.0 if loss_scale is None else float(loss_scale) ** 2
         if totals is not None and change == ALIKE:
-            return Verdict(PROBLEM if _differ(float(totals[0]), float(_total(self.all)) * scale_sq) else None)
+            return Verdict(problem if _differ(float(totals[0]), float(_total(self.all)) * scale_sq) else None)
         then = [None if norm is None else float(norm) for norm in marked]
         now = [None if p.grad is None else float(squared_norm(p.grad)) for p in self.params]
         if change is None and scale_sq != 1.0 and _tell_scales(then, now) and _same_norms(then, now, 1.0):
             return Verdict(STILL_SCALED)
-        return Verdict(None if _same_norms(then, now, scale_sq) else PROBLEM)
+        return Verdict(None if _same_norms(then, now, scale_sq) else problem)
 
     def _cleared(self) -> bool:
         """Whether the gradients were cleared: none left, or the watched ones all zero (a host sync, on a step

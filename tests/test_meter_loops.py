@@ -72,3 +72,46 @@ def test_a_loader_given_as_population_or_drawn_with_replacement_says_nothing(win
         epochs_over(loader, model, meter, steps=10)
     assert meter.population == (178 if shuffle else None)
 
+
+def amp_accumulation(model: nn.Module, x, y, meter: GradientNoiseScaleMeter, clip_first: bool, steps: int) -> None:
+    """PyTorch's AMP recipe over 4 accumulated micro-batches of 8 (each loss / 4) at lr 0: scale, backward, unscale_,
+    clip_grad_norm_ (before or after ``meter.step``), scaler.step, scaler.update."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu")
+    draws = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        for _ in range(4):
+            i = torch.randint(0, len(x), (8,), generator=draws)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(x[i]), y[i]) / 4
+            scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        if clip_first:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        meter.step(micro_batch_size=8, loss_scale=scaler.get_scale())
+        if not clip_first:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("method", ["micro_batch", "per_example"])
+def test_amp_accumulation_clipped_before_the_meter_says_where_to_call_it(digits, exact_gns, method):
+    """Clipping after accumulated passes, before ``meter.step(loss_scale=)``, is refused (|G_B|² as backward left it
+    can't be read over several passes). The reason said to pass loss_scale=, which this loop did, and how to order
+    unscale_; it now says the step ran 4 passes and to call meter.step() before clip_grad_norm_. So ordered, the
+    loop is measured."""
+    x, y = digits
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 10))
+    with warnings.catch_warnings(), GradientNoiseScaleMeter(model, method=method) as refused:
+        warnings.simplefilter("ignore")
+        amp_accumulation(model, x, y, refused, clip_first=True, steps=3)
+    failure = refused.run_estimate.failure
+    assert failure and "4 backward passes" in failure and "before clip_grad_norm_" in failure, failure
+    with warnings.catch_warnings(), GradientNoiseScaleMeter(model, method=method) as meter:
+        warnings.simplefilter("error")
+        amp_accumulation(model, x, y, meter, clip_first=False, steps=150)
+    estimate, exact = meter.run_estimate, exact_gns(model, F.cross_entropy, x, y)[0]
+    assert estimate.steps == 150 and estimate.ci_low <= exact <= estimate.ci_high, (estimate, exact)
