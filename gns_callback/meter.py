@@ -254,6 +254,7 @@ class GradientNoiseScaleMeter:
         self.needs_check = False
         self._check_tries = 0  # checks in a row that failed to run (:meth:`_check_failed`)
         self._coverage_said = False  # the partial coverage warned of (:meth:`_say_coverage`)
+        self._size_doubt_said = False  # micro_batch sizes given that the model's input doesn't show (said once)
         self._said_not_restored = False  # the checks' passes left state that could not be put back (said once)
         self._attached = False
         self._ever_attached = False  # step() before any attach() is a call-order mistake (:data:`NOT_ATTACHED`)
@@ -868,6 +869,10 @@ class GradientNoiseScaleMeter:
         window.loss_divisor = float(loss_divisor or max(passes, 1))
         if window.micro_count:
             self.examples_per_pass = window.micro_size_sum / window.micro_count
+        doubt = getattr(self.collector, "size_doubt", None)
+        if doubt is not None and not self._size_doubt_said:
+            self._size_doubt_said = True
+            warnings.warn(f"gns_callback: {doubt}", stacklevel=4)
         return window
 
     def _measure(self, window: AccumulationWindow, loss_scale: Union[torch.Tensor, float, None],
