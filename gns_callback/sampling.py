@@ -123,7 +123,7 @@ def population_of(sampler: Optional[Sampler], ranks: int = 1,
     return None, None
 
 
-def unstated_population(loaders: Iterable[tuple[str, object]]) -> Optional[tuple[int, str]]:
+def unstated_population(loaders: Iterable[tuple[str, object]], ranks: int = 1) -> Optional[tuple[int, str]]:
     """``(N, why)`` where a meter given no ``population`` may read ``B_simple`` high, or None: ``loaders``, the
     ``(name, object)`` pairs a plain loop keeps in its scope (:func:`~gns_callback.random_streams.scope_objects`),
     hold a DataLoader whose batches are drawn without replacement from ``N`` examples (:func:`population_of`), and
@@ -131,8 +131,9 @@ def unstated_population(loaders: Iterable[tuple[str, object]]) -> Optional[tuple
     uncorrected upper end (:func:`varying_draws_high`), which holds the value either way: whether that loader feeds
     the steps or the batches are drawn with replacement. Before, on wine (178 examples, a shuffled DataLoader of
     32, the README's loop), 300 steps read 4.4 [4.3, 4.5] against an exact 4.2, with nothing said
-    (``benchmarks/plain_loops.py``)."""
-    drawn = [(name, population_of(loader_sampler(loader))[0]) for name, loader in loaders]
+    (``benchmarks/plain_loops.py``). ``ranks``: the data-parallel processes (each shuffling on its own draws apart
+    from the others: not one draw without replacement, :func:`population_of`)."""
+    drawn = [(name, population_of(loader_sampler(loader), ranks)[0]) for name, loader in loaders]
     drawn = [(name, population) for name, population in drawn if population is not None]
     if not drawn:
         return None

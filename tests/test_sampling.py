@@ -114,3 +114,19 @@ def test_draws_shown_fixed_only_for_tensors_batched_as_they_are_under_a_model_wi
     assert "'1'" in draws_may_vary(DataLoader(tensors), nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.1)))
     assert draws_may_vary(DataLoader(tensors), nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.0))) is None
     assert "'attn'" in draws_may_vary(DataLoader(tensors), nn.ModuleDict({"attn": nn.MultiheadAttention(4, 2, 0.1)}))
+
+
+def test_a_loader_left_out_of_population_is_found_in_the_loops_scope():
+    """:func:`unstated_population`: a loader drawing without replacement (one shuffled order for all ranks, under
+    several); not one that draws with replacement, reads in order, or shuffles on each rank apart from the others."""
+    from gns_callback.sampling import unstated_population
+
+    data = TensorDataset(torch.zeros(30, 2), torch.zeros(30))
+    shuffled = DataLoader(data, batch_size=4, shuffle=True)
+    sharded = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, num_replicas=2, rank=0))
+    replaced = DataLoader(data, batch_size=4, sampler=RandomSampler(data, replacement=True))
+    population, why = unstated_population([("x", 3), ("train", shuffled)])
+    assert population == 30 and "population=train" in why
+    assert unstated_population([("train", shuffled)], ranks=2) is None
+    assert unstated_population([("train", sharded)], ranks=2)[0] == 30
+    assert unstated_population([("r", replaced), ("s", DataLoader(data, batch_size=4))]) is None
