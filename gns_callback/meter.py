@@ -166,8 +166,11 @@ class GradientNoiseScaleMeter:
         population: the number of examples each epoch's batches are drawn from without replacement
             (``len(dataset)`` under ``DataLoader(shuffle=True)``), or the training DataLoader, whose sampler says
             it: the estimates then correct for it (:mod:`gns_callback.sampling`; left out, ``B_simple`` reads high by
-            about ``B_simple/N``). None: batches drawn with replacement, or from a stream. The Lightning callback
-            reads it off the training sampler.
+            about ``B_simple/N``). None: batches drawn with replacement, or from a stream; where the loop that calls
+            :meth:`step` nonetheless holds a DataLoader drawing without replacement, the first step takes its size,
+            keeps the uncorrected upper end (as ``draws_vary`` does) and warns with the fix
+            (:func:`~gns_callback.sampling.unstated_population`). The Lightning callback reads it off the training
+            sampler.
         draws_vary: with ``population``, whether an example's gradient differs from one draw to the next (data
             augmentation as the data set loads it, dropout): the correction then may read ``B_simple`` low, by up to
             ``B_simple/N``, and the intervals' upper ends make room for it (:func:`~gns_callback.sampling.
