@@ -569,8 +569,8 @@ def trained(kind: str, loop: str, with_meter: bool, steps: int = 40) -> tuple:
     """A loop that trains (SGD lr 0.1, momentum 0.9, StepLR, DataLoader(shuffle=True) on torch's global generator,
     clipping), ``steps`` steps with or without the meter: its weights, momentum buffers, torch's, Python's and numpy's
     random states after it, and the labels in the order drawn. ``kind``: mlp, dropout (an MLP with Dropout(0.2)),
-    cnn, transformer; ``loop``: plain (with check_batch, no population=: the meter finds the loader), accumulate (4 passes of 8, micro_batch), fp16 (GradScaler,
-    unscale_, clipping)."""
+    cnn, transformer; ``loop``: plain (with check_batch, no population=: the meter finds the loader), accumulate
+    (4 passes of 8, micro_batch), fp16 (GradScaler, unscale_, clipping)."""
     import contextlib
     import random
 

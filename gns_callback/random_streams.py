@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 __all__ = ["GENERATOR_TYPES", "RNGState", "RandomDrawWatch", "StepDrawWatch", "attribute_objects", "caller_frames",
-           "drawn_reason", "generator_state", "module_generators", "moved", "scope_generators", "scope_objects", "set_generator_state",
-           "stream_states"]
+           "drawn_reason", "generator_state", "module_generators", "moved", "scope_generators", "scope_objects",
+           "set_generator_state", "stream_states"]
 
 StreamStates = dict[str, Hashable]
 

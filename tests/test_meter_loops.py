@@ -43,8 +43,8 @@ def epochs_over(loader: DataLoader, model: nn.Module, meter: GradientNoiseScaleM
 
 def test_a_shuffled_loader_left_out_of_population_is_found_and_its_interval_holds(wine, exact_gns):
     """DataLoader(shuffle=True) over wine, no population= given: the meter took the batches as drawn with
-    replacement and read 4.4 [4.3, 4.5] against an exact 4.2, with nothing said. Now the first step finds the loader in the loop, warns with the fix, corrects for its 178 examples and
-    keeps the uncorrected upper end."""
+    replacement and read 4.4 [4.3, 4.5] against an exact 4.2, with nothing said. Now the first step finds the loader
+    in the loop, warns with the fix, corrects for its 178 examples and keeps the uncorrected upper end."""
     x, y = wine
     model = wine_mlp()
     loader = DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(0))
