@@ -148,14 +148,23 @@ def first_half_copied(batch: Any, batch_size: int, from_first_row: bool = False)
     (:mod:`gns_callback.per_example.checks`) runs the training step on it: mixing the examples before the model
     (mixup, CutMix in ``training_step``) then changes the first half's gradients. A batch that can't be rebuilt
     comes back as it is, with ``False``: the check must never stop the user's fit."""
+    if batch_size < 2:
+        return batch, False
+    return rows_taken(batch, batch_size, first_half_rows(batch_size, torch.device("cpu"), from_first_row))
+
+
+def rows_taken(batch: Any, batch_size: int, index: torch.Tensor) -> tuple[Any, bool]:
+    """``batch`` with every tensor whose dim 0 holds ``batch_size`` replaced by its rows ``index`` (any length: the
+    first ``h`` rows, or them twice), as a new batch of the same nesting (the input is not changed); and whether any
+    tensor was. A batch that can't be rebuilt comes back as it is, with ``False``."""
     changed: list[bool] = []
 
     def copy(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            if value.ndim == 0 or value.shape[0] != batch_size or batch_size < 2:
+            if value.ndim == 0 or value.shape[0] != batch_size:
                 return value
             changed.append(True)
-            return value.index_select(0, first_half_rows(batch_size, value.device, from_first_row))
+            return value.index_select(0, index.to(value.device))
         if isinstance(value, Mapping):
             return _mapping_copied(value, copy, changed)
         if isinstance(value, tuple):

@@ -69,7 +69,9 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
             weights) is kept too: ``run_estimate``.
         confidence: level of the reported interval, in ``(0, 1)``.
         loss_reduction: ``"mean"`` (Lightning's convention: the loss is the mean over the batch) or
-            ``"sum"``. Wrong here means a wrong estimate, so say which your ``training_step`` returns.
+            ``"sum"``. The first batch's check reads which it is (the step on the batch's first half, and on
+            those rows twice: :mod:`gns_callback.loss_reduction`) and measures that one, with a warning where it
+            differs from this; where it can't tell (another divisor, a penalty on the parameters), this stands.
         log_every_n_steps: log ``gns/*`` every this many optimizer steps (``None``: the Trainer's setting).
             Reading values costs one device sync, so it happens only then.
         report_path: where rank zero writes the JSON report at fit end (``None``:
@@ -848,6 +850,7 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
                 "ema_decay": self.ema_decay,
                 "confidence": self.confidence,
                 "loss_reduction": self.loss_reduction,
+                "loss_reduction_found": getattr(self.meter, "loss_reduction_found", None),
                 "per_example_max_examples": self.per_example_max_examples,
                 "measure_every_n_steps": self.measure_every_n_steps,
                 "recommend_options": dict(self.recommend_options),

@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from gns_callback import arguments as args
-from gns_callback.batch_size import batch_size_of, first_half_copied
+from gns_callback.batch_size import batch_size_of, first_half_copied, rows_taken
 from gns_callback.accumulation import (PACKED_FIELDS, SCALE_MARGIN, AccumulationWindow, LossReduction, scale_mismatch,
                                       step_estimates)
 from gns_callback.backward_passes import hooks_inert, measurement_paused
@@ -47,6 +47,7 @@ from gns_callback.estimate import GNSEstimate
 from gns_callback.grad_watch import (CLEARED as GRADIENTS_CLEARED, STALE, GradientWatch, RankOwnGradient,
                                      StaleGradients, Verdict)
 from gns_callback.left_out import LeftOutShare
+from gns_callback.loss_reduction import reduction_of, reduction_reason
 from gns_callback.norms import squared_norm_sum
 from gns_callback.overflows import OverflowCount
 from gns_callback.own_hooks import remove_inert_hooks
@@ -155,6 +156,8 @@ class GradientNoiseScaleMeter:
             last 200 steps; :class:`~gns_callback.tracking.LocalLinearRatio`).
         confidence: level of the reported intervals, in ``(0, 1)``.
         loss_reduction: ``"mean"`` or ``"sum"``: what each backward pass's loss is over its batch.
+            :meth:`check_batch` reads which it is and measures that one (``loss_reduction_found``; a warning where
+            it differs from this).
         per_example_max_examples: ``per_example`` measures only this many examples of each batch where that is
             cheaper than every example (None: always all); ``|G|²`` then still uses every pair with a measured
             example (see the callback).
@@ -265,6 +268,8 @@ class GradientNoiseScaleMeter:
         self._enabled = True
         self.steps_offered = 0  # every call to step(), measured or resting: the duty cycle's phase
         self.per_example_check: Optional[PerExampleCheck] = None  # :meth:`check_per_example`'s outcome
+        #: What :meth:`check_batch` found the loss to be over the batch ("mean", "sum"; None: not found).
+        self.loss_reduction_found: Optional[str] = None
         reseed_probes(0)  # sketched norms draw their probes per step (per_example/sketch.py)
         self.reset()
 
@@ -442,8 +447,48 @@ class GradientNoiseScaleMeter:
         def run_first_row_pass() -> None:
             loss_of(first_half_copied(batch, size, from_first_row=True)[0]).backward()
 
-        return self.check_per_example(run_pass, size, run_replaced_pass if copied else None,
-                                      run_first_row_pass if copied else None, **preserve)
+        outcome = self.check_per_example(run_pass, size, run_replaced_pass if copied else None,
+                                         run_first_row_pass if copied else None, **preserve)
+        if not outcome.refused and self.loss_reduction_found is None:
+            self._find_loss_reduction(loss_of, batch, size, preserve)
+        return outcome
+
+    def _find_loss_reduction(self, loss_of: Callable[[Any], torch.Tensor], batch: Any, size: int,
+                             preserve: dict[str, Any]) -> None:
+        """Whether the loss is a mean or a sum over the batch (:mod:`gns_callback.loss_reduction`): two more passes,
+        on the batch's first ``h`` rows and on them twice, in eval mode (dropout draws no masks), everything put
+        back. One that reads other than ``loss_reduction`` replaces it, with a warning: a step's passes of unequal
+        sizes are weighed by it. Where neither reads (another divisor, a penalty on the parameters, a pass that
+        fails), ``loss_reduction`` stands."""
+        half = size // 2
+        if self.failure is not None or half < 1 or compiled.compiled_modules(self.model):
+            return
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        rows = torch.arange(half)
+
+        def gradients(index: torch.Tensor) -> list[Optional[torch.Tensor]]:
+            taken, changed = rows_taken(batch, size, index)
+            if not changed:
+                raise LookupError("no tensor of the batch holds its examples in dim 0")
+            for param in params:
+                param.grad = None
+            loss_of(taken).backward()
+            return [None if p.grad is None else p.grad.detach().clone() for p in params]
+
+        try:
+            with self.paused(), preserved_state(self.model, [], **preserve) as state:
+                self.model.eval()
+                once = gradients(rows)
+                state.restore()
+                self.model.eval()
+                twice = gradients(torch.cat([rows, rows]))
+        except Exception:  # noqa: BLE001 - not found: loss_reduction stands, and the run goes on
+            return
+        self.loss_reduction_found = reduction_of(once, twice)
+        found = self.loss_reduction_found
+        if found is not None and found != self.loss_reduction:
+            warnings.warn(f"gns_callback: {reduction_reason(found, self.loss_reduction, half)}.", stacklevel=3)
+            self.loss_reduction = found  # type: ignore[assignment]
 
     def check_per_example(self, run_pass: Callable[[], None], batch_size: int,
                           run_replaced_pass: Optional[Callable[[], None]] = None,
