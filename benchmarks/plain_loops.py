@@ -133,16 +133,20 @@ def fp16_scaler(unscale: bool, give: str, init_scale: float = 2.0 ** 16, growth_
 
 
 def accumulate(k: int, method: str, sizes: tuple = (), give_sizes: bool = True, divide: bool = True,
-               reduction: str = "mean", tell: bool = True):
+               reduction: str = "mean", tell: bool = True, check: bool = False):
     """Gradient accumulation over ``k`` micro-batches, each loss divided by k (``divide``). ``sizes``: the
     micro-batches' sizes (default BATCH // k each), an uneven last one included. ``reduction``: of the loss;
-    ``tell``: whether the meter is told it (``loss_reduction=``)."""
+    ``tell``: whether the meter is told it (``loss_reduction=``); ``check``: ``meter.check_batch`` on a first
+    micro-batch before the first step (it finds the reduction)."""
     sizes = sizes or (BATCH // k,) * k
 
     def loop(model, x, y, g, steps=STEPS):
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
         told = reduction if tell else "mean"
         with GradientNoiseScaleMeter(model, method=method, loss_reduction=told) as meter:
+            if check:
+                i = draws(x, g, sizes[0])
+                meter.check_batch(lambda b: F.cross_entropy(model(b[0]), b[1], reduction=reduction), (x[i], y[i]))
             for _ in range(steps):
                 for size in sizes:
                     i = draws(x, g, size)
@@ -516,6 +520,10 @@ SETUPS: dict[str, tuple[str, str, Callable]] = {
         4, "per_example", (16, 16, 16, 2), reduction="sum", tell=False)),
     "accumulate 16+16+16+2, sum told, per_example": ("digits", "mlp", accumulate(
         4, "per_example", (16, 16, 16, 2), reduction="sum")),
+    "accumulate 16+16+16+2, sum not told, check_batch, per_example": ("digits", "mlp", accumulate(
+        4, "per_example", (16, 16, 16, 2), reduction="sum", tell=False, check=True)),
+    "accumulate 16+16+16+2, sum not told, check_batch, micro_batch": ("digits", "mlp", accumulate(
+        4, "micro_batch", (16, 16, 16, 2), reduction="sum", tell=False, check=True)),
     "accumulate 16+16+16+2 loss/4, micro_batch": ("digits", "mlp", accumulate(4, "micro_batch", (16, 16, 16, 2))),
     "accumulate 16+16+16+2, not divided, micro_batch": ("digits", "mlp", accumulate(
         4, "micro_batch", (16, 16, 16, 2), divide=False)),
