@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import (DataLoader, DistributedSampler, RandomSampler, SequentialSampler, Subset,
-                              SubsetRandomSampler, TensorDataset, WeightedRandomSampler)
+from torch.utils.data import (BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler,
+                              SequentialSampler, Subset, SubsetRandomSampler, TensorDataset, WeightedRandomSampler)
 
 from gns_callback.estimators import grad_sq_norm_estimate, trace_sigma_estimate
-from gns_callback.sampling import (NOT_SHUFFLED, draws_may_vary, population_of, varying_draws_high,
-                                   without_replacement)
+from gns_callback.sampling import (NOT_SHUFFLED, WEIGHTED_ORDER, draws_may_vary, population_of, unknown_draws,
+                                   varying_draws_high, without_replacement)
 
 N = 8
 
@@ -60,6 +60,8 @@ def test_samplers_say_how_they_draw():
     assert population_of(DistributedSampler(data, num_replicas=2, rank=0, shuffle=False), in_random_order=True) == (
         len(data), None)
     assert population_of(WeightedRandomSampler([1.0] * 10, 10)) == (None, None)
+    assert population_of(WeightedRandomSampler([1.0] * 10, 4, replacement=False)) == (10, None)
+    assert population_of(WeightedRandomSampler([1.0] * 10, 4, replacement=False), ranks=2) == (None, None)
     assert population_of(None) == (None, None)
     assert population_of(RandomSampler(data), ranks=2) == (None, None)  # each rank draws on its own
 
@@ -130,3 +132,39 @@ def test_a_loader_left_out_of_population_is_found_in_the_loops_scope():
     assert unstated_population([("train", shuffled)], ranks=2) is None
     assert unstated_population([("train", sharded)], ranks=2)[0] == 30
     assert unstated_population([("r", replaced), ("s", DataLoader(data, batch_size=4))]) is None
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        return iter(range(4))
+
+
+class Grouped(BatchSampler):
+    """A batch sampler of one's own: the same batches whatever it is given."""
+
+    def __iter__(self):
+        return iter([[0, 1], [2, 3]])
+
+
+def test_batches_a_loader_decides_itself_are_not_taken_for_random_draws():
+    """A ``batch_sampler`` of its own (a subclass of torch's too) or an ``IterableDataset`` decides which examples
+    share a batch: :func:`unknown_draws` names it; torch's own ``BatchSampler`` over any sampler, and ready-made
+    batches (``batch_size=None``), are left to :func:`population_of`."""
+    data = TensorDataset(torch.zeros(4, 1))
+    grouped = unknown_draws(DataLoader(data, batch_sampler=Grouped(SequentialSampler(data), 2, False)))
+    assert "batch_sampler of its own (Grouped)" in grouped
+    assert "IterableDataset (Stream)" in unknown_draws(DataLoader(Stream(), batch_size=2))
+    assert unknown_draws(DataLoader(data, batch_size=2, shuffle=True)) is None
+    assert unknown_draws(DataLoader(data, batch_size=2, sampler=WeightedRandomSampler([1.0] * 4, 4))) is None
+    assert unknown_draws(DataLoader(data, batch_sampler=BatchSampler(RandomSampler(data), 2, False))) is None
+    assert unknown_draws(DataLoader(data, batch_size=None)) is None
+    assert unknown_draws([torch.zeros(2, 1)]) is None
+
+
+def test_weighted_draws_without_replacement_keep_the_upper_end_of_independent_draws():
+    """Its order biased by the weights, a ``WeightedRandomSampler(replacement=False)``'s batches lie between
+    independent and shuffled draws: corrected for its examples, with the uncorrected upper end kept."""
+    data = TensorDataset(torch.zeros(10, 1))
+    weighted = DataLoader(data, batch_size=2, sampler=WeightedRandomSampler([1.0] * 10, 10, replacement=False))
+    assert draws_may_vary(weighted) == WEIGHTED_ORDER
+    assert draws_may_vary(DataLoader(data, batch_size=2, sampler=WeightedRandomSampler([1.0] * 10, 10))) is None
