@@ -50,6 +50,10 @@ from gns_callback.report import DEFAULT_REPORT_NAME, write_report
 from gns_callback.sampling import UNKNOWN_DRAWS, draws_may_vary, population_of, unknown_draws
 
 STATE_VERSION = 2
+_UNKNOWN_DRAWS_FIX = ("Draw the batches with a sampler (DataLoader(shuffle=True), a RandomSampler, or the "
+                      "DistributedSampler Lightning puts in); or, if each batch is examples drawn at random (a stream "
+                      "shuffled each epoch, a batch sampler that draws at random), "
+                      "GradientNoiseScaleCallback(data_in_random_order=True).")
 _EPOCH_UNKNOWN = ("data_in_random_order=True on batches drawn by the loader itself: whether each epoch draws them "
                   "without replacement from the {population} examples can't be told, so the interval keeps the "
                   "upper end of draws with replacement")
@@ -545,8 +549,11 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
                                             f"{_unshuffled_problem(trainer, problem)}")
         self._sampled_loader = getattr(trainer, "train_dataloader", None)
         unknown = unknown_draws(self._sampled_loader)
+        if unknown is not None and not self.data_in_random_order:
+            raise misconfiguration(trainer, f"GradientNoiseScaleCallback cannot measure this run: {unknown}; "
+                                            f"{UNKNOWN_DRAWS}. {_UNKNOWN_DRAWS_FIX}")
         if unknown is not None:
-            population = self._stated_random_draws(trainer, unknown)
+            population = self._stated_random_draws(trainer)
         self.meter.population = population
         seen = draws_may_vary(self._sampled_loader, pl_module)
         if unknown is not None and population is not None:
@@ -556,20 +563,14 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         fixed = population is not None and not self.meter.draws_vary
         self._draw_watch = RandomDrawWatch(pl_module) if fixed else None
 
-    def _stated_random_draws(self, trainer: Any, unknown: str) -> Optional[int]:
-        """A loader whose batches can't be told to be random draws (``unknown``:
-        :func:`~gns_callback.sampling.unknown_draws`) is refused unless ``data_in_random_order=True`` says they are;
-        then the examples they may be drawn from without replacement: the data set's length on one process (None:
-        several, each drawing apart, or no length), corrected for with the uncorrected upper end kept, which holds
-        draws with replacement too (:func:`~gns_callback.sampling.varying_draws_high`). Before, such batches were
-        measured as independent draws with nothing said: on wine (exact 4.01) batches of one class each read 1.06
-        [1.02, 1.11]; a stream shuffled anew each epoch, 4.19 [4.03, 4.36] (``benchmarks/samplers.py``)."""
-        if not self.data_in_random_order:
-            raise misconfiguration(trainer,
-                f"GradientNoiseScaleCallback cannot measure this run: {unknown}; {UNKNOWN_DRAWS}. Draw the batches "
-                "with a sampler (DataLoader(shuffle=True), a RandomSampler, or the DistributedSampler Lightning puts "
-                "in); or, if each batch is examples drawn at random (a stream shuffled each epoch, a batch sampler "
-                "that draws at random), GradientNoiseScaleCallback(data_in_random_order=True).")
+    def _stated_random_draws(self, trainer: Any) -> Optional[int]:
+        """A loader whose batches can't be told to be random draws (:func:`~gns_callback.sampling.unknown_draws`:
+        refused, unless ``data_in_random_order=True`` says they are): the examples they may be drawn from without
+        replacement, the data set's length on one process (None: several, each drawing apart, or no length),
+        corrected for with the uncorrected upper end kept, which holds draws with replacement too
+        (:func:`~gns_callback.sampling.varying_draws_high`). Before, such batches were measured as independent draws
+        with nothing said: on wine (exact 4.01) batches of one class each read 1.06 [1.02, 1.11]; a stream shuffled
+        anew each epoch, 4.19 [4.03, 4.36] (``benchmarks/samplers.py``)."""
         if trainer.world_size > 1:
             return None
         try:
@@ -766,7 +767,11 @@ class GradientNoiseScaleCallback(*CALLBACK_BASES):
         if problem is not None:
             return self.meter.stop(f"the training DataLoader reloaded for epoch {trainer.current_epoch}: {problem}. "
                                    "Pass shuffle=True to it")
-        self.meter.population = population
+        unknown = unknown_draws(loader)
+        if unknown is not None and not self.data_in_random_order:
+            return self.meter.stop(f"the training DataLoader reloaded for epoch {trainer.current_epoch}: {unknown}; "
+                                   f"{UNKNOWN_DRAWS}. {_UNKNOWN_DRAWS_FIX}")
+        self.meter.population = population if unknown is None else self._stated_random_draws(trainer)
 
     def _adapt(self, trainer: Any) -> None:
         """Adaptation aims where the recommendation does: the run's critical batch so far. (Following the recent

@@ -122,3 +122,23 @@ def test_weighted_draws_without_replacement_hold_the_exact_value(tmp_path, exact
     assert callback.meter.population == 178 and callback.meter.draws_vary
     assert_matches_exact(callback.run_estimate, exact_gns(trained_net(), F.cross_entropy, *wine())[0],
                          max_ci_ratio=1.7)
+
+
+class ReloadedByClass(Classifier):
+    """Shuffled wine in epoch 0, batches of one class each once reloaded."""
+
+    def train_dataloader(self):
+        x, y = wine()
+        if self.current_epoch == 0:
+            return DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True)
+        return DataLoader(TensorDataset(x, y), batch_sampler=ByClass(y))
+
+
+def test_a_loader_reloaded_with_a_batch_sampler_of_its_own_stops_the_measurement(tmp_path):
+    callback = GradientNoiseScaleCallback(report_path=str(tmp_path / "report.json"), verbose=False)
+    trainer = quiet_trainer(max_epochs=3, callbacks=[callback], reload_dataloaders_every_n_epochs=1)
+    trainer.fit(ReloadedByClass(net()))
+    assert trainer.state.finished and trainer.global_step == 3 * 12
+    failure = callback.run_estimate.failure
+    assert "reloaded for epoch 1" in failure and "batch_sampler of its own" in failure, failure
+    assert callback.run_estimate.steps == 12
