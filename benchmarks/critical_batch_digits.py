@@ -409,8 +409,9 @@ def callback_run(data, cfg: Config, res: BatchResult, seed: int = 0) -> dict[str
 
     loader = torch.utils.data.DataLoader(Replay(), batch_size=None)
     every = max(1, steps // 40)
+    # The replayed batches are draws with replacement, which the loader can't show: say they are random draws.
     cb = GradientNoiseScaleCallback(method="per_example", verbose=False, log_every_n_steps=every,
-                                    report_path=os.devnull)
+                                    report_path=os.devnull, data_in_random_order=True)
     module = Classifier(make_net(cfg.hidden), lr=res.tuned_lr)
     trainer = quiet_trainer(max_steps=steps, max_epochs=1, callbacks=[cb], log_every_n_steps=every)
     trainer.fit(module, loader)

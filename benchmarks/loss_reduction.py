@@ -184,7 +184,8 @@ def measure(name: str, seed: int) -> tuple[float, object, list[str], str]:
     data, model_name, loss, k, told, sizes = SETUPS[name]
     module = Module(model_for(data, model_name), loss, k)  # seeds torch with 0: the shuffles' seed comes after
     pl.seed_everything(seed, verbose=False)
-    callback = GradientNoiseScaleCallback(verbose=False, **told)
+    # CycledSizes is a batch sampler of its own: the callback refuses it unless told its batches are random draws.
+    callback = GradientNoiseScaleCallback(verbose=False, data_in_random_order=bool(sizes), **told)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=EPOCHS[data] * (2 if sizes else 1),
                          accumulate_grad_batches=k, callbacks=[callback], logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)

@@ -115,17 +115,35 @@ def _is_iterator(value: Any) -> bool:
     return hasattr(type(value), "__next__") and not isinstance(value, (nn.Module, Tensor, ReplayIterator))
 
 
+def _pending(value: Any) -> bool:
+    """A replay released by earlier passes whose recorded values the run has not drawn back yet."""
+    return isinstance(value, ReplayIterator) and value.released and value.position < len(value.recorded)
+
+
+def _rearmed(replay: ReplayIterator) -> ReplayIterator:
+    """``replay`` (:func:`_pending`) recording again for new passes, from its first value not yet drawn back."""
+    replay.recorded, replay.draws = replay.recorded[replay.position:], replay.draws[replay.position:]
+    replay.position, replay.released = 0, False
+    return replay
+
+
 class ReplayedIterators:
     """Every iterator in the attributes of ``module`` and its submodules (except ``skip`` names) replaced by a
-    :class:`ReplayIterator` from construction until :meth:`release`."""
+    :class:`ReplayIterator` from construction until :meth:`release`.
+
+    A replay an earlier set released, still holding values the run has not drawn back (two sets of passes in a row
+    on one batch: the per-example check, then the loss's reduction), is taken over as it is: its values come first,
+    then new draws, and this set's :meth:`rewind` and :meth:`release` apply to it. Before, the second set's passes
+    drew its values back for the run, the original came back in its place, and the rest of those passes drew from
+    the original itself: the run then drew other values than without the passes."""
 
     def __init__(self, module: nn.Module, skip: Iterable[str] = ()) -> None:
         skipped = set(skip)
         streams = Streams(module, skipped)
         self.replays = [
-            ReplayIterator(value, sub, key, streams)
+            _rearmed(value) if isinstance(value, ReplayIterator) else ReplayIterator(value, sub, key, streams)
             for sub in module.modules() for key, value in list(vars(sub).items())
-            if key not in skipped and _is_iterator(value)
+            if key not in skipped and (_is_iterator(value) or _pending(value))
         ]
         for replay in self.replays:
             vars(replay.owner)[replay.key] = replay

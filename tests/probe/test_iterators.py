@@ -141,3 +141,19 @@ def test_nested_generators_global_draws_and_an_iterator_ended_in_a_pass_leave_th
         draws += [model.draw() for _ in range(6)]
         runs.append((draws, torch.rand(1).item(), random.random()))
     assert runs[0] == runs[1]
+
+
+def test_two_sets_of_passes_in_a_row_leave_the_run_as_it_was():
+    """The per-example check and then the loss's reduction run their passes in two contexts, one after the other,
+    before the run draws again. Before, the second set drew the first set's recorded value back, the original came
+    back in its place, and its next pass drew from the original itself: the run skipped a value."""
+    untouched, model = Keeper(), Keeper()
+    with preserved_state(model, []) as state:
+        first = model.draw()
+        state.restore()
+        assert model.draw() == first
+    with preserved_state(model, []) as state:
+        assert model.draw() == first  # the value the run has not drawn back yet comes first
+        state.restore()
+        assert [model.draw() for _ in range(2)][0] == first
+    assert [model.draw() for _ in range(5)] == [untouched.draw() for _ in range(5)]
