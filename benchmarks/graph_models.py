@@ -173,13 +173,23 @@ class MessagePassing(nn.Module):
             degree = torch.zeros(h.shape[0], dtype=h.dtype).index_add_(0, links[1], ones)
         return total / degree.clamp(min=1).unsqueeze(1)
 
-    def forward(self, x: torch.Tensor, links: torch.Tensor, batch: torch.Tensor, num_graphs: int) -> torch.Tensor:
+    def encode(self, x: torch.Tensor, links: torch.Tensor) -> torch.Tensor:
+        """The nodes' features after the encoder and the two rounds of message passing."""
         h = torch.tanh(self.embed(x))
         for conv in self.convs:
             h = torch.tanh(conv(h + self.neighbours(h, links)))
-        counts = torch.zeros(num_graphs, dtype=h.dtype).index_add_(0, batch, torch.ones_like(batch, dtype=h.dtype))
-        pooled = torch.zeros(num_graphs, h.shape[1], dtype=h.dtype).index_add_(0, batch, h) / counts.unsqueeze(1)
-        return self.head(pooled)
+        return h
+
+    @staticmethod
+    def pool(values: torch.Tensor, batch: torch.Tensor, num_graphs: int) -> torch.Tensor:
+        """Mean of ``values`` over each graph's nodes (``batch``: each node's graph)."""
+        ones = torch.ones_like(batch, dtype=values.dtype)
+        counts = torch.zeros(num_graphs, dtype=values.dtype).index_add_(0, batch, ones)
+        total = torch.zeros(num_graphs, values.shape[1], dtype=values.dtype).index_add_(0, batch, values)
+        return total / counts.unsqueeze(1)
+
+    def forward(self, x: torch.Tensor, links: torch.Tensor, batch: torch.Tensor, num_graphs: int) -> torch.Tensor:
+        return self.head(self.pool(self.encode(x, links), batch, num_graphs))
 
 
 class NodeLogits(MessagePassing):
@@ -187,13 +197,7 @@ class NodeLogits(MessagePassing):
     mean: the same function, the same exact value); every layer then sees node rows, none graph rows."""
 
     def forward(self, x: torch.Tensor, links: torch.Tensor, batch: torch.Tensor, num_graphs: int) -> torch.Tensor:
-        h = torch.tanh(self.embed(x))
-        for conv in self.convs:
-            h = torch.tanh(conv(h + self.neighbours(h, links)))
-        logits = self.head(h)
-        counts = torch.zeros(num_graphs, dtype=h.dtype).index_add_(0, batch, torch.ones_like(batch, dtype=h.dtype))
-        pooled = torch.zeros(num_graphs, logits.shape[1], dtype=h.dtype).index_add_(0, batch, logits)
-        return pooled / counts.unsqueeze(1)
+        return self.pool(self.head(self.encode(x, links)), batch, num_graphs)
 
 
 class DenseGraphNet(nn.Module):

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pytorch_lightning as pl  # noqa: E402
 
-from benchmarks.plain_loops import cell, dataset, make_model, number  # noqa: E402
+from benchmarks.plain_loops import dataset, make_model, number, seed_cells  # noqa: E402
 from gns_callback import GradientNoiseScaleCallback  # noqa: E402
 from gns_callback.exact import exact_b_simple  # noqa: E402
 
@@ -214,18 +214,8 @@ def main() -> None:
     for name in SETUPS:
         if options.only not in name:
             continue
-        cells, held, said, value = [], 0, "", float("nan")
-        for seed in range(options.seeds):
-            value, estimate, warned, error = measure(name, seed)
-            cells.append(cell(estimate, error))
-            if estimate is not None and estimate.measured:
-                held += estimate.ci_low <= value <= estimate.ci_high
-            note = error or (estimate.failure if estimate is not None and estimate.failure else "")
-            note = note or (warned[0] if warned else "")
-            if note and not said:
-                said = note if options.verbose else note[:110] + ("…" if len(note) > 110 else "")
-        measured = sum(c not in ("refused", "crash") for c in cells)
-        print(f"| {name} | {number(value)} | " + " | ".join(cells) + f" | {held}/{measured} | {said} |", flush=True)
+        value, cells, said = seed_cells(measure, name, options.seeds, options.verbose)
+        print(f"| {name} | {number(value)} | {cells} | {said} |", flush=True)
 
 
 if __name__ == "__main__":

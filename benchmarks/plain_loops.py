@@ -565,6 +565,23 @@ def number(value: float) -> str:
     return f"{value:.1f}" if abs(value) >= 10 or value != value or value in (float("inf"),) else f"{value:.2f}"
 
 
+def seed_cells(measure: Callable, name: str, seeds: int, verbose: bool) -> tuple[float, str, str]:
+    """One table row's middle: ``(exact, "cell | cell | ... | held/measured", what was said first)`` over ``seeds``
+    runs of ``measure(name, seed) -> (exact, estimate, warnings, error)``."""
+    cells, held, said, value = [], 0, "", float("nan")
+    for seed in range(seeds):
+        value, estimate, warned, error = measure(name, seed)
+        cells.append(cell(estimate, error))
+        if estimate is not None and estimate.measured:
+            held += estimate.ci_low <= value <= estimate.ci_high
+        note = error or (estimate.failure if estimate is not None and estimate.failure else "")
+        note = note or (warned[0] if warned else "")
+        if note and not said:
+            said = note if verbose else note[:110] + ("…" if len(note) > 110 else "")
+    measured = sum(c not in ("refused", "crash") for c in cells)
+    return value, " | ".join(cells) + f" | {held}/{measured}", said
+
+
 def cell(estimate, error: str) -> str:
     if error:
         return "crash"
@@ -667,19 +684,8 @@ def main() -> None:
     for name, (data, model_name, _) in SETUPS.items():
         if options.only not in name:
             continue
-        cells, held, said = [], 0, ""
-        for seed in range(options.seeds):
-            value, estimate, warned, error = measure(name, seed)
-            cells.append(cell(estimate, error))
-            if estimate is not None and estimate.measured:
-                held += estimate.ci_low <= value <= estimate.ci_high
-            note = error or (estimate.failure if estimate is not None and estimate.failure else "")
-            note = note or (warned[0] if warned else "")
-            if note and not said:
-                said = note if options.verbose else note[:110] + ("…" if len(note) > 110 else "")
-        measured = sum(c not in ("refused", "crash") for c in cells)
-        print(f"| {name} | {data}, {model_name} | {number(value)} | " + " | ".join(cells)
-              + f" | {held}/{measured} | {said} |", flush=True)
+        value, cells, said = seed_cells(measure, name, options.seeds, options.verbose)
+        print(f"| {name} | {data}, {model_name} | {number(value)} | {cells} | {said} |", flush=True)
 
 
 if __name__ == "__main__":
