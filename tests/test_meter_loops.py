@@ -153,3 +153,40 @@ def test_the_loop_trains_bit_for_bit_as_without_the_meter(kind, loop):
     assert all(torch.equal(a, b) for a, b in zip(without[:3], with_meter[:3]))
     assert without[3] == with_meter[3] and np.array_equal(without[4], with_meter[4])
     assert torch.equal(without[5], with_meter[5])
+
+
+class TimeFirstOutput(nn.Module):
+    """Batch-first ``(B, 8, 8)`` rows in (the digits' image rows as 8 steps), time-first ``(8, B, 10)`` out: the
+    layout CTC's ``log_probs`` take."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner, self.head = nn.Linear(8, 16), nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.inner(x))).transpose(0, 1)
+
+
+def test_a_time_first_output_of_batch_first_inputs_is_measured(digits, exact_gns):
+    """A plain loop, the size told nowhere, over a model whose layers run on the batch's rows and whose output is
+    time-first, ``(T, B, C)`` with ``T = 8 < B``: its examples sit in dim 1, not a disjoint union pooled to fewer
+    rows. Before, it was stopped at the first step ("the model returned 8"); now measured, the exact value inside."""
+    x, y = digits
+    x = x.reshape(-1, 8, 8)
+
+    def loss_fn(out, target):
+        return F.cross_entropy(out.mean(0), target)
+
+    model, generator = TimeFirstOutput(), torch.Generator().manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with GradientNoiseScaleMeter(model, method="per_example") as meter:
+            for _ in range(60):
+                index = torch.randint(0, len(x), (128,), generator=generator)
+                loss_fn(model(x[index]), y[index]).backward()
+                meter.step()
+                model.zero_grad()
+    estimate, exact = meter.run_estimate, exact_gns(TimeFirstOutput(), loss_fn, x, y)[0]
+    assert estimate.measured and estimate.steps == 60, estimate.failure
+    assert estimate.ci_low <= exact <= estimate.ci_high, (estimate, exact)

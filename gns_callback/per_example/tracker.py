@@ -811,9 +811,14 @@ class PerExampleNormTracker:
     def _on_model_output(self, _model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         """The rows the model's own forward returned, where it returned one tensor (a container, such as an RNN's
         ``(output, (h_n, c_n))``, holds other leading dims: none is kept), kept for
-        :meth:`_rows_are_the_models_examples` while the batch's size is not known."""
+        :meth:`_rows_are_the_models_examples` while the batch's size is not known. A time-first output of three or
+        more dims whose dim 1 holds the examples read off the inputs (``(T, B, C)``, the layout CTC's ``log_probs``
+        take) is the examples' own rows turned: not kept. Before, a digits model on ``(B, 8, 8)`` rows returning
+        ``(8, B, 10)`` was stopped in a plain loop ("returned 8"), though measured exactly once told the size."""
         if (self._listening() and torch.is_grad_enabled() and self.expected_batch_size is None
                 and isinstance(output, Tensor) and output.ndim > 0):
+            if output.ndim >= 3 and output.shape[1] in self._model_batches:
+                return
             self._model_outputs.add(output.shape[0])
 
     def _rows_are_the_models_examples(self, record: PassNorms, rows: int, source: str) -> bool:
