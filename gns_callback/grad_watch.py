@@ -294,11 +294,16 @@ AVERAGED_ACROSS_RANKS = (
 )
 
 
-def several_ranks() -> bool:
-    """Whether this process is one of several ``torch.distributed`` ranks."""
+def world_size() -> int:
+    """The ``torch.distributed`` ranks (1 where no process group is initialized)."""
     import torch.distributed as dist
 
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def several_ranks() -> bool:
+    """Whether this process is one of several ``torch.distributed`` ranks."""
+    return world_size() > 1
 
 
 class RankOwnGradient:
